@@ -1,0 +1,313 @@
+"""Batch-reduce GEMM (BRGEMM): the kernel description, its TIR semantics and the dispatcher.
+
+``C[m, n] += sum_b sum_k A_b[m, k] * B_b[k, n]`` over ``batch`` blocks of A and B that sit at
+fixed strides from each other (the stride-based BRGEMM of the TPP paper, the form blocked
+layouts give).  C is accumulated in registers across the whole batch-reduce
+(output-stationary); zeroing (beta = 0) is the schedule's job, done by TVM's
+``decompose_reduction`` at the first K step, exactly where PARLOOPER calls its zero TPP.
+
+A :class:`BrgemmShape` names one kernel.  :func:`dispatch` turns it into a registered
+``tvm.s_tir.TensorIntrin`` (created on first use and cached, like LIBXSMM's
+``dispatch(shape) -> kernel``): the *desc* is the TIR semantics below, the *impl* is the code of
+the richest ISA implementation registered for that shape (see :func:`register_impl`), falling
+back along the ISA's lineage down to the generic loops.
+
+Operand layouts (row-major, N is the vector dimension; ``K = batch * k``):
+
+=========  =================================  =====================================
+layout     A                                  B
+=========  =================================  =====================================
+flat       ``[m, K]`` rows at stride ``sa``   ``[K, n]`` rows at stride ``sb``
+blocked    ``[batch, m, k]`` (stride ``sab``) ``[batch, k, n]`` (stride ``sbb``)
+vnni2      ``[m, K]``                         ``[K/2, n, 2]`` (bf16 pairs along K)
+vnni4      ``[m, K]``                         ``[K/4, n, 4]`` (int8 quads along K)
+=========  =================================  =====================================
+
+Examples
+--------
+>>> shape = BrgemmShape(m=6, n=16, k=64, batch=4, isa="avx2")
+>>> shape.flops
+49152
+>>> dispatch(shape)  # doctest: +SKIP
+'tpp_brgemm_avx2_float32_flat_6x16x64x4'
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import isa as _isa
+
+if TYPE_CHECKING:
+    import numpy as np
+    from tvm.tirx import PrimFunc
+
+__all__ = [
+    "BrgemmShape",
+    "LAYOUTS",
+    "DTYPES",
+    "dispatch",
+    "register_impl",
+    "register_layout",
+    "implementations",
+    "desc_func",
+    "reference",
+]
+
+#: (dtype of A, dtype of the accumulator) -> dtype of B.
+DTYPES: dict[tuple[str, str], str] = {
+    ("float32", "float32"): "float32",
+    ("bfloat16", "float32"): "bfloat16",
+    ("uint8", "int32"): "int8",
+    ("int8", "int32"): "int8",
+}
+
+#: layout -> (K elements interleaved per B row, dtypes of A it admits).
+LAYOUTS: dict[str, tuple[int, frozenset[str]]] = {
+    "flat": (1, frozenset({"float32", "bfloat16", "uint8", "int8"})),
+    "blocked": (1, frozenset({"float32", "bfloat16", "uint8", "int8"})),
+    "vnni2": (2, frozenset({"bfloat16"})),
+    "vnni4": (4, frozenset({"uint8", "int8"})),
+}
+
+
+@dataclass(frozen=True)
+class BrgemmShape:
+    """One BRGEMM kernel: ``C[m, n] += sum over batch blocks of A_b[m, k] @ B_b[k, n]``.
+
+    Parameters
+    ----------
+    m, n, k
+        Block sizes of one multiply (``k`` per batch element).
+    batch
+        Number of (A_b, B_b) block pairs reduced into C (PARLOOPER's ``brcount``).
+    dtype_a, dtype_acc
+        Input and accumulator types; B's type follows (:data:`DTYPES`).
+    layout
+        Operand layout (:data:`LAYOUTS`).
+    isa
+        Name of the ISA the code is for (:data:`microkernels.isa.KNOWN`).
+    """
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    dtype_a: str = "float32"
+    dtype_acc: str = "float32"
+    layout: str = "flat"
+    isa: str = "avx2"
+
+    def __post_init__(self) -> None:
+        for dim in ("m", "n", "k", "batch"):
+            value = getattr(self, dim)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"BrgemmShape.{dim} must be a positive int, got {value!r}")
+        if (self.dtype_a, self.dtype_acc) not in DTYPES:
+            supported = ", ".join(f"{a}->{c}" for a, c in DTYPES)
+            raise ValueError(
+                f"unsupported BRGEMM dtypes {self.dtype_a}->{self.dtype_acc}; supported: {supported}"
+            )
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+        alpha, dtypes = LAYOUTS[self.layout]
+        if self.dtype_a not in dtypes:
+            raise ValueError(f"layout {self.layout!r} does not hold {self.dtype_a} operands")
+        if self.k % alpha:
+            raise ValueError(f"layout {self.layout!r} needs k divisible by {alpha}, got {self.k}")
+        _isa.from_name(self.isa)
+
+    @property
+    def dtype_b(self) -> str:
+        return DTYPES[(self.dtype_a, self.dtype_acc)]
+
+    @property
+    def alpha(self) -> int:
+        """K elements packed together per B row (1, or the VNNI factor 2/4)."""
+        return LAYOUTS[self.layout][0]
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * self.batch
+
+    @property
+    def name(self) -> str:
+        """Name of the registered ``TensorIntrin`` for this shape."""
+        return (
+            f"tpp_brgemm_{self.isa}_{self.dtype_a}_{self.layout}_"
+            f"{self.m}x{self.n}x{self.k}x{self.batch}"
+        )
+
+    def a_shape(self) -> tuple[int, ...]:
+        """Shape of the A operand of one kernel call."""
+        if self.layout == "blocked":
+            return (self.batch, self.m, self.k)
+        return (self.m, self.batch * self.k)
+
+    def b_shape(self) -> tuple[int, ...]:
+        """Shape of the B operand of one kernel call."""
+        if self.layout == "blocked":
+            return (self.batch, self.k, self.n)
+        if self.alpha > 1:
+            return (self.batch * self.k // self.alpha, self.n, self.alpha)
+        return (self.batch * self.k, self.n)
+
+
+ImplFactory = Callable[[BrgemmShape], "PrimFunc"]
+DescFactory = Callable[[BrgemmShape, bool], "PrimFunc"]
+
+# (isa, dtype_a, layout) -> impl factory.  Implementation modules register here when imported;
+# they are imported lazily by dispatch() so importing this module parses no TVMScript.
+_IMPLS: dict[tuple[str, str, str], ImplFactory] = {}
+_DESCS: dict[str, DescFactory] = {}
+_IMPL_MODULES = ("microkernels.x86", "microkernels.amx", "microkernels.arm")
+_loaded = False
+
+
+def register_impl(isas: str | tuple[str, ...], dtype_a: str, layout: str):
+    """Decorator registering ``factory(shape) -> impl PrimFunc`` for these ISAs.
+
+    The impl must read and write the same buffers (shapes, strides, scopes) as
+    :func:`desc_func` declares for the shape, and compute the same values.
+    """
+    names = (isas,) if isinstance(isas, str) else isas
+
+    def wrap(factory: ImplFactory) -> ImplFactory:
+        for name in names:
+            if name != "generic":
+                _isa.from_name(name)
+            _IMPLS[(name, dtype_a, layout)] = factory
+        return factory
+
+    return wrap
+
+
+def register_layout(layout: str, alpha: int, dtypes: frozenset[str]):
+    """Decorator registering a desc factory ``f(shape, as_workload) -> PrimFunc`` for a new layout."""
+
+    def wrap(factory: DescFactory) -> DescFactory:
+        LAYOUTS[layout] = (alpha, frozenset(dtypes))
+        _DESCS[layout] = factory
+        return factory
+
+    return wrap
+
+
+def _load_implementations() -> None:
+    global _loaded
+    if not _loaded:
+        for module in _IMPL_MODULES:
+            importlib.import_module(module)
+        _loaded = True
+
+
+def implementations() -> list[tuple[str, str, str]]:
+    """Registered (isa, dtype_a, layout) implementations, without building any kernel."""
+    _load_implementations()
+    return sorted(_IMPLS)
+
+
+def find_impl(shape: BrgemmShape) -> tuple[str, ImplFactory]:
+    """The implementation used for ``shape``: the richest along the ISA's lineage, else generic."""
+    _load_implementations()
+    for name in _isa.from_name(shape.isa).lineage() + ("generic",):
+        factory = _IMPLS.get((name, shape.dtype_a, shape.layout))
+        if factory is not None:
+            return name, factory
+    return "generic", _generic_impl
+
+
+def desc_func(shape: BrgemmShape, as_workload: bool = False) -> PrimFunc:
+    """The TIR semantics of ``shape``.
+
+    With ``as_workload`` the buffers are dense and the loops sit in a block named ``"brgemm"``
+    under a function ``main``: a standalone kernel that tests and benchmarks tensorize.
+    """
+    if shape.layout in _DESCS:
+        return _DESCS[shape.layout](shape, as_workload)
+    return _strided_desc(shape, as_workload)
+
+
+def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
+    from tvm.script import tirx as T
+
+    m, n, k, batch, alpha = shape.m, shape.n, shape.k, shape.batch, shape.alpha
+    ta, tb, tc = shape.dtype_a, shape.dtype_b, shape.dtype_acc
+    a_shape, b_shape = shape.a_shape(), shape.b_shape()
+    blocked = shape.layout == "blocked"
+    # Dense strides for a workload; symbolic ones let the intrinsic match any sub-tensor.
+    dense = as_workload
+    a_region = tuple(slice(0, s) for s in a_shape)
+    b_region = tuple(slice(0, s) for s in b_shape)
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle):
+        if dense:
+            T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        sa0 = T.int32()
+        sa1 = T.int32()
+        sb0 = T.int32()
+        sb1 = T.int32()
+        sc = T.int32()
+        A = T.match_buffer(a, a_shape, ta, offset_factor=1,
+                           strides=None if dense else ([sa0, sa1, 1] if blocked else [sa0, 1]))
+        B = T.match_buffer(b, b_shape, tb, offset_factor=1,
+                           strides=None if dense else
+                           ([sb0, sb1, 1] if len(b_shape) == 3 else [sb0, 1]))
+        C = T.match_buffer(c, (m, n), tc, offset_factor=1, strides=None if dense else [sc, 1])
+        with T.sblock("root" if not dense else "brgemm_root"):
+            T.reads(C[0:m, 0:n], A[a_region], B[b_region])
+            T.writes(C[0:m, 0:n])
+            for i, j, r, kk in T.grid(m, n, batch, k):
+                with T.sblock("brgemm"):
+                    vi, vj, vr, vk = T.axis.remap("SSRR", [i, j, r, kk])
+                    if blocked:
+                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vr, vi, vk]) * T.Cast(tc, B[vr, vk, vj])
+                    elif alpha > 1:
+                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vi, vr * k + vk]) * T.Cast(
+                            tc, B[(vr * k + vk) // alpha, vj, (vr * k + vk) % alpha])
+                    else:
+                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vi, vr * k + vk]) * T.Cast(
+                            tc, B[vr * k + vk, vj])
+
+    return desc
+
+
+def _generic_impl(shape: BrgemmShape) -> PrimFunc:
+    """Portable fallback: the semantics themselves, left to LLVM's vectorizer."""
+    return desc_func(shape)
+
+
+def dispatch(shape: BrgemmShape) -> str:
+    """Register (once) and return the name of the ``TensorIntrin`` for ``shape``."""
+    from tvm.s_tir import TensorIntrin
+
+    if TensorIntrin.get(shape.name, allow_missing=True) is None:
+        _, factory = find_impl(shape)
+        TensorIntrin.register(shape.name, desc_func(shape), factory(shape))
+    return shape.name
+
+
+def reference(shape: BrgemmShape, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """numpy result of ``c + BRGEMM(a, b)`` with operands in ``shape``'s layout.
+
+    bfloat16 operands are passed as their uint16 bit patterns.
+    """
+    import numpy as np
+
+    def widen(x: np.ndarray, dtype: str) -> np.ndarray:
+        if dtype == "bfloat16":
+            return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return x.astype(np.float64 if shape.dtype_acc == "float32" else np.int64)
+
+    a2, b2 = widen(a, shape.dtype_a), widen(b, shape.dtype_b)
+    if shape.layout == "blocked":
+        acc = np.einsum("bmk,bkn->mn", a2, b2)
+    elif shape.alpha > 1:
+        acc = a2 @ b2.transpose(0, 2, 1).reshape(-1, shape.n)
+    else:
+        acc = a2 @ b2
+    return (c.astype(acc.dtype) + acc).astype(c.dtype)
