@@ -109,7 +109,8 @@ class BrgemmShape:
         if (self.dtype_a, self.dtype_acc) not in DTYPES:
             supported = ", ".join(f"{a}->{c}" for a, c in DTYPES)
             raise ValueError(
-                f"unsupported BRGEMM dtypes {self.dtype_a}->{self.dtype_acc}; supported: {supported}"
+                f"unsupported BRGEMM dtypes {self.dtype_a}->{self.dtype_acc}; "
+                f"supported: {supported}"
             )
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
@@ -186,11 +187,12 @@ def register_impl(isas: str | tuple[str, ...], dtype_a: str, layout: str):
 
 
 def register_layout(layout: str, alpha: int, dtypes: frozenset[str]):
-    """Decorator registering a desc factory ``f(shape, as_workload) -> PrimFunc`` for a new layout."""
+    """Decorator registering a desc factory ``f(shape, as_workload) -> PrimFunc`` for a layout."""
 
     def wrap(factory: DescFactory) -> DescFactory:
         LAYOUTS[layout] = (alpha, frozenset(dtypes))
         _DESCS[layout] = factory
+        _register_generic(layout)
         return factory
 
     return wrap
@@ -217,7 +219,7 @@ def find_impl(shape: BrgemmShape) -> tuple[str, ImplFactory]:
         factory = _IMPLS.get((name, shape.dtype_a, shape.layout))
         if factory is not None:
             return name, factory
-    return "generic", _generic_impl
+    raise AssertionError(f"no generic BRGEMM registered for {shape}")
 
 
 def desc_func(shape: BrgemmShape, as_workload: bool = False) -> PrimFunc:
@@ -261,17 +263,21 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
         with T.sblock("root" if not dense else "brgemm_root"):
             T.reads(C[0:m, 0:n], A[a_region], B[b_region])
             T.writes(C[0:m, 0:n])
+            # One reduction iterator over batch*k (batch outer): what splitting a GEMM's K
+            # loop into (batch, k) gives, so a scheduled GEMM matches without reshaping.
             for i, j, r, kk in T.grid(m, n, batch, k):
                 with T.sblock("brgemm"):
-                    vi, vj, vr, vk = T.axis.remap("SSRR", [i, j, r, kk])
+                    vi = T.axis.spatial(m, i)
+                    vj = T.axis.spatial(n, j)
+                    vk = T.axis.reduce(batch * k, r * k + kk)
                     if blocked:
-                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vr, vi, vk]) * T.Cast(tc, B[vr, vk, vj])
+                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vk // k, vi, vk % k]) * T.Cast(
+                            tc, B[vk // k, vk % k, vj])
                     elif alpha > 1:
-                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vi, vr * k + vk]) * T.Cast(
-                            tc, B[(vr * k + vk) // alpha, vj, (vr * k + vk) % alpha])
+                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vi, vk]) * T.Cast(
+                            tc, B[vk // alpha, vj, vk % alpha])
                     else:
-                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vi, vr * k + vk]) * T.Cast(
-                            tc, B[vr * k + vk, vj])
+                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vi, vk]) * T.Cast(tc, B[vk, vj])
 
     return desc
 
@@ -279,6 +285,15 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
 def _generic_impl(shape: BrgemmShape) -> PrimFunc:
     """Portable fallback: the semantics themselves, left to LLVM's vectorizer."""
     return desc_func(shape)
+
+
+def _register_generic(layout: str) -> None:
+    for dtype in LAYOUTS[layout][1]:
+        _IMPLS[("generic", dtype, layout)] = _generic_impl
+
+
+for _layout in LAYOUTS:
+    _register_generic(_layout)
 
 
 def dispatch(shape: BrgemmShape) -> str:

@@ -107,9 +107,11 @@ KNOWN: dict[str, Isa] = {
         Isa("avx_vnni", "x86_64", _AVX2 | {"avx_vnni"}, 256, 16, _X86, "alderlake",
             ("+avx2", "+fma", "+avxvnni"), "avx2", "AVX2 + AVX-VNNI (Alder Lake)"),
         Isa("avx512", "x86_64", _AVX512, 512, 32, _X86, "skylake-avx512",
-            ("+avx512f", "+avx512bw", "+avx512vl", "+avx512dq"), "avx2", "AVX-512 F/BW/VL/DQ (Skylake-SP)"),
+            ("+avx512f", "+avx512bw", "+avx512vl", "+avx512dq"), "avx2",
+            "AVX-512 F/BW/VL/DQ (Skylake-SP)"),
         Isa("avx512_vnni", "x86_64", _AVX512 | {"avx512_vnni"}, 512, 32, _X86, "cascadelake",
-            ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni"), "avx512", "AVX-512 + VNNI (Cascade Lake)"),
+            ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni"), "avx512",
+            "AVX-512 + VNNI (Cascade Lake)"),
         Isa("avx512_bf16", "x86_64", _AVX512 | {"avx512_vnni", "avx512_bf16"}, 512, 32, _X86,
             "znver4", ("+avx512f", "+avx512bw", "+avx512vl", "+avx512vnni", "+avx512bf16"),
             "avx512_vnni", "AVX-512 + VNNI + BF16 (Zen 4, Cooper Lake)"),
@@ -121,7 +123,8 @@ KNOWN: dict[str, Isa] = {
         Isa("neon", "aarch64", frozenset({"asimd"}), 128, 32, _ARM, "generic", ("+neon",),
             None, "Armv8 Advanced SIMD"),
         Isa("neon_i8mm", "aarch64", frozenset({"asimd", "i8mm", "bf16"}), 128, 32, _ARM,
-            "generic", ("+neon", "+i8mm", "+bf16"), "neon", "Armv8.6 NEON + int8/bf16 matrix multiply"),
+            "generic", ("+neon", "+i8mm", "+bf16"), "neon",
+            "Armv8.6 NEON + int8/bf16 matrix multiply"),
     )
 }
 

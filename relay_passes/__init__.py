@@ -1,0 +1,5 @@
+"""Graph rewrites on Relax: route matmul/dense/conv patterns and their epilogues to TPP kernels.
+
+Everything not matched keeps TVM's own lowering.  :func:`pipeline.tpp_pipeline` is the Relax
+pipeline the ``tpp`` target compiles with.
+"""

@@ -1,0 +1,43 @@
+"""The Relax pipeline of the ``tpp`` target.
+
+Graph preparation (inference-only decompositions, BatchNorm folded into conv weights, constant
+folding), then the TPP rewrites (for targets carrying the ``tpp`` key), then TVM's default CPU
+lowering for whatever was not rewritten.
+
+Examples
+--------
+>>> import tvm
+>>> from relay_passes.pipeline import tpp_pipeline
+>>> ex = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(tgt))   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.target import Target
+
+__all__ = ["prepare", "tpp_pipeline"]
+
+
+def prepare() -> tvm.transform.Pass:
+    """Inference simplifications that expose GEMM/conv patterns with constant weights."""
+    return tvm.transform.Sequential(
+        [
+            relax.transform.DecomposeOpsForInference(),
+            relax.transform.FoldBatchnormToConv2D(),
+            relax.transform.FoldConstant(),
+        ],
+        name="TppPrepare",
+    )
+
+
+def tpp_pipeline(target: Target) -> tvm.transform.Pass:
+    """Prepare, rewrite to TPP kernels when ``target`` is a tpp target, then lower."""
+
+    @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        mod = prepare()(mod)
+        return relax.get_default_pipeline(target)(mod)
+
+    return _pipeline

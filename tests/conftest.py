@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny ONNX models built with onnx.helper (seeded weights, no downloads)."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+
+def make_dense_model(m: int = 4, k: int = 24, n: int = 40, relu: bool = True,
+                     batch_dim: int | str = None, seed: int = 0) -> onnx.ModelProto:
+    """x[m,k] @ W[k,n] + b (-> relu): the smallest network with a TPP pattern in it."""
+    rng = np.random.default_rng(seed)
+    w = numpy_helper.from_array(rng.standard_normal((k, n)).astype("float32"), "W")
+    b = numpy_helper.from_array(rng.standard_normal(n).astype("float32"), "b")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]),
+             helper.make_node("Add", ["mm", "b"], ["y" if not relu else "z"])]
+    if relu:
+        nodes.append(helper.make_node("Relu", ["z"], ["y"]))
+    rows = m if batch_dim is None else batch_dim
+    graph = helper.make_graph(
+        nodes, "dense",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])],
+        [w, b],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.fixture
+def dense_model():
+    return make_dense_model()
+
+
+@pytest.fixture
+def dense_file(tmp_path, dense_model):
+    path = tmp_path / "dense.onnx"
+    onnx.save(dense_model, str(path))
+    return path

@@ -1,0 +1,46 @@
+"""tvm-tpp: Tensor Processing Primitives and PARLOOPER loop schedules for Apache TVM on CPUs.
+
+Examples
+--------
+>>> import tvm_tpp
+>>> model = tvm_tpp.compile("model.onnx", target="tpp")      # doctest: +SKIP
+>>> outputs = model.run(input=x)                              # doctest: +SKIP
+>>> model.export("model.so"); tvm_tpp.load("model.so")        # doctest: +SKIP
+
+Submodules load on first use so ``import tvm_tpp`` (and the command line) stay fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from microkernels import isa as _isa
+
+# TVM's runtime starts a single worker thread on some VMs; size its pool from the cores this
+# process may use, unless the user chose.  Must happen before TVM's runtime first runs.
+os.environ.setdefault("TVM_NUM_THREADS", str(_isa.num_cores()))
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "compile": ("tvm_tpp.compiler", "compile"),
+    "load": ("tvm_tpp.compiler", "load"),
+    "CompiledModel": ("tvm_tpp.compiler", "CompiledModel"),
+    "target": ("tvm_tpp.tpp_target", "target"),
+    "models": ("tvm_tpp.models", None),
+    "isa": ("tvm_tpp.isa", None),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tvm_tpp' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value
+    return value

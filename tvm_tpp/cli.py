@@ -1,0 +1,213 @@
+"""The ``tvm-tpp`` command line.
+
+Start-up stays fast: only argparse and the ISA module load before a subcommand runs; TVM,
+ONNX and the kernels are imported by the subcommand that needs them.  User errors (missing
+file, malformed ONNX, unknown ISA, bad option) print one line and exit with status 2.
+
+Examples
+--------
+$ tvm-tpp info
+$ tvm-tpp run resnet50 --check onnxruntime
+$ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main"]
+
+
+class UsageError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _shapes(values: Sequence[str] | None) -> dict[str, tuple[int, ...]] | None:
+    if not values:
+        return None
+    shapes = {}
+    for value in values:
+        name, eq, dims = value.partition("=")
+        try:
+            if not eq:
+                raise ValueError
+            shapes[name] = tuple(int(d) for d in dims.split(","))
+        except ValueError:
+            raise UsageError(f"--shape takes NAME=D0,D1,..., got {value!r}") from None
+    return shapes
+
+
+def _model(name_or_path: str, batch: int | None):
+    """A path that exists, else a bundled model by name."""
+    if os.path.exists(name_or_path) or name_or_path.endswith(".onnx"):
+        if batch is not None:
+            raise UsageError("--batch applies to bundled models; use --shape for ONNX files")
+        return name_or_path
+    from . import models
+
+    if name_or_path not in models.names():
+        raise UsageError(
+            f"{name_or_path!r} is neither a file nor a bundled model; bundled: "
+            + ", ".join(models.names())
+        )
+    return models.load(name_or_path, batch=batch or 1)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from microkernels import isa
+
+    flags = isa.host_flags()
+    caches = isa.caches()
+    host = isa.detect()
+    print(f"host ISA     : {host.name} ({host.description})")
+    print(f"vector       : {host.vector_bits}-bit x {host.vector_registers} registers")
+    print(
+        f"caches       : L1d {caches.l1d // 1024} KiB, L2 {caches.l2 // 1024} KiB, "
+        f"L3 {caches.l3 // 1024 // 1024} MiB ({caches.source})"
+    )
+    print(f"cores        : {isa.num_cores()} (TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')})")
+    relevant = sorted(f for f in flags if any(f.startswith(p) for p in ("avx", "fma", "amx")))
+    print(f"CPU flags    : {' '.join(relevant) or '-'}")
+    if args.verbose:
+        from .tpp_target import target
+
+        print(f"target       : {target('tpp')}")
+    from microkernels.brgemm import implementations
+
+    print("microkernels : BRGEMM (isa, dtype of A, layout)")
+    for isa_name, dtype, layout in implementations():
+        native = isa_name == "generic" or isa.from_name(isa_name).runs_on(flags)
+        print(f"  {isa_name:12s} {dtype:9s} {layout}{'' if native else ' [foreign]'}")
+    return 0
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .compiler import compile, import_model, lower
+    from .tpp_target import target
+
+    model = _model(args.model, args.batch)
+    if args.emit == "so":
+        out = compile(model, target=args.target, input_shapes=_shapes(args.shape))
+        path = out.export(args.output)
+        print(f"wrote {path} and {path}.json ({out.compile_seconds:.1f} s)")
+        return 0
+    tgt = target(args.target)
+    mod, _ = import_model(model, _shapes(args.shape))
+    if args.emit == "tir":
+        text = lower(mod, tgt).script()
+    else:
+        import tvm
+
+        from relay_passes.pipeline import tpp_pipeline
+
+        executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(tgt))
+        kind = {"asm": "asm", "llvm": "ll"}[args.emit]
+        text = "\n".join(m.inspect_source(kind) for m in executable.mod.imports)
+    with open(args.output, "w") as f:
+        f.write(text)
+    print(f"wrote {args.output} ({args.emit}, {len(text.splitlines())} lines, target {tgt})")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from . import compiler, onnx_import
+    from .reference import max_errors, random_inputs, run_onnxruntime
+
+    model = _model(args.model, args.batch)
+    compiled = compiler.compile(model, target=args.target, input_shapes=_shapes(args.shape))
+    inputs = random_inputs(compiled.inputs, seed=args.seed)
+    outputs = compiled.run(**inputs)
+    times = compiled.time(inputs, number=args.number, repeat=args.repeat)
+    print(f"compiled in {compiled.compile_seconds:.1f} s for {compiled.target.attrs['model']}")
+    print(f"latency      : median {1e3 * float(np.median(times)):.3f} ms over {args.repeat} runs")
+    if args.check == "onnxruntime":
+        proto = onnx_import.load_onnx(model)
+        expected = run_onnxruntime(proto, inputs)
+        abs_err, rel_err = max_errors(outputs, expected)
+        status = "OK" if rel_err <= args.rtol else "MISMATCH"
+        print(f"vs ORT       : max abs err {abs_err:.3e}, max rel err {rel_err:.3e} [{status}]")
+        return 0 if status == "OK" else 1
+    return 0
+
+
+def cmd_bench_kernel(args: argparse.Namespace) -> int:
+    from .bench_kernel import bench_kernel, format_bench_kernel
+
+    result = bench_kernel(dtype=args.dtype, isa=args.isa)
+    print(format_bench_kernel(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tvm-tpp",
+        description="Compile and benchmark deep-learning models with TPP microkernels on TVM.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str):
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    def model_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", help="ONNX file or bundled model name (see `tvm-tpp run --help`)")
+        p.add_argument("--target", default="tpp", help='"tpp" (host) or "tpp -isa=NAME"')
+        p.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
+                       help="input shape, for symbolic dimensions (repeatable)")
+        p.add_argument("--batch", type=int, help="batch size of a bundled model")
+
+    p = add("info", cmd_info, "host ISA, caches, target and registered microkernels")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print the tpp target")
+
+    p = add("compile", cmd_compile, "compile a model to a shared library or show its code")
+    model_options(p)
+    p.add_argument("-o", "--output", required=True, help="output file")
+    p.add_argument("--emit", choices=("so", "asm", "llvm", "tir"), default="so",
+                   help="what to write: shared library (default), assembly, LLVM IR or TIR")
+
+    p = add("run", cmd_run, "compile and run a model on random inputs, optionally checked")
+    model_options(p)
+    p.add_argument("--check", choices=("onnxruntime",), help="compare outputs with ONNX Runtime")
+    p.add_argument("--rtol", type=float, default=1e-4, help="max relative error for --check")
+    p.add_argument("--repeat", type=int, default=10, help="timed samples")
+    p.add_argument("--number", type=int, default=1, help="runs per timed sample")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = add("bench-kernel", cmd_bench_kernel, "BRGEMM GFLOPS and fraction of this core's peak")
+    p.add_argument("--dtype", choices=("float32", "int8", "bfloat16"), default="float32")
+    p.add_argument("--isa", help="ISA to benchmark (default: the host's)")
+    p.add_argument("--json", help="write the result as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:
+        from .compiler import NotRunnableError
+        from .onnx_import import ModelError
+
+        user_errors = (UsageError, ModelError, NotRunnableError, ValueError, FileNotFoundError)
+        if isinstance(err, user_errors):
+            message = str(err).strip().splitlines()
+            print(f"tvm-tpp: error: {message[0] if message else type(err).__name__}",
+                  file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

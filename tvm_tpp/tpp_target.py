@@ -1,0 +1,158 @@
+"""The ``tpp`` target: an LLVM CPU target tagged so the TPP graph passes know to run.
+
+TVM 0.27 registers target kinds in C++ only and rejects CLI-style target strings, so the
+``tpp`` target is an ``llvm`` target (everything downstream — lowering, LLVM codegen,
+MetaSchedule's CPU rules — works unchanged) carrying the key ``tpp`` and, in its ``model``
+attribute, the name of the ISA the microkernels are generated for.  A registered tag
+``tpp/<isa>`` exists for every known ISA as well.
+
+Spec strings understood by :func:`target`::
+
+    tpp                         this host: its ISA, its LLVM CPU, the cores this process may use
+    tpp -isa=amx                a foreign ISA (LLVM triple/CPU/attributes filled in)
+    tpp -isa=avx2 -num-cores=1  options: -isa, -mcpu, -num-cores
+
+Examples
+--------
+>>> import tvm_tpp
+>>> t = tvm_tpp.target("tpp -isa=avx512_vnni")
+>>> t.keys, t.attrs["mcpu"], t.attrs["model"]
+(('tpp', 'cpu'), 'cascadelake', 'avx512_vnni')
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import tvm
+from tvm.target import Target
+
+from microkernels import isa as _isa
+
+__all__ = ["target", "isa_of", "is_tpp", "runs_on_host", "TAG_PREFIX"]
+
+TAG_PREFIX = "tpp/"
+_OPTIONS = ("isa", "mcpu", "num-cores")
+
+
+def _config(chosen: _isa.Isa, mcpu: str | None, num_cores: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "kind": "llvm",
+        "keys": ["tpp", "cpu"],
+        "mtriple": chosen.mtriple,
+        "mcpu": mcpu or chosen.mcpu,
+        "model": chosen.name,
+        "num-cores": num_cores,
+    }
+    if chosen.mattr:
+        config["mattr"] = list(chosen.mattr)
+    return config
+
+
+@functools.cache
+def _register_tags() -> None:
+    from tvm.target import register_tag
+
+    for chosen in _isa.KNOWN.values():
+        register_tag(TAG_PREFIX + chosen.name, _config(chosen, None, 1))
+
+
+@functools.cache
+def host_isa() -> _isa.Isa:
+    """The ISA of this machine (cached: /proc/cpuinfo does not change)."""
+    return _isa.detect()
+
+
+def _host_mcpu(chosen: _isa.Isa) -> str:
+    # LLVM's name for this very CPU gives the best scheduling model; fall back to the ISA's
+    # representative CPU when LLVM does not know the host (then it answers "generic").
+    system = tvm.target.codegen.llvm_get_system_cpu()
+    return system if system and system != "generic" else chosen.mcpu
+
+
+def _parse(spec: str) -> dict[str, str]:
+    words = spec.split()
+    if not words or words[0] != "tpp":
+        raise ValueError(f"a tpp target spec starts with 'tpp', got {spec!r}")
+    options: dict[str, str] = {}
+    for word in words[1:]:
+        key, eq, value = word.lstrip("-").partition("=")
+        if not word.startswith("-") or not eq or not value:
+            raise ValueError(f"malformed option {word!r} in target {spec!r}; expected -key=value")
+        if key not in _OPTIONS:
+            raise ValueError(
+                f"unknown option -{key} in target {spec!r}; known: "
+                + ", ".join(f"-{o}" for o in _OPTIONS)
+            )
+        options[key] = value
+    return options
+
+
+def target(spec: str | dict | Target = "tpp", num_cores: int | None = None) -> Target:
+    """Build the ``tvm.target.Target`` for a ``tpp`` spec.
+
+    Parameters
+    ----------
+    spec
+        ``"tpp"`` (the host), ``"tpp -isa=NAME [-mcpu=CPU] [-num-cores=N]"``, a registered tag
+        ``"tpp/NAME"``, or an existing ``Target``/dict, returned as a ``Target`` unchanged.
+    num_cores
+        Threads the generated code is tuned for; default: the cores this process may use.
+
+    Raises
+    ------
+    ValueError
+        Unknown ISA (the message lists the known ones), unknown option or malformed spec.
+    """
+    if isinstance(spec, Target):
+        return spec
+    if isinstance(spec, dict):
+        return Target(spec)
+    _register_tags()
+    if spec.startswith(TAG_PREFIX):
+        _isa.from_name(spec[len(TAG_PREFIX):])
+        return Target(spec)
+    options = _parse(spec)
+    if "num-cores" in options:
+        try:
+            num_cores = int(options["num-cores"])
+        except ValueError:
+            value = options["num-cores"]
+            raise ValueError(f"-num-cores must be an integer, got {value!r}") from None
+    cores = num_cores if num_cores is not None else _isa.num_cores()
+    if cores < 1:
+        raise ValueError(f"num-cores must be >= 1, got {cores}")
+    if "isa" in options:
+        chosen = _isa.from_name(options["isa"])
+        mcpu = options.get("mcpu")
+        if mcpu is None and chosen == host_isa():
+            mcpu = _host_mcpu(chosen)
+    else:
+        chosen = host_isa()
+        mcpu = options.get("mcpu") or _host_mcpu(chosen)
+    return Target(_config(chosen, mcpu, cores))
+
+
+def is_tpp(tgt: Target) -> bool:
+    """Whether the TPP graph passes should run for this target."""
+    return "tpp" in tgt.keys
+
+
+def isa_of(tgt: Target) -> _isa.Isa:
+    """The ISA a ``tpp`` target generates microkernels for."""
+    if not is_tpp(tgt):
+        raise ValueError(f"not a tpp target: {tgt}")
+    model = str(tgt.attrs.get("model", ""))
+    return _isa.from_name(model) if model in _isa.KNOWN else host_isa()
+
+
+def runs_on_host(tgt: Target) -> bool:
+    """Whether code built for ``tgt`` can execute on this machine."""
+    triple = str(tgt.attrs.get("mtriple", "")) or None
+    host = host_isa()
+    if triple is not None and not triple.startswith(host.arch):
+        return False
+    if is_tpp(tgt):
+        return isa_of(tgt).runs_on(_isa.host_flags())
+    return True
