@@ -245,6 +245,14 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
     a_region = tuple(slice(0, s) for s in a_shape)
     b_region = tuple(slice(0, s) for s in b_shape)
 
+    def a_at(i, kk):  # element (i, kk) of the stacked [m, batch*k] A
+        return (kk // k, i, kk % k) if blocked else (i, kk)
+
+    def b_at(j, kk):  # element (kk, j) of the stacked [batch*k, n] B
+        if blocked:
+            return (kk // k, kk % k, j)
+        return (kk // alpha, j, kk % alpha) if alpha > 1 else (kk, j)
+
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle):
         if dense:
@@ -263,21 +271,22 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
         with T.sblock("root" if not dense else "brgemm_root"):
             T.reads(C[0:m, 0:n], A[a_region], B[b_region])
             T.writes(C[0:m, 0:n])
-            # One reduction iterator over batch*k (batch outer): what splitting a GEMM's K
-            # loop into (batch, k) gives, so a scheduled GEMM matches without reshaping.
-            for i, j, r, kk in T.grid(m, n, batch, k):
-                with T.sblock("brgemm"):
-                    vi = T.axis.spatial(m, i)
-                    vj = T.axis.spatial(n, j)
-                    vk = T.axis.reduce(batch * k, r * k + kk)
-                    if blocked:
-                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vk // k, vi, vk % k]) * T.Cast(
-                            tc, B[vk // k, vk % k, vj])
-                    elif alpha > 1:
-                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vi, vk]) * T.Cast(
-                            tc, B[vk // alpha, vj, vk % alpha])
-                    else:
-                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[vi, vk]) * T.Cast(tc, B[vk, vj])
+            # One reduction loop over batch*k (batch outer): a scheduled GEMM's K loop split
+            # once by batch*k matches it; the impl walks the batch blocks at their stride.
+            # A single-row kernel has no row loop: TVM drops unit loops from the GEMM it
+            # matches, so the desc must not have one either.
+            if m == 1:
+                for j, kk in T.grid(n, batch * k):
+                    with T.sblock("brgemm"):
+                        vj, vk = T.axis.remap("SR", [j, kk])
+                        C[0, vj] = C[0, vj] + T.Cast(tc, A[a_at(0, vk)]) * T.Cast(
+                            tc, B[b_at(vj, vk)])
+            else:
+                for i, j, kk in T.grid(m, n, batch * k):
+                    with T.sblock("brgemm"):
+                        vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
+                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[a_at(vi, vk)]) * T.Cast(
+                            tc, B[b_at(vj, vk)])
 
     return desc
 

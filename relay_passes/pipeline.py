@@ -17,6 +17,8 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
+from .dense import Offload, rewrite_dense
+
 __all__ = ["prepare", "tpp_pipeline"]
 
 
@@ -32,12 +34,18 @@ def prepare() -> tvm.transform.Pass:
     )
 
 
-def tpp_pipeline(target: Target) -> tvm.transform.Pass:
-    """Prepare, rewrite to TPP kernels when ``target`` is a tpp target, then lower."""
+def tpp_pipeline(target: Target, report: list[Offload] | None = None) -> tvm.transform.Pass:
+    """Prepare, rewrite to TPP kernels when ``target`` is a tpp target, then lower.
+
+    ``report`` (if given) receives one :class:`~relay_passes.dense.Offload` per matched
+    operator: the kernel it became or why it stayed with TVM.
+    """
 
     @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = prepare()(mod)
+        if "tpp" in target.keys:
+            mod = rewrite_dense(mod, target, report if report is not None else [])
         return relax.get_default_pipeline(target)(mod)
 
     return _pipeline

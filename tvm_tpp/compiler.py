@@ -27,6 +27,7 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
+from relay_passes.dense import Offload
 from relay_passes.pipeline import tpp_pipeline
 
 from . import onnx_import
@@ -56,6 +57,8 @@ class CompiledModel:
         Names, shapes and dtypes of the inputs, in call order.
     compile_seconds
         Wall time of import + build.
+    report
+        What the graph passes routed to TPP kernels and what stayed with TVM, and why.
     """
 
     def __init__(
@@ -64,11 +67,13 @@ class CompiledModel:
         target: Target,
         inputs: Sequence[TensorSpec],
         compile_seconds: float = 0.0,
+        report: Sequence[Offload] = (),
     ) -> None:
         self.executable = executable
         self.target = target
         self.inputs = list(inputs)
         self.compile_seconds = compile_seconds
+        self.report = list(report)
         self._vm = None
 
     @property
@@ -227,5 +232,6 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     tgt = make_target(target)
     start = time.perf_counter()
     mod, specs = import_model(model, input_shapes)
-    executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(tgt))
-    return CompiledModel(executable, tgt, specs, time.perf_counter() - start)
+    report: list[Offload] = []
+    executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(tgt, report))
+    return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report)

@@ -1,0 +1,207 @@
+"""Dense layers to TPP kernels: ``act(x @ W + b [+ r])`` with constant W becomes one call_tir.
+
+Matches ``relax.matmul`` whose right operand is a constant (ONNX MatMul and Gemm, after
+:func:`relay_passes.pipeline.prepare` folded transposes of constants) together with the
+epilogue that follows it: a constant bias over the output columns, a residual add of another
+tensor of the output's shape, and ReLU / GELU / sigmoid.  The weights are packed at compile
+time into the BRGEMM's blocked layout, the activations of rank > 2 are viewed as ``[M, K]``,
+and the whole chain becomes one scheduled PrimFunc (:mod:`schedules.gemm`).
+
+What does not fit (non-float32, symbolic shapes, a non-constant right operand such as
+attention's ``Q @ K^T``) is left to TVM's own lowering and listed in the report with the reason.
+
+Examples
+--------
+>>> report = []
+>>> mod = rewrite_dense(mod, target, report)                  # doctest: +SKIP
+>>> [(r.op, r.shape, r.kernel or r.reason) for r in report]   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+from tvm.target import Target
+
+from microkernels import isa as _isa
+from microkernels.epilogue import Epilogue, EpilogueOp
+from schedules.blocking import default_config
+from schedules.gemm import GemmProblem, pack_weight, schedule
+
+__all__ = ["Offload", "rewrite_dense", "report_leftovers"]
+
+# Activations absorbed into the epilogue: relax op -> epilogue op.
+_ACTIVATIONS = {
+    "relax.nn.relu": EpilogueOp("relu"),
+    "relax.nn.gelu": EpilogueOp("gelu", variant="erf"),
+    "relax.nn.gelu_tanh": EpilogueOp("gelu", variant="tanh"),
+    "relax.sigmoid": EpilogueOp("sigmoid"),
+}
+
+
+@dataclass(frozen=True)
+class Offload:
+    """One GEMM-like operator: the kernel it became, or why it stayed with TVM.
+
+    ``shape`` is ``(m, n, k)`` for offloaded dense layers, the output shape otherwise.
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    kernel: str | None = None
+    reason: str | None = None
+
+
+def _static(shape) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class _Pattern:
+    root: object
+    matmul: object
+    x: object
+    w: object
+    w_transposed: object
+    bias: object | None
+    residual: object | None
+    activation: str | None
+
+
+def _patterns() -> list[_Pattern]:
+    """Every chain, longest first so the whole epilogue is taken before its prefixes."""
+    out = []
+    for activation in (*_ACTIVATIONS, None):
+        for with_residual in (True, False):
+            for with_bias in (True, False):
+                x, w = wildcard(), is_const()
+                wt = is_op("relax.permute_dims")(w)
+                mm = is_op("relax.matmul")(x, w) | is_op("relax.matmul")(x, wt)
+                node, bias, residual = mm, None, None
+                if with_bias:
+                    bias = is_const()
+                    node = is_op("relax.add")(node, bias) | is_op("relax.add")(bias, node)
+                if with_residual:
+                    residual = wildcard()
+                    node = is_op("relax.add")(node, residual) | is_op("relax.add")(residual, node)
+                if activation:
+                    node = is_op(activation)(node)
+                out.append(_Pattern(node, mm, x, w, wt, bias, residual, activation))
+    return out
+
+
+def rewrite_dense(mod: tvm.IRModule, target: Target, report: list[Offload]) -> tvm.IRModule:
+    """Replace every float32 dense chain with a constant weight by a TPP kernel call."""
+    isa = _isa.from_name(str(target.attrs["model"]))
+    threads = int(target.attrs.get("num-cores", 1))
+    caches = _isa.caches()
+    builder = relax.BlockBuilder(mod)
+    functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
+    for pattern in _patterns():
+        def rewriter(orig, matches, pattern=pattern):
+            return _rewrite(orig, matches, pattern, builder, isa, caches, threads, report)
+
+        functions = {gv: rewrite_call(pattern.root, rewriter, f) for gv, f in functions.items()}
+    new_mod = builder.get()
+    for gv, f in functions.items():
+        new_mod[gv] = f
+    new_mod = relax.transform.DeadCodeElimination()(new_mod)
+    report_leftovers(new_mod, report)
+    return new_mod
+
+
+def _unsupported(x, weight: np.ndarray) -> str | None:
+    """Why ``x @ weight`` cannot become a TPP kernel (None if it can)."""
+    shape = _static(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
+    if shape is None or len(shape) < 2:
+        return "activation shape is symbolic or not a matrix"
+    if x.ty.dtype != "float32" or weight.dtype != np.float32:
+        return f"dtype {x.ty.dtype} x {weight.dtype}: only float32 dense is routed to TPP"
+    if weight.ndim != 2 or weight.shape[0] != shape[-1]:
+        return f"weight of shape {weight.shape} is not a [K, N] matrix for this input"
+    return None
+
+
+def _rewrite(orig, matches, pattern: _Pattern, builder, isa, caches, threads, report):
+    # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
+    # reported once, by report_leftovers().
+    x = matches[pattern.x]
+    weight = matches[pattern.w].value.numpy()
+    if pattern.w_transposed in matches:
+        weight = weight.T
+    if _unsupported(x, weight) is not None:
+        return orig
+    x_shape = _static(x.ty.shape)
+    k, n = weight.shape
+    out_shape = (*x_shape[:-1], n)
+    bias = matches[pattern.bias].value.numpy() if pattern.bias is not None else None
+    if bias is not None and (bias.size != n or bias.shape[-1] != n):
+        return orig
+    residual = matches[pattern.residual] if pattern.residual is not None else None
+    if residual is not None and (
+        isinstance(residual, tvm.ir.expr.Constant)
+        or _static(residual.ty.shape) != out_shape
+        or residual.ty.dtype != "float32"
+    ):
+        return orig
+
+    m = int(np.prod(x_shape[:-1]))
+    ops = [EpilogueOp(kind) for kind, part in (("bias", bias), ("residual", residual))
+           if part is not None]
+    if pattern.activation:
+        ops.append(_ACTIVATIONS[pattern.activation])
+    problem = GemmProblem(m, n, k, epilogue=Epilogue(tuple(ops)))
+    config = default_config(m, n, k, isa, caches, threads)
+    func = schedule(problem, config, isa).mod["main"]
+    func = func.without_attr("global_symbol").with_attr("op_pattern", 8)  # kOpaque: no fusion
+    name = f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if ops else "")
+    gv = builder.add_func(func, name)
+
+    args = [_as_matrix(x, m, k), relax.const(pack_weight(weight.astype(np.float32), config.bn))]
+    if bias is not None:
+        args.append(relax.const(bias.reshape(n).astype(np.float32)))
+    if residual is not None:
+        args.append(_as_matrix(residual, m, n))
+    out = relax.call_tir(gv, args, relax.TensorType((m, n), "float32"))
+    op = "+".join(["matmul", *(o.tag for o in ops)])
+    report.append(Offload(op, (m, n, k), kernel=f"{name} [{config.spec}]"))
+    return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
+
+
+def report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
+    """Add the GEMM-like operators still in ``mod`` (left to TVM) to ``report``, with why."""
+    reasons = {"relax.nn.conv2d": "conv2d is not routed to TPP kernels yet"}
+
+    def visit(expr) -> None:
+        if not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
+            return
+        name = expr.op.name
+        if name == "relax.matmul":
+            x, w = expr.args
+            if isinstance(w, tvm.ir.expr.Constant):
+                reason = _unsupported(x, w.value.numpy()) or "pattern not matched"
+            else:
+                reason = "right operand is not a constant weight (e.g. attention)"
+        elif name in reasons:
+            reason = reasons[name]
+        else:
+            return
+        shape = _static(expr.ty.shape) or ()
+        report.append(Offload(name.split(".")[-1], shape, reason=reason))
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+
+
+def _as_matrix(expr, rows: int, cols: int):
+    shape = _static(expr.ty.shape)
+    return expr if shape == (rows, cols) else relax.op.reshape(expr, (rows, cols))
+

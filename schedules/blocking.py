@@ -1,0 +1,64 @@
+"""Default block sizes and loop_spec for a GEMM, without tuning.
+
+Block sizes follow the microkernel and the caches; the loop order comes from
+:func:`schedules.space.heuristic`.  Blocks must divide their dimension (the template tiles
+exactly), so they are chosen among the dimension's divisors:
+
+* ``bn`` — a multiple of two vectors where possible (the register tile's width), at most 64
+  floats so a ``bk x bn`` panel of B stays in L1/L2 next to A's rows;
+* ``bm`` — at most 64 rows (the kernel walks them in register tiles, remainder included);
+* ``bk`` and ``k_step`` — the whole K in one BRGEMM call (TPP's Algorithm 6), in blocks of at
+  most 512 so one batch element's panel of B stays in L2: C never leaves the registers
+  between K steps.
+
+Examples
+--------
+>>> from microkernels import isa
+>>> cfg = default_config(128, 768, 768, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+>>> (cfg.bm, cfg.bn, cfg.bk, cfg.k_step)
+(64, 64, 384, 2)
+"""
+
+from __future__ import annotations
+
+from microkernels.isa import Caches, Isa
+
+from .gemm import GemmConfig
+from .space import heuristic
+
+__all__ = ["default_config", "divisors"]
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n``, ascending."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _pick(n: int, limit: int, multiple: int = 1) -> int:
+    """The largest divisor of ``n`` within ``limit``, preferring multiples of ``multiple``."""
+    fitting = [d for d in divisors(n) if d <= limit]
+    aligned = [d for d in fitting if d % multiple == 0]
+    return max(aligned or fitting)
+
+
+def default_config(m: int, n: int, k: int, isa: Isa, caches: Caches, threads: int) -> GemmConfig:
+    """A GEMM configuration from the shape, the ISA's vectors and the caches.
+
+    Parameters
+    ----------
+    m, n, k
+        GEMM sizes (float32).
+    isa
+        Target ISA: its vector width sets the preferred multiple of ``bn``.
+    caches, threads
+        Passed to the loop-order heuristic.
+    """
+    lanes = isa.lanes("float32")
+    bn = _pick(n, max(64, 2 * lanes), 2 * lanes) if n % lanes == 0 else _pick(n, 64, lanes)
+    bm = _pick(m, 64)
+    bk = _pick(k, 512)
+    k_blocks = k // bk
+    candidate = heuristic(m // bm, n // bn, k_blocks, caches, threads, bm=bm, bn=bn, bk=bk,
+                          k_step=k_blocks)
+    return GemmConfig(bm, bn, bk, candidate)
