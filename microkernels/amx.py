@@ -1,1 +1,276 @@
-"""placeholder"""
+"""AMX BRGEMM kernels (Sapphire Rapids tiles): int8 ``tdpbusd``/``tdpbssd``, bf16 ``tdpbf16ps``.
+
+AMX has 8 tile registers of up to 16 rows x 64 bytes.  One kernel call keeps the whole C block
+in tiles across the entire batch-reduce (output-stationary, [TPP] Fig. 2):
+
+* C is split into row tiles of 16 rows (last one ``m % 16``) and column tiles of 16 int32/fp32
+  columns (last one ``n % 16``): ``rm x cn`` C tiles, plus ``rm`` A tiles and ``cn`` B tiles,
+  which must fit the 8 registers: ``rm*cn + rm + cn <= 8``.  So ``m <= 32, n <= 32`` (2x2 C tiles,
+  the paper's 32x32 bf16 kernel), or ``m <= 48, n <= 16``, or ``m <= 16, n <= 48``;
+  anything larger raises ``ValueError`` (block the problem in the schedule instead).
+* K (``batch * k``: the batch blocks are contiguous along K in the vnni layouts) is walked in
+  steps of ``kt`` elements, the largest multiple of the VNNI factor that divides K and fits a
+  64-byte tile row (64 for int8, 32 for bf16); AMX runs at full rate when ``kt`` is 64/32.
+* Per call: ``ldtilecfg`` once, ``tileloadd`` of the C tiles, then per K step the A and B tile
+  loads and ``rm*cn`` tile multiplies, then ``tilestored`` of C and ``tilerelease``.
+
+Operands are those of the ``vnni4`` (u8/s8 A, s8 B, int32 C) and ``vnni2`` (bf16 A and B, fp32 C)
+layouts of :mod:`microkernels.brgemm`; B's ``[n, alpha]`` rows must be dense (they are, in any
+VNNI-packed tensor).  The LLVM intrinsics are used in their tile-number form
+(``llvm.x86.tileloadd64(i8 tile, ptr, i64 stride)``): the ``.internal`` x86_amx-value form
+cannot be chained from TIR.  bf16 pointers are taken with ``T.address_of`` because
+``access_ptr`` on a bfloat16 buffer trips TVM's bf16 legalization.
+
+Running AMX code on Linux needs per-process permission: call :func:`request_permission` once
+before the first kernel runs.
+
+Examples
+--------
+>>> from microkernels.brgemm import BrgemmShape
+>>> p = plan(BrgemmShape(32, 32, 64, 4, "uint8", "int32", "vnni4", "amx"))
+>>> (p.rows, p.cols, p.kt, p.steps)
+((16, 16), (16, 16), 64, 4)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .brgemm import BrgemmShape, register_impl
+
+if TYPE_CHECKING:
+    from tvm.tirx import PrimExpr, PrimFunc
+
+__all__ = ["TilePlan", "plan", "impl_func", "request_permission", "EMULATOR_SYMBOLS"]
+
+TILE_ROWS = 16
+TILE_BYTES = 64
+NUM_TILES = 8
+
+#: dtype of A -> (bytes per element, tile multiply instruction).
+_OPS: dict[str, tuple[int, str]] = {
+    "uint8": (1, "tdpbusd"),
+    "int8": (1, "tdpbssd"),
+    "bfloat16": (2, "tdpbf16ps"),
+}
+
+#: Functions an AMX emulator must export for :func:`impl_func` with ``emulate=True``.
+EMULATOR_SYMBOLS = tuple(
+    f"tpp_amx_emu_{op}"
+    for op in ("ldtilecfg", "tileloadd64", "tilestored64", "tilerelease")
+    + tuple(op for _, op in _OPS.values())
+)
+
+
+def _split(extent: int) -> tuple[int, ...]:
+    full, rest = divmod(extent, TILE_ROWS)
+    return (TILE_ROWS,) * full + ((rest,) if rest else ())
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """How one BRGEMM call maps onto the AMX tile registers.
+
+    Parameters
+    ----------
+    rows
+        Rows of each C row tile (A tile ``i`` holds the same rows); tile ``i`` starts at ``16*i``.
+    cols
+        C columns of each column tile; tile ``j`` starts at column ``16*j``.
+    kt
+        K elements consumed per tile multiply (a multiple of ``alpha``).
+    steps
+        Number of K steps (``batch * k / kt``).
+    elem_bytes, alpha
+        Bytes per A/B element and the VNNI factor (4 for int8, 2 for bf16).
+    op
+        Tile multiply instruction (``tdpbusd``, ``tdpbssd`` or ``tdpbf16ps``).
+    """
+
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+    kt: int
+    steps: int
+    elem_bytes: int
+    alpha: int
+    op: str
+
+    def __post_init__(self) -> None:
+        sizes = self.rows + self.cols
+        if not self.rows or not self.cols or any(not 0 < r <= TILE_ROWS for r in sizes):
+            raise ValueError(f"tile rows/cols must be 1..{TILE_ROWS}: {self.rows}, {self.cols}")
+        if len(self.rows) * len(self.cols) + len(self.rows) + len(self.cols) > NUM_TILES:
+            raise ValueError(f"{len(self.rows)}x{len(self.cols)} C tiles need more than 8 tiles")
+        if self.kt % self.alpha or self.kt * self.elem_bytes > TILE_BYTES or self.steps < 1:
+            raise ValueError(f"invalid K step {self.kt} for alpha={self.alpha}")
+
+    @property
+    def num_c(self) -> int:
+        return len(self.rows) * len(self.cols)
+
+    def c_tile(self, i: int, j: int) -> int:
+        return i * len(self.cols) + j
+
+    def a_tile(self, i: int) -> int:
+        return self.num_c + i
+
+    def b_tile(self, j: int) -> int:
+        return self.num_c + len(self.rows) + j
+
+    def tiles(self) -> list[tuple[int, int]]:
+        """(rows, bytes per row) of tiles 0..7 in the plan's numbering; (0, 0) = unused."""
+        shapes = [(0, 0)] * NUM_TILES
+        for i, r in enumerate(self.rows):
+            shapes[self.a_tile(i)] = (r, self.kt * self.elem_bytes)
+            for j, c in enumerate(self.cols):
+                shapes[self.c_tile(i, j)] = (r, 4 * c)
+        for j, c in enumerate(self.cols):
+            shapes[self.b_tile(j)] = (self.kt // self.alpha, 4 * c)
+        return shapes
+
+    def config(self) -> bytes:
+        """The 64-byte ``ldtilecfg`` operand: palette 1, per-tile bytes per row and rows."""
+        cfg = bytearray(64)
+        cfg[0] = 1
+        for t, (rows, colsb) in enumerate(self.tiles()):
+            cfg[16 + 2 * t : 18 + 2 * t] = colsb.to_bytes(2, "little")
+            cfg[48 + t] = rows
+        return bytes(cfg)
+
+
+def plan(shape: BrgemmShape) -> TilePlan:
+    """The tile plan for ``shape``; ``ValueError`` when AMX cannot hold it in one call.
+
+    Raises
+    ------
+    ValueError
+        Wrong dtype/layout pairing, or C larger than the tile registers allow (see module doc).
+    """
+    if shape.dtype_a not in _OPS:
+        raise ValueError(f"AMX has no {shape.dtype_a} tile multiply; supported: {', '.join(_OPS)}")
+    elem_bytes, op = _OPS[shape.dtype_a]
+    want = "vnni2" if shape.dtype_a == "bfloat16" else "vnni4"
+    if shape.layout != want:
+        raise ValueError(
+            f"AMX {shape.dtype_a} kernels need the {want!r} layout, got {shape.layout!r}"
+        )
+    rows, cols = _split(shape.m), _split(shape.n)
+    if len(rows) * len(cols) + len(rows) + len(cols) > NUM_TILES:
+        raise ValueError(
+            f"AMX BRGEMM {shape.m}x{shape.n} needs {len(rows)}x{len(cols)} C tiles plus "
+            f"{len(rows)} A and {len(cols)} B tiles, more than the 8 tile registers; use "
+            "m, n <= 32, or m <= 48 with n <= 16, or m <= 16 with n <= 48"
+        )
+    total_k, alpha = shape.batch * shape.k, shape.alpha
+    kt = max(d for d in range(alpha, TILE_BYTES // elem_bytes + 1, alpha) if total_k % d == 0)
+    return TilePlan(rows, cols, kt, total_k // kt, elem_bytes, alpha, op)
+
+
+def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
+    """The AMX implementation of ``shape`` (same buffers as ``brgemm.desc_func(shape)``).
+
+    Parameters
+    ----------
+    emulate
+        Call ``tpp_amx_emu_<instruction>`` C functions (:data:`EMULATOR_SYMBOLS`, int32 result,
+        tile numbers as int32) instead of the AMX instructions, with everything else identical.
+        This lets a host without AMX execute the very same tile program against an emulator,
+        which is how the tests check this kernel's numerics.
+    """
+    import tvm.tirx as tir
+    from tvm.script import tirx as T
+
+    p = plan(shape)
+    m, n, k_total = shape.m, shape.n, shape.batch * shape.k
+    ta, tb, tc = shape.dtype_a, shape.dtype_b, shape.dtype_acc
+    alpha, kt, eb, steps = p.alpha, p.kt, p.elem_bytes, p.steps
+    nr, nc, num_c = len(p.rows), len(p.cols), p.num_c
+    cfg = p.config()
+    words = tuple(int.from_bytes(cfg[8 * w : 8 * w + 8], "little") for w in range(8))
+
+    def amx(op: str, *args: PrimExpr, tiles: int = 0) -> PrimExpr:
+        """One AMX instruction; the first ``tiles`` arguments are tile numbers."""
+        if emulate:
+            conv = [tir.Cast("int32", a) for a in args[:tiles]] + list(args[tiles:])
+            return tir.call_extern("int32", f"tpp_amx_emu_{op}", *conv)
+        conv = [tir.Cast("int8", a) for a in args[:tiles]] + list(args[tiles:])
+        return tir.call_llvm_intrin("void", f"llvm.x86.{op}", *conv)
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle):
+        sa0 = T.int32()
+        sb0 = T.int32()
+        sc = T.int32()
+        A = T.match_buffer(a, (m, k_total), ta, offset_factor=1, strides=[sa0, 1])
+        # A tile row of B is one [n, alpha] slab: alpha must be its element stride.
+        B = T.match_buffer(b, (k_total // alpha, n, alpha), tb, offset_factor=1,
+                           strides=[sb0, alpha, 1])
+        C = T.match_buffer(c, (m, n), tc, offset_factor=1, strides=[sc, 1])
+        with T.sblock("root"):
+            T.reads(C[0:m, 0:n], A[0:m, 0:k_total], B[0:k_total // alpha, 0:n, 0:alpha])
+            T.writes(C[0:m, 0:n])
+            config = T.alloc_buffer((8,), "int64", scope="local")
+            config[0] = T.int64(words[0])
+            config[1] = T.int64(words[1])
+            config[2] = T.int64(words[2])
+            config[3] = T.int64(words[3])
+            config[4] = T.int64(words[4])
+            config[5] = T.int64(words[5])
+            config[6] = T.int64(words[6])
+            config[7] = T.int64(words[7])
+            T.evaluate(amx("ldtilecfg", config.access_ptr("r")))
+            for i in T.unroll(nr):
+                for j in T.unroll(nc):
+                    T.evaluate(amx("tileloadd64", i * nc + j, T.address_of(C[i * 16, j * 16]),
+                                   T.Cast("int64", sc * 4), tiles=1))
+            for s in T.serial(steps):
+                for i in T.unroll(nr):
+                    T.evaluate(amx("tileloadd64", num_c + i, T.address_of(A[i * 16, s * kt]),
+                                   T.Cast("int64", sa0 * eb), tiles=1))
+                for j in T.unroll(nc):
+                    T.evaluate(amx("tileloadd64", num_c + nr + j,
+                                   T.address_of(B[s * (kt // alpha), j * 16, 0]),
+                                   T.Cast("int64", sb0 * eb), tiles=1))
+                for i in T.unroll(nr):
+                    for j in T.unroll(nc):
+                        T.evaluate(amx(p.op, i * nc + j, num_c + i, num_c + nr + j, tiles=3))
+            for i in T.unroll(nr):
+                for j in T.unroll(nc):
+                    T.evaluate(amx("tilestored64", i * nc + j, T.address_of(C[i * 16, j * 16]),
+                                   T.Cast("int64", sc * 4), tiles=1))
+            T.evaluate(amx("tilerelease"))
+
+    return impl
+
+
+@register_impl("amx", "uint8", "vnni4")
+def _u8(shape: BrgemmShape) -> PrimFunc:
+    return impl_func(shape)
+
+
+@register_impl("amx", "int8", "vnni4")
+def _s8(shape: BrgemmShape) -> PrimFunc:
+    return impl_func(shape)
+
+
+@register_impl("amx", "bfloat16", "vnni2")
+def _bf16(shape: BrgemmShape) -> PrimFunc:
+    return impl_func(shape)
+
+
+def request_permission() -> bool:
+    """Ask Linux for this process's AMX tile state; True when AMX code may now run.
+
+    Linux refuses AMX instructions (SIGILL) until the process calls
+    ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``.  Returns False on other systems
+    and on CPUs without AMX, where the call is a harmless no-op.
+    """
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0

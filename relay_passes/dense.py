@@ -160,7 +160,10 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, isa, caches, threads, re
     problem = GemmProblem(m, n, k, epilogue=Epilogue(tuple(ops)))
     config = default_config(m, n, k, isa, caches, threads)
     func = schedule(problem, config, isa).mod["main"]
-    func = func.without_attr("global_symbol").with_attr("op_pattern", 8)  # kOpaque: no fusion
+    # kOpaque keeps FuseOps from fusing neighbours into the kernel; is_scheduled keeps the
+    # fallback schedules off it.
+    func = func.without_attr("global_symbol").with_attrs(
+        {"op_pattern": 8, "tirx.is_scheduled": True})
     name = f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if ops else "")
     gv = builder.add_func(func, name)
 

@@ -1,8 +1,9 @@
 """The Relax pipeline of the ``tpp`` target.
 
 Graph preparation (inference-only decompositions, BatchNorm folded into conv weights, constant
-folding), then the TPP rewrites (for targets carrying the ``tpp`` key), then TVM's default CPU
-lowering for whatever was not rewritten.
+folding), then for targets carrying the ``tpp`` key the TPP rewrites and TVM's CPU lowering
+with schedules for what stayed with TVM (:mod:`relay_passes.fallback`); other targets get
+TVM's default CPU pipeline unchanged.
 
 Examples
 --------
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.target import Target
 
 from .dense import Offload, rewrite_dense
+from .fallback import fallback_schedules
 
 __all__ = ["prepare", "tpp_pipeline"]
 
@@ -44,8 +47,17 @@ def tpp_pipeline(target: Target, report: list[Offload] | None = None) -> tvm.tra
     @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = prepare()(mod)
-        if "tpp" in target.keys:
-            mod = rewrite_dense(mod, target, report if report is not None else [])
-        return relax.get_default_pipeline(target)(mod)
+        if "tpp" not in target.keys:
+            return relax.get_default_pipeline(target)(mod)
+        mod = rewrite_dense(mod, target, report if report is not None else [])
+        with target:
+            return tvm.transform.Sequential(
+                cpu.library_dispatch_passes(target)
+                + cpu.legalize_passes(target)
+                + [fallback_schedules()]
+                + cpu.dataflow_lower_passes(target)
+                + cpu.finalize_passes(target),
+                name="TppLower",
+            )(mod)
 
     return _pipeline

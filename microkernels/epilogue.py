@@ -1,0 +1,684 @@
+"""Epilogue TPPs: elementwise primitives applied to a GEMM's C tile right after its last K step.
+
+An :class:`Epilogue` is a chain of :class:`EpilogueOp` (bias add, ReLU, GELU, sigmoid, residual
+add, scale, clamp, fp32 -> bf16 conversion, int32 -> u8/s8 requantization).  :func:`apply_te`
+composes the whole chain into ONE ``te.compute`` stage named ``"epilogue"``, so a schedule can
+``reverse_compute_at`` a single block under the GEMM's output tile and run it while C is hot
+(PARLOOPER's ``if (last K step) relu_tpp(C)``).  :func:`reference` gives the numpy semantics.
+
+Data types along the chain start at the accumulator's (``"float32"`` or ``"int32"``):
+
+==============  =====================  ==============================================
+kind            input dtypes           result
+==============  =====================  ==============================================
+bias            float32, int32         ``x + b``; b is ``[N]`` (``broadcast="row"``,
+                                       one value per output column) or ``[M]`` ("col")
+residual        float32, int32         ``x + r``; r is a full ``[M, N]`` tensor
+relu            float32, int32         ``max(x, 0)``
+clamp           float32, int32         ``min(max(x, lo), hi)``
+gelu            float32                ``"erf"``: ``x/2 (1 + erf(x/sqrt 2))``; ``"tanh"``:
+                                       ``x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``
+sigmoid         float32                ``1 / (1 + exp(-x))``
+scale           float32                ``x * s``; s a constant (``value``) or a vector
+convert         float32 (last op)      bfloat16, round to nearest even
+requantize      int32 (last op)        uint8/int8: ``sat(rint(float32(x) * s) + zp)``
+==============  =====================  ==============================================
+
+bfloat16 results live in TVM ``"bfloat16"`` buffers (``tvm.runtime.empty(shape, "bfloat16")``,
+whose ``.numpy()`` is an ``ml_dtypes.bfloat16`` array); :func:`reference` returns their uint16
+bit patterns, like :func:`microkernels.brgemm.reference`.  The conversion is computed on the bits
+(TVM's own ``astype("bfloat16")`` turns NaNs into infinities or -0.0): round to nearest even,
+and a NaN keeps its sign and top payload bits with the quiet bit set, as ``vcvtneps2bf16`` does.
+
+exp and erf are written out as polynomials (Cephes expf; Eigen's rational erf) because
+``tirx.exp``/``tirx.erf`` become scalar libm calls that keep the loop from vectorizing (measured
+on AVX2: GELU-erf 25-45 ns/element with ``erff``, 1.7 vectorized).  The tanh GELU is computed as
+``x / (1 + exp(-2z))``, the same function with one exp and no cancellation in ``1 + tanh``.
+:func:`reference` states the resulting tolerances.
+
+Examples
+--------
+>>> epi = Epilogue((EpilogueOp("bias"), EpilogueOp("gelu", variant="tanh")))
+>>> epi.name
+'bias_gelu_tanh'
+>>> [(o.name, o.shape(7, 19), o.dtype) for o in epi.inputs("float32")]
+[('bias', (19,), 'float32')]
+>>> q = EpilogueOp("requantize", value=0.02, zero_point=128, dtype="uint8")
+>>> Epilogue((q,)).out_dtype("int32")
+'uint8'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from . import isa as _isa
+
+if TYPE_CHECKING:
+    import numpy as np
+    from tvm import te
+    from tvm.tirx import PrimExpr
+
+__all__ = [
+    "KINDS",
+    "Operand",
+    "EpilogueOp",
+    "Epilogue",
+    "apply_te",
+    "reference",
+    "register_expr",
+]
+
+ACC_DTYPES = ("float32", "int32")
+_FLOAT, _ANY = frozenset({"float32"}), frozenset({"float32", "int32"})
+
+#: kind -> (accepted input dtypes, fields the kind may set besides ``kind``).
+KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "bias": (_ANY, frozenset({"broadcast", "name"})),
+    "residual": (_ANY, frozenset({"name"})),
+    "relu": (_ANY, frozenset()),
+    "clamp": (_ANY, frozenset({"lo", "hi"})),
+    "gelu": (_FLOAT, frozenset({"variant"})),
+    "sigmoid": (_FLOAT, frozenset()),
+    "scale": (_FLOAT, frozenset({"value", "broadcast", "name"})),
+    "convert": (_FLOAT, frozenset({"dtype"})),
+    "requantize": (frozenset({"int32"}), frozenset({"value", "broadcast", "name", "zero_point",
+                                                    "dtype"})),
+}
+_TERMINAL = ("convert", "requantize")
+_GELU_VARIANTS = ("erf", "tanh")
+_QUANT_RANGE = {"uint8": (0, 255), "int8": (-128, 127)}
+_SHORT = {"uint8": "u8", "int8": "s8", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An extra input tensor of an epilogue.
+
+    ``broadcast`` says how it covers the ``[M, N]`` tile: ``"row"`` is one row of ``N`` values
+    (one per output column), ``"col"`` one column of ``M`` values (one per row), ``"full"`` the
+    whole ``[M, N]`` tensor.
+    """
+
+    name: str
+    broadcast: str
+    dtype: str
+
+    def shape(self, m: Any, n: Any) -> tuple[Any, ...]:
+        """Shape of the tensor for an ``m x n`` C (ints or TIR expressions)."""
+        return {"row": (n,), "col": (m,), "full": (m, n)}[self.broadcast]
+
+    def index(self, i: Any, j: Any) -> tuple[Any, ...]:
+        """Indices of the element that meets C[i, j]."""
+        return {"row": (j,), "col": (i,), "full": (i, j)}[self.broadcast]
+
+
+@dataclass(frozen=True)
+class EpilogueOp:
+    """One elementwise TPP of an epilogue; the module docstring lists the kinds.
+
+    Parameters
+    ----------
+    kind
+        One of :data:`KINDS`.
+    variant
+        gelu only: ``"erf"`` (exact GELU) or ``"tanh"`` (its tanh approximation).
+    broadcast
+        bias: ``"row"`` (default, ``[N]``) or ``"col"`` (``[M]``).  scale/requantize without
+        ``value``: the per-column (``"row"``, ``[N]``) or per-row (``"col"``, ``[M]``) factors.
+    name
+        Name of the operand tensor (defaults: ``bias``, ``residual``, ``scale``,
+        ``requantize_scale``); the keys of ``extra`` in :func:`apply_te` and :func:`reference`.
+    value
+        scale/requantize: the per-tensor factor (applied as float32).
+    lo, hi
+        clamp bounds, ``lo <= hi`` (integral when the chain is int32).
+    zero_point
+        requantize: added after rounding, within the range of ``dtype``.
+    dtype
+        convert: ``"bfloat16"``; requantize: ``"uint8"`` or ``"int8"``.
+
+    Examples
+    --------
+    >>> EpilogueOp("clamp", lo=0.0, hi=6.0).tag
+    'clamp'
+    >>> EpilogueOp("gelu", variant="sigmoid")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown gelu variant 'sigmoid'; known: erf, tanh
+    """
+
+    kind: str
+    variant: str = ""
+    broadcast: str = ""
+    name: str = ""
+    value: float | None = None
+    lo: float | None = None
+    hi: float | None = None
+    zero_point: int = 0
+    dtype: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown epilogue op {self.kind!r}; known: {', '.join(KINDS)}")
+        allowed = KINDS[self.kind][1]
+        for f in fields(self):
+            if f.name != "kind" and f.name not in allowed and getattr(self, f.name) != f.default:
+                raise ValueError(f"epilogue op {self.kind!r} takes no {f.name!r}")
+        getattr(self, f"_check_{self.kind}", lambda: None)()
+        if self.name and not self.name.isidentifier():
+            raise ValueError(f"operand name {self.name!r} is not an identifier")
+
+    def _check_bias(self) -> None:
+        if self.broadcast not in ("", "row", "col"):
+            raise ValueError(f"bias broadcast must be 'row' or 'col', got {self.broadcast!r}")
+
+    def _check_gelu(self) -> None:
+        if self.variant not in _GELU_VARIANTS:
+            raise ValueError(
+                f"unknown gelu variant {self.variant!r}; known: {', '.join(_GELU_VARIANTS)}"
+            )
+
+    def _check_clamp(self) -> None:
+        for bound in ("lo", "hi"):
+            v = getattr(self, bound)
+            if not _is_real(v) or math.isnan(v):
+                raise ValueError(f"clamp needs a number for {bound!r}, got {v!r}")
+        if self.lo > self.hi:
+            raise ValueError(f"clamp needs lo <= hi, got lo={self.lo}, hi={self.hi}")
+
+    def _check_scale(self) -> None:
+        if self.value is None:
+            if self.broadcast not in ("row", "col"):
+                raise ValueError(
+                    f"{self.kind} needs a constant `value` or a vector `broadcast` of 'row' "
+                    f"(per column) or 'col' (per row), got broadcast={self.broadcast!r}"
+                )
+        elif self.broadcast or self.name:
+            raise ValueError(f"{self.kind} takes either `value` or a vector operand, not both")
+        elif not _is_real(self.value) or not math.isfinite(self.value):
+            raise ValueError(f"{self.kind} value must be a finite number, got {self.value!r}")
+
+    def _check_convert(self) -> None:
+        if self.dtype != "bfloat16":
+            raise ValueError(f"convert supports dtype 'bfloat16' only, got {self.dtype!r}")
+
+    def _check_requantize(self) -> None:
+        self._check_scale()
+        if self.value is not None and not self.value > 0:
+            raise ValueError(f"requantize scale must be positive, got {self.value}")
+        if self.dtype not in _QUANT_RANGE:
+            raise ValueError(f"requantize dtype must be 'uint8' or 'int8', got {self.dtype!r}")
+        lo, hi = _QUANT_RANGE[self.dtype]
+        if not isinstance(self.zero_point, int) or isinstance(self.zero_point, bool) or not (
+            lo <= self.zero_point <= hi
+        ):
+            raise ValueError(
+                f"requantize zero_point must be an int in [{lo}, {hi}], got {self.zero_point!r}"
+            )
+
+    def operand(self, dtype: str) -> Operand | None:
+        """The extra tensor this op reads when the value reaching it has ``dtype``, if any."""
+        if self.kind == "bias":
+            return Operand(self.name or "bias", self.broadcast or "row", dtype)
+        if self.kind == "residual":
+            return Operand(self.name or "residual", "full", dtype)
+        if self.kind in ("scale", "requantize") and self.value is None:
+            default = "scale" if self.kind == "scale" else "requantize_scale"
+            return Operand(self.name or default, self.broadcast, "float32")
+        return None
+
+    def result_dtype(self, dtype: str) -> str:
+        """dtype of this op's result for an input of ``dtype`` (ValueError if not accepted)."""
+        accepted = KINDS[self.kind][0]
+        if dtype not in accepted:
+            hint = " (use requantize for int32)" if self.kind == "scale" else ""
+            raise ValueError(
+                f"epilogue op {self.tag!r} takes {' or '.join(sorted(accepted))}, got {dtype}{hint}"
+            )
+        if self.kind == "clamp" and dtype == "int32" and not all(
+            float(v).is_integer() and -(2**31) <= v < 2**31 for v in (self.lo, self.hi)
+        ):
+            raise ValueError(
+                f"clamp of int32 needs integral bounds within int32, got {self.lo}, {self.hi}"
+            )
+        return self.dtype if self.kind in _TERMINAL else dtype
+
+    @property
+    def tag(self) -> str:
+        """Short name for kernel names, e.g. ``gelu_tanh``, ``requantize_u8``."""
+        if self.kind == "gelu":
+            return f"gelu_{self.variant}"
+        if self.kind in _TERMINAL:
+            return f"{self.kind}_{_SHORT[self.dtype]}"
+        if self.kind == "bias" and self.broadcast == "col":
+            return "bias_col"
+        return self.kind
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """A chain of :class:`EpilogueOp` applied in order to each element of C.
+
+    ``convert`` and ``requantize`` may only come last; operand names must be unique.
+    An empty chain is the identity.
+    """
+
+    ops: tuple[EpilogueOp, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ops, Iterable) or isinstance(self.ops, (str, EpilogueOp)):
+            raise TypeError(f"Epilogue.ops must be a sequence of EpilogueOp, got {self.ops!r}")
+        object.__setattr__(self, "ops", tuple(self.ops))  # accept lists; stay hashable
+        for op in self.ops:
+            if not isinstance(op, EpilogueOp):
+                raise TypeError(f"Epilogue.ops must hold EpilogueOp, got {op!r}")
+        for op in self.ops[:-1]:
+            if op.kind in _TERMINAL:
+                raise ValueError(f"{op.kind} must be the last op of an epilogue")
+        names = [o.name for o in (op.operand("float32") for op in self.ops) if o is not None]
+        if len(set(names)) != len(names):
+            raise ValueError(f"epilogue operand names must be unique, got {names}")
+
+    @property
+    def name(self) -> str:
+        """Tags of the ops joined by ``_`` (``""`` when empty): readable, for kernel names.
+
+        Not unique (constants are left out); the hashable ``Epilogue`` itself is the cache key.
+        """
+        return "_".join(op.tag for op in self.ops)
+
+    def _dtypes(self, acc_dtype: str) -> list[str]:
+        """dtype reaching each op, then the result's."""
+        if acc_dtype not in ACC_DTYPES:
+            raise ValueError(
+                f"epilogue accumulator dtype must be one of {', '.join(ACC_DTYPES)}, "
+                f"got {acc_dtype!r}"
+            )
+        chain = [acc_dtype]
+        for op in self.ops:
+            chain.append(op.result_dtype(chain[-1]))
+        return chain
+
+    def out_dtype(self, acc_dtype: str) -> str:
+        """dtype of the result for accumulators of ``acc_dtype``; ValueError if ill-typed."""
+        return self._dtypes(acc_dtype)[-1]
+
+    def inputs(self, acc_dtype: str = "float32") -> tuple[Operand, ...]:
+        """Extra tensors the chain reads, in op order (``Operand.shape(m, n)`` gives shapes)."""
+        dtypes = self._dtypes(acc_dtype)
+        found = (op.operand(dt) for op, dt in zip(self.ops, dtypes[:-1], strict=True))
+        return tuple(o for o in found if o is not None)
+
+
+# --------------------------------------------------------------------------------------------
+# TE expressions.  builder(op, x, arg) -> the op applied to element x; arg is the operand's
+# element at the same (i, j) or None.  Keyed by (kind, isa): apply_te takes the richest entry
+# along the ISA's lineage, so an ISA-specific version registers beside the generic one.
+
+ExprBuilder = Callable[[EpilogueOp, "PrimExpr", "PrimExpr | None"], "PrimExpr"]
+_EXPRS: dict[tuple[str, str], ExprBuilder] = {}
+
+
+def register_expr(kind: str, isa: str = "generic"):
+    """Decorator registering ``builder(op, x, arg) -> PrimExpr`` for ``kind`` on ``isa``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown epilogue op {kind!r}; known: {', '.join(KINDS)}")
+    if isa != "generic":
+        _isa.from_name(isa)
+
+    def wrap(builder: ExprBuilder) -> ExprBuilder:
+        _EXPRS[(kind, isa)] = builder
+        return builder
+
+    return wrap
+
+
+def _builder(kind: str, isa: str) -> ExprBuilder:
+    lineage = () if isa == "generic" else _isa.from_name(isa).lineage()
+    for name in lineage + ("generic",):
+        if (kind, name) in _EXPRS:
+            return _EXPRS[(kind, name)]
+    raise AssertionError(f"no generic expression for {kind}")  # every kind registers one below
+
+
+def _f32(v: float) -> PrimExpr:
+    from tvm import tirx
+
+    return tirx.const(v, "float32")
+
+
+def _like(x: PrimExpr, v: float) -> PrimExpr:
+    from tvm import tirx
+
+    dtype = str(x.ty)
+    return tirx.const(int(v) if dtype == "int32" else float(v), dtype)
+
+
+@register_expr("bias")
+@register_expr("residual")
+def _add(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    return x + arg
+
+
+@register_expr("relu")
+def _relu(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    from tvm import tirx
+
+    return tirx.max(x, _like(x, 0))
+
+
+@register_expr("clamp")
+def _clamp(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    from tvm import tirx
+
+    return tirx.min(tirx.max(x, _like(x, op.lo)), _like(x, op.hi))
+
+
+_SQRT_2_PI = math.sqrt(2.0 / math.pi)
+# Cephes expf: exp(x) = 2**n * exp(r), n = round(x / ln 2), ln 2 split in two for an exact r.
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+             1.6666665459e-1, 5.0000001201e-1)
+# Eigen's erf(x) = x P(x^2) / Q(x^2) on [-4, 4] (erf(4) rounds to 1.0f).
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+          -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+          -7.37332916720468e-03, -1.42647390514189e-02)
+
+
+def _isnan(x: PrimExpr) -> PrimExpr:
+    """NaN test on the bits: ``tirx.isnan`` stops TVM vectorizing the loop, and TVM's
+    simplifier folds ``x != x`` to false."""
+    from tvm import tirx
+
+    magnitude = tirx.reinterpret("int32", x) & tirx.const(0x7FFFFFFF, "int32")
+    return magnitude > tirx.const(0x7F800000, "int32")
+
+
+def _let(value: PrimExpr, body: Callable[[PrimExpr], PrimExpr]) -> PrimExpr:
+    """``body(v)`` with ``v`` bound once to ``value`` (the expression is a tree, not a DAG)."""
+    from tvm import tirx
+
+    v = tirx.Var("t", "float32")
+    return tirx.Let(v, value, body(v))
+
+
+def _horner(x: PrimExpr, coefficients: tuple[float, ...]) -> PrimExpr:
+    acc = _f32(coefficients[0])
+    for c in coefficients[1:]:
+        acc = acc * x + _f32(c)
+    return acc
+
+
+def _exp(x: PrimExpr) -> PrimExpr:
+    """float32 exp in plain arithmetic, so it vectorizes (``tirx.exp`` calls scalar libm expf).
+
+    Relative error below 1e-7 (measured 8.3e-8); saturates to exp(-87) and exp(88) outside
+    those (normal-range) bounds; propagates NaN.
+    """
+    from tvm import tirx
+
+    def from_clamped(xc: PrimExpr) -> PrimExpr:
+        def from_n(n: PrimExpr) -> PrimExpr:
+            def from_r(r: PrimExpr) -> PrimExpr:
+                y = _horner(r, _EXP_POLY) * r * r + r + _f32(1.0)
+                two_n = tirx.reinterpret(
+                    "float32", (n.astype("int32") + tirx.const(127, "int32")) << 23
+                )
+                return y * two_n
+
+            return _let(xc - n * _f32(_LN2_HI) - n * _f32(_LN2_LO), from_r)
+
+        return _let(tirx.floor(xc * _f32(1.0 / math.log(2.0)) + _f32(0.5)), from_n)
+
+    y = _let(tirx.min(tirx.max(x, _f32(-87.0)), _f32(88.0)), from_clamped)
+    return tirx.Select(_isnan(x), x, y)
+
+
+def _erf(x: PrimExpr) -> PrimExpr:
+    """float32 erf as a rational function (vectorizes; ``tirx.erf`` calls scalar erff).
+
+    Absolute error below 4e-7 (libm's: 6e-8); a NaN comes out as a number, which is harmless
+    in GELU where it is multiplied by x.
+    """
+    from tvm import tirx
+
+    def from_clamped(xc: PrimExpr) -> PrimExpr:
+        return _let(xc * xc, lambda x2: xc * _horner(x2, _ERF_P) / _horner(x2, _ERF_Q))
+
+    # The rational function overshoots |erf| = 1 by up to 4e-7 near |x| = 4: clip it.
+    y = _let(tirx.min(tirx.max(x, _f32(-4.0)), _f32(4.0)), from_clamped)
+    return tirx.min(tirx.max(y, _f32(-1.0)), _f32(1.0))
+
+
+@register_expr("gelu")
+def _gelu(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    if op.variant == "erf":
+        return _f32(0.5) * x * (_f32(1.0) + _erf(x * _f32(math.sqrt(0.5))))
+    # (1 + tanh(z)) / 2 == 1 / (1 + exp(-2z)): one exp and no cancellation in 1 + tanh(z).
+    z2 = x * (_f32(-2.0 * _SQRT_2_PI) + _f32(-2.0 * _SQRT_2_PI * 0.044715) * x * x)
+    return x / (_f32(1.0) + _exp(z2))
+
+
+@register_expr("sigmoid")
+def _sigmoid(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    return _f32(1.0) / (_f32(1.0) + _exp(-x))
+
+
+@register_expr("scale")
+def _scale(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    return x * (_f32(op.value) if arg is None else arg)
+
+
+@register_expr("convert")
+def _to_bf16(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    # On the bits: TVM's own float32 -> bfloat16 cast rounds NaNs into Inf or -0.0.
+    from tvm import tirx
+
+    def u32(v: int) -> PrimExpr:
+        return tirx.const(v, "uint32")
+
+    bits = tirx.reinterpret("uint32", x)
+    rne = (bits + u32(0x7FFF) + ((bits >> u32(16)) & u32(1))) >> u32(16)
+    quiet_nan = (bits >> u32(16)) | u32(0x40)
+    half = tirx.Select(_isnan(x), quiet_nan, rne).astype("uint16")
+    return tirx.reinterpret("bfloat16", half)
+
+
+@register_expr("requantize")
+def _requantize(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    # Saturate in float32 before the cast (an out-of-range float -> int cast is undefined).
+    # Exact: rint(.) is an integer, and adding zp only rounds beyond 2**24, far past saturation.
+    # tirx.round lowers to llvm.nearbyint (half to even); tirx.nearbyint would stop TVM
+    # vectorizing the loop.
+    from tvm import tirx
+
+    qmin, qmax = _QUANT_RANGE[op.dtype]
+    scale = _f32(op.value) if arg is None else arg
+    q = tirx.round(x.astype("float32") * scale) + _f32(op.zero_point)
+    return tirx.min(tirx.max(q, _f32(qmin)), _f32(qmax)).astype(op.dtype)
+
+
+def _extent(e: Any) -> Any:
+    try:
+        return int(e)
+    except TypeError:  # symbolic
+        return e
+
+
+def apply_te(
+    epilogue: Epilogue,
+    C: te.Tensor,
+    extra: dict[str, te.Tensor] | None = None,
+    *,
+    isa: str = "generic",
+    name: str = "epilogue",
+) -> te.Tensor:
+    """One ``te.compute`` stage ``name`` applying the whole chain to the ``[M, N]`` tensor C.
+
+    Parameters
+    ----------
+    epilogue
+        The chain; empty returns ``C`` itself (no stage).
+    C
+        The GEMM output, dtype ``"float32"`` or ``"int32"``.
+    extra
+        Operand tensors by name, exactly those of ``epilogue.inputs(C.dtype)``, with those shapes
+        and dtypes.
+    isa
+        Use expressions registered for this ISA (or its lineage) where there are any.
+
+    Examples
+    --------
+    >>> from tvm import te  # doctest: +SKIP
+    >>> C = te.placeholder((7, 19), "float32", name="C")  # doctest: +SKIP
+    >>> b = te.placeholder((19,), "float32", name="bias")  # doctest: +SKIP
+    >>> epi = Epilogue([EpilogueOp("bias"), EpilogueOp("relu")])
+    >>> Y = apply_te(epi, C, {"bias": b})  # doctest: +SKIP
+    """
+    from tvm import te, tirx
+
+    if not isinstance(epilogue, Epilogue):
+        raise TypeError(f"apply_te needs an Epilogue, got {type(epilogue).__name__}")
+    if not isinstance(C, te.Tensor) or len(C.shape) != 2:
+        raise ValueError(f"apply_te needs a 2-D te.Tensor C, got {C!r}")
+    extra = dict(extra or {})
+    acc_dtype = str(C.dtype)
+    dtypes = epilogue._dtypes(acc_dtype)
+    m, n = (_extent(e) for e in C.shape)
+    operands = [op.operand(dt) for op, dt in zip(epilogue.ops, dtypes[:-1], strict=True)]
+    wanted = {o.name for o in operands if o is not None}
+    if set(extra) != wanted:
+        raise ValueError(
+            f"epilogue {epilogue.name!r} needs extra tensors {sorted(wanted)}, got {sorted(extra)}"
+        )
+    for o in (o for o in operands if o is not None):
+        t = extra[o.name]
+        shape = tuple(_extent(e) for e in t.shape)
+        expected = o.shape(m, n)
+        static = all(isinstance(e, int) for e in shape + expected)
+        if len(shape) != len(expected) or (static and shape != expected):
+            raise ValueError(f"extra tensor {o.name!r} must have shape {expected}, got {shape}")
+        if str(t.dtype) != o.dtype:
+            raise ValueError(f"extra tensor {o.name!r} must be {o.dtype}, got {t.dtype}")
+    if not epilogue.ops:
+        return C
+    builders = [_builder(op.kind, isa) for op in epilogue.ops]
+
+    def chain(x: PrimExpr, i: Any, j: Any, step: int) -> PrimExpr:
+        operand = operands[step]
+        arg = None if operand is None else extra[operand.name](*operand.index(i, j))
+        y = builders[step](epilogue.ops[step], x, arg)
+        if step + 1 == len(builders):
+            return y
+        # Bind each intermediate once: builders use x several times (GELU four).
+        v = tirx.Var(f"x{step}", str(y.ty))
+        return tirx.Let(v, y, chain(v, i, j, step + 1))
+
+    return te.compute(C.shape, lambda i, j: chain(C(i, j), i, j, 0), name=name)
+
+
+# --------------------------------------------------------------------------------------------
+# numpy semantics.  Each op's result is rounded to its dtype, as TVM stores it; a float op is
+# evaluated in float64 inside (TVM differs there by rounding: LLVM contracts mul+add into FMA and
+# exp/erf come from libm).  int32 arrays wrap around like TVM's int32; requantize runs in
+# float32 exactly like the TE expression.
+
+
+def _np_bf16_bits(x: np.ndarray) -> np.ndarray:
+    import numpy as np
+
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rne = (bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16
+    out = np.where(np.isnan(x), (bits >> 16) | np.uint32(0x40), rne)
+    return out.astype(np.uint16)
+
+
+def _np_float(op: EpilogueOp, x: np.ndarray, arg: np.ndarray | None) -> np.ndarray:
+    """A float32-only op in float64."""
+    import numpy as np
+
+    if op.kind == "gelu" and op.variant == "erf":
+        erf = np.vectorize(math.erf, otypes=[np.float64])
+        return 0.5 * x * (1.0 + erf(x * math.sqrt(0.5)))
+    if op.kind == "gelu":
+        return 0.5 * x * (1.0 + np.tanh(_SQRT_2_PI * (x + 0.044715 * x**3)))
+    if op.kind == "sigmoid":
+        with np.errstate(over="ignore"):
+            return 1.0 / (1.0 + np.exp(-x))
+    return x * (float(np.float32(op.value)) if arg is None else arg)  # scale
+
+
+def _np_apply(op: EpilogueOp, x: np.ndarray, arg: np.ndarray | None) -> np.ndarray:
+    import numpy as np
+
+    if op.kind in ("bias", "residual"):
+        if x.dtype == np.float32:
+            return (x.astype(np.float64) + arg).astype(np.float32)
+        return x + arg
+    if op.kind == "relu":
+        return np.maximum(x, x.dtype.type(0))
+    if op.kind == "clamp":
+        return np.minimum(np.maximum(x, x.dtype.type(op.lo)), x.dtype.type(op.hi))
+    if op.kind == "convert":
+        return _np_bf16_bits(x)
+    if op.kind == "requantize":
+        qmin, qmax = _QUANT_RANGE[op.dtype]
+        scale = np.float32(op.value) if arg is None else arg
+        q = np.rint(x.astype(np.float32) * scale) + np.float32(op.zero_point)
+        return np.clip(q, qmin, qmax).astype(op.dtype)
+    return _np_float(op, x.astype(np.float64), arg).astype(np.float32)
+
+
+def reference(
+    epilogue: Epilogue, c: np.ndarray, extra: dict[str, np.ndarray] | None = None
+) -> np.ndarray:
+    """numpy result of ``epilogue`` on the ``[M, N]`` accumulator ``c`` (float32 or int32).
+
+    Returns ``epilogue.out_dtype(c.dtype)`` values, bfloat16 as uint16 bit patterns.  Integer
+    ops, requantize and bf16 conversion are bit-exact with :func:`apply_te`, and so are float32
+    bias/residual adds, relu and clamp.  Other float32 ops agree to ``rtol=1e-5`` plus
+    ``atol=1e-6`` for ``|x| <= 10``, ``atol=2e-6`` with ``gelu(erf)`` (measured: 9.3e-7 near
+    x = -5.6): the absolute part because ``x * s + b`` may become an FMA and ``1 + erf(x)``
+    cancels for ``x << 0``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> epi = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
+    >>> reference(epi, np.array([[1.0, -2.0]], np.float32), {"bias": np.array([0.5, 1.0])})
+    array([[1.5, 0. ]], dtype=float32)
+    """
+    import numpy as np
+
+    c = np.asarray(c)
+    dtypes = epilogue._dtypes(str(c.dtype))
+    if c.ndim != 2:
+        raise ValueError(f"reference needs a 2-D accumulator, got shape {c.shape}")
+    m, n = c.shape
+    extra = dict(extra or {})
+    x = c
+    for op, dtype in zip(epilogue.ops, dtypes[:-1], strict=True):
+        operand = op.operand(dtype)
+        arg = None
+        if operand is not None:
+            if operand.name not in extra:
+                raise ValueError(f"reference needs extra tensor {operand.name!r}")
+            arg = np.asarray(extra[operand.name]).astype(operand.dtype)
+            if arg.shape != operand.shape(m, n):
+                raise ValueError(
+                    f"extra tensor {operand.name!r} must have shape {operand.shape(m, n)}, "
+                    f"got {arg.shape}"
+                )
+            arg = {"row": arg[None, :], "col": arg[:, None], "full": arg}[operand.broadcast]
+        x = _np_apply(op, x, arg)
+    return x
