@@ -31,6 +31,7 @@ from microkernels import isa as _isa
 from microkernels.epilogue import Epilogue, EpilogueOp
 from schedules.blocking import default_config
 from schedules.gemm import GemmProblem, pack_weight, schedule
+from schedules.tuner import Tuner
 
 __all__ = ["Offload", "rewrite_dense", "report_leftovers"]
 
@@ -97,16 +98,19 @@ def _patterns() -> list[_Pattern]:
     return out
 
 
-def rewrite_dense(mod: tvm.IRModule, target: Target, report: list[Offload]) -> tvm.IRModule:
-    """Replace every float32 dense chain with a constant weight by a TPP kernel call."""
-    isa = _isa.from_name(str(target.attrs["model"]))
-    threads = int(target.attrs.get("num-cores", 1))
-    caches = _isa.caches()
+def rewrite_dense(
+    mod: tvm.IRModule, target: Target, report: list[Offload], tuner: Tuner | None = None
+) -> tvm.IRModule:
+    """Replace every float32 dense chain with a constant weight by a TPP kernel call.
+
+    With a ``tuner`` each GEMM gets its tuned configuration (tuned now if its database does
+    not know it yet); without one, the default heuristic's.
+    """
     builder = relax.BlockBuilder(mod)
     functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     for pattern in _patterns():
         def rewriter(orig, matches, pattern=pattern):
-            return _rewrite(orig, matches, pattern, builder, isa, caches, threads, report)
+            return _rewrite(orig, matches, pattern, builder, target, tuner, report)
 
         functions = {gv: rewrite_call(pattern.root, rewriter, f) for gv, f in functions.items()}
     new_mod = builder.get()
@@ -129,7 +133,7 @@ def _unsupported(x, weight: np.ndarray) -> str | None:
     return None
 
 
-def _rewrite(orig, matches, pattern: _Pattern, builder, isa, caches, threads, report):
+def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, by report_leftovers().
     x = matches[pattern.x]
@@ -158,7 +162,11 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, isa, caches, threads, re
     if pattern.activation:
         ops.append(_ACTIVATIONS[pattern.activation])
     problem = GemmProblem(m, n, k, epilogue=Epilogue(tuple(ops)))
-    config = default_config(m, n, k, isa, caches, threads)
+    isa = _isa.from_name(str(target.attrs["model"]))
+    config = tuner.config(problem, target) if tuner is not None else None
+    if config is None:
+        threads = int(target.attrs.get("num-cores", 1))
+        config = default_config(m, n, k, isa, _isa.caches(), threads)
     func = schedule(problem, config, isa).mod["main"]
     # kOpaque keeps FuseOps from fusing neighbours into the kernel; is_scheduled keeps the
     # fallback schedules off it.

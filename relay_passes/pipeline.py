@@ -19,6 +19,8 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.target import Target
 
+from schedules.tuner import Tuner
+
 from .dense import Offload, rewrite_dense
 from .fallback import fallback_schedules
 
@@ -37,11 +39,14 @@ def prepare() -> tvm.transform.Pass:
     )
 
 
-def tpp_pipeline(target: Target, report: list[Offload] | None = None) -> tvm.transform.Pass:
+def tpp_pipeline(
+    target: Target, report: list[Offload] | None = None, tuner: Tuner | None = None
+) -> tvm.transform.Pass:
     """Prepare, rewrite to TPP kernels when ``target`` is a tpp target, then lower.
 
     ``report`` (if given) receives one :class:`~relay_passes.dense.Offload` per matched
-    operator: the kernel it became or why it stayed with TVM.
+    operator: the kernel it became or why it stayed with TVM.  ``tuner`` picks each GEMM's
+    configuration from its database, tuning the ones it does not know.
     """
 
     @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
@@ -49,7 +54,7 @@ def tpp_pipeline(target: Target, report: list[Offload] | None = None) -> tvm.tra
         mod = prepare()(mod)
         if "tpp" not in target.keys:
             return relax.get_default_pipeline(target)(mod)
-        mod = rewrite_dense(mod, target, report if report is not None else [])
+        mod = rewrite_dense(mod, target, report if report is not None else [], tuner)
         with target:
             return tvm.transform.Sequential(
                 cpu.library_dispatch_passes(target)

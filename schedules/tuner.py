@@ -41,7 +41,7 @@ from .space import Candidate, generate
 if TYPE_CHECKING:
     from tvm.target import Target
 
-__all__ = ["TuningKey", "Database", "Measurement", "TuneResult", "tune_gemm", "measure"]
+__all__ = ["TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune_gemm", "measure"]
 
 
 @dataclass(frozen=True)
@@ -235,3 +235,33 @@ def tune_gemm(
                      measured=[m.to_json() for m in measurements])
     return TuneResult(best.config, cached=False, tune_seconds=seconds,
                       measurements=tuple(measurements), candidates=len(ranked))
+
+
+@dataclass
+class Tuner:
+    """What the graph passes call for each GEMM: tune it (or look it up) and remember it.
+
+    Parameters
+    ----------
+    database
+        Where results persist.
+    top_k
+        Candidates measured per GEMM.
+    tune_missing
+        Tune GEMMs the database does not know; otherwise :meth:`config` returns None for them.
+    on_result
+        Called with ``(problem, result)`` after each GEMM, e.g. to print progress.
+    """
+
+    database: Database
+    top_k: int = 8
+    tune_missing: bool = True
+    on_result: Callable[[GemmProblem, TuneResult], None] | None = None
+
+    def config(self, problem: GemmProblem, target: Target) -> GemmConfig | None:
+        if not self.tune_missing and self.database.get(TuningKey.of(problem, target)) is None:
+            return None
+        result = tune_gemm(problem, target, database=self.database, top_k=self.top_k)
+        if self.on_result is not None:
+            self.on_result(problem, result)
+        return result.best

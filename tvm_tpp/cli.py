@@ -136,6 +136,62 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from . import compiler
+
+    console = Console()
+    tuned = []
+
+    def on_tuned(problem, result) -> None:
+        how = "database" if result.cached else f"{result.tune_seconds:.1f} s"
+        console.print(f"  {problem.m}x{problem.n}x{problem.k} {problem.epilogue.name or '-':22s}"
+                      f" -> {result.best.spec:12s} bm={result.best.bm} bn={result.best.bn} "
+                      f"bk={result.best.bk} k_step={result.best.k_step} ({how})")
+        tuned.append((problem, result))
+
+    for name in args.model:
+        console.print(f"[bold]{name}[/bold]: tuning each GEMM's loop_spec space")
+        with console.status("tuning", spinner="dots"):
+            compiler.compile(_model(name, args.batch), target=args.target, tune=True,
+                             work_dir=args.work_dir, on_tuned=on_tuned)
+    if args.explain:
+        _explain(console, tuned)
+    return 0
+
+
+def _explain(console, tuned) -> None:
+    from rich.table import Table
+
+    for problem, result in tuned:
+        if result.cached:
+            console.print(f"{problem.m}x{problem.n}x{problem.k}: from the database (no new "
+                          "measurements); delete the work dir to re-measure")
+            continue
+        table = Table(title=f"{problem.m}x{problem.n}x{problem.k} {problem.epilogue.name}: "
+                            f"model ranking vs measurement ({result.candidates} candidates)")
+        for column in ("model rank", "loop_spec", "blocks", "k_step", "predicted Mcycles",
+                       "GFLOPS"):
+            table.add_column(column, justify="right")
+        timed = sorted(result.measurements, key=lambda m: (m.model_rank is None, m.model_rank))
+        best = min((m for m in timed if m.seconds), key=lambda m: m.seconds)
+        for m in timed:
+            table.add_row(
+                "default" if m.model_rank is None else str(m.model_rank + 1),
+                m.config.spec, str(dict(m.config.candidate.block_steps) or ""),
+                str(m.config.k_step),
+                f"{m.predicted_cycles / 1e6:.2f}" if m.predicted_cycles else "-",
+                (f"{m.gflops(problem):.1f}" if m.seconds else m.error or "-")
+                + (" *" if m is best else ""),
+            )
+        console.print(table)
+        rank = best.model_rank
+        verdict = "yes" if rank is not None and rank < 5 else "no"
+        console.print(f"measured best is model rank {rank + 1 if rank is not None else '-'}: "
+                      f"in the model's top 5: {verdict}")
+
+
 def cmd_bench_kernel(args: argparse.Namespace) -> int:
     from .bench_kernel import bench_kernel, format_bench_kernel
 
@@ -182,6 +238,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=10, help="timed samples")
     p.add_argument("--number", type=int, default=1, help="runs per timed sample")
     p.add_argument("--seed", type=int, default=0)
+
+    p = add("tune", cmd_tune, "tune every GEMM of the models over the loop_spec space")
+    p.add_argument("model", nargs="+", help="ONNX files or bundled model names")
+    p.add_argument("--target", default="tpp", help='"tpp" (host) or "tpp -num-cores=N"')
+    p.add_argument("--batch", type=int, help="batch size of bundled models")
+    p.add_argument("--work-dir", default="tvm_tpp_work", help="where the database lives")
+    p.add_argument("--explain", action="store_true",
+                   help="show the cost model's ranking next to the measurements")
 
     p = add("bench-kernel", cmd_bench_kernel, "BRGEMM GFLOPS and fraction of this core's peak")
     p.add_argument("--dtype", choices=("float32", "int8", "bfloat16"), default="float32")

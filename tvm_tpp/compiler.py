@@ -17,7 +17,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from tvm.target import Target
 
 from relay_passes.dense import Offload
 from relay_passes.pipeline import tpp_pipeline
+from schedules.tuner import Database, Tuner
 
 from . import onnx_import
 from .onnx_import import ModelError, TensorSpec
@@ -208,6 +209,10 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     model: str | os.PathLike | bytes | onnx.ModelProto | tvm.IRModule,
     target: str | dict | Target = "tpp",
     input_shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    tune: bool = False,
+    work_dir: str | os.PathLike | None = None,
+    on_tuned: Callable | None = None,
 ) -> CompiledModel:
     """Import, rewrite to TPP kernels, and build a model.
 
@@ -221,6 +226,14 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         any TVM target (dict or ``Target``): non-tpp targets get TVM's plain lowering.
     input_shapes
         Shapes by input name, for inputs with symbolic dimensions.
+    tune
+        Tune each GEMM's loop_spec space (seconds per GEMM; needs a target this CPU runs).
+        Results persist in ``work_dir/tuning.json`` and are reused by later compiles.
+    work_dir
+        Where the tuning database lives (default ``./tvm_tpp_work``); read even without
+        ``tune`` when it holds the database, so tuned models rebuild tuned.
+    on_tuned
+        Called with ``(GemmProblem, TuneResult)`` after each GEMM is tuned or looked up.
 
     Raises
     ------
@@ -230,8 +243,13 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         Unknown ISA or malformed target spec.
     """
     tgt = make_target(target)
+    if tune and not runs_on_host(tgt):
+        raise NotRunnableError(f"tuning measures on this CPU, which cannot run {tgt}")
+    db_path = Path(work_dir or "tvm_tpp_work") / "tuning.json"
+    use_db = tune or (work_dir is not None and db_path.is_file())
+    tuner = Tuner(Database(db_path), tune_missing=tune, on_result=on_tuned) if use_db else None
     start = time.perf_counter()
     mod, specs = import_model(model, input_shapes)
     report: list[Offload] = []
-    executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(tgt, report))
+    executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(tgt, report, tuner))
     return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report)
