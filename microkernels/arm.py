@@ -176,7 +176,6 @@ def mmla_shapes(shape: BrgemmShape) -> tuple[tuple[int, ...], tuple[int, ...], t
     return (shape.m // 2, kq, 2, kb), (shape.n // 2, kq, 2, kb), (shape.m, shape.n)
 
 
-@register_layout("mmla", alpha=8, dtypes=frozenset(MMLA_K_BLOCK))
 def mmla_desc(shape: BrgemmShape, as_workload: bool = False) -> PrimFunc:
     """TIR semantics of an ``mmla``-layout BRGEMM (see module doc for the layout).
 
@@ -311,3 +310,7 @@ def mmla_reference(shape: BrgemmShape, a: np.ndarray, b: np.ndarray, c: np.ndarr
                        shape.isa)
     return reference(flat, unpack_mmla(a, (shape.m, total_k), "a"),
                      unpack_mmla(b, (total_k, shape.n), "b"), c)
+
+
+register_layout("mmla", alpha=8, dtypes=frozenset(MMLA_K_BLOCK), shapes=mmla_shapes,
+                reference=mmla_reference)(mmla_desc)

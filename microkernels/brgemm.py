@@ -113,6 +113,8 @@ class BrgemmShape:
                 f"supported: {supported}"
             )
         if self.layout not in LAYOUTS:
+            _load_implementations()  # layouts registered by implementation modules (mmla)
+        if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
         alpha, dtypes = LAYOUTS[self.layout]
         if self.dtype_a not in dtypes:
@@ -144,12 +146,16 @@ class BrgemmShape:
 
     def a_shape(self) -> tuple[int, ...]:
         """Shape of the A operand of one kernel call."""
+        if self.layout in _LAYOUT_FNS:
+            return _LAYOUT_FNS[self.layout][0](self)[0]
         if self.layout == "blocked":
             return (self.batch, self.m, self.k)
         return (self.m, self.batch * self.k)
 
     def b_shape(self) -> tuple[int, ...]:
         """Shape of the B operand of one kernel call."""
+        if self.layout in _LAYOUT_FNS:
+            return _LAYOUT_FNS[self.layout][0](self)[1]
         if self.layout == "blocked":
             return (self.batch, self.k, self.n)
         if self.alpha > 1:
@@ -164,6 +170,8 @@ DescFactory = Callable[[BrgemmShape, bool], "PrimFunc"]
 # they are imported lazily by dispatch() so importing this module parses no TVMScript.
 _IMPLS: dict[tuple[str, str, str], ImplFactory] = {}
 _DESCS: dict[str, DescFactory] = {}
+# layout -> (operand shapes function, numpy reference) for layouts registered by modules.
+_LAYOUT_FNS: dict[str, tuple[Callable, Callable]] = {}
 _IMPL_MODULES = ("microkernels.x86", "microkernels.amx", "microkernels.arm")
 _loaded = False
 
@@ -186,12 +194,19 @@ def register_impl(isas: str | tuple[str, ...], dtype_a: str, layout: str):
     return wrap
 
 
-def register_layout(layout: str, alpha: int, dtypes: frozenset[str]):
-    """Decorator registering a desc factory ``f(shape, as_workload) -> PrimFunc`` for a layout."""
+def register_layout(layout: str, alpha: int, dtypes: frozenset[str], shapes: Callable,
+                    reference: Callable):
+    """Decorator registering a desc factory ``f(shape, as_workload) -> PrimFunc`` for a layout.
+
+    ``shapes(shape) -> (a_shape, b_shape, c_shape)`` and ``reference(shape, a, b, c)`` give
+    the layout's operand shapes and numpy semantics to :class:`BrgemmShape` and
+    :func:`reference`.
+    """
 
     def wrap(factory: DescFactory) -> DescFactory:
         LAYOUTS[layout] = (alpha, frozenset(dtypes))
         _DESCS[layout] = factory
+        _LAYOUT_FNS[layout] = (shapes, reference)
         _register_generic(layout)
         return factory
 
@@ -321,6 +336,9 @@ def reference(shape: BrgemmShape, a: np.ndarray, b: np.ndarray, c: np.ndarray) -
     bfloat16 operands are passed as their uint16 bit patterns.
     """
     import numpy as np
+
+    if shape.layout in _LAYOUT_FNS:
+        return _LAYOUT_FNS[shape.layout][1](shape, a, b, c)
 
     def widen(x: np.ndarray, dtype: str) -> np.ndarray:
         if dtype == "bfloat16":
