@@ -206,7 +206,10 @@ def tune_gemm(
         blocked = blocking.blocked(problem)
         candidates = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
                               require_parallel=threads > 1, max_candidates=max_candidates)
-        for cycles, candidate in rank(candidates, blocked, caches, threads):
+        # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
+        peak = 2 * 2 * isa.lanes("float32")
+        for cycles, candidate in rank(candidates, blocked, caches, threads,
+                                      peak_flops_per_cycle=peak):
             ranked.append((cycles, GemmConfig(blocking.bm, blocking.bn, blocking.bk, candidate)))
     ranked.sort(key=lambda pair: pair[0])
     chosen = [(n, cycles, cfg) for n, (cycles, cfg) in enumerate(ranked[:top_k])]

@@ -1,0 +1,48 @@
+"""PARLOOPER-style outer-loop schedules: loop_spec strings, their candidate space, a cost model.
+
+This package is the layer above :mod:`microkernels`. The pure-Python half needs no TVM:
+
+:mod:`schedules.loop_spec`
+    Parses, validates and interprets loop_spec strings such as ``"bcaBCb"`` or
+    ``"bC{R:16}aB{C:4}cb"``. It documents how each construct maps onto TVM's thread pool.
+:mod:`schedules.space`
+    PARLOOPER's generation rules for a blocked GEMM. It provides :class:`Candidate`,
+    :func:`generate` and a default :func:`heuristic`.
+:mod:`schedules.cost_model`
+    The trace-driven LRU cache model of [PL] §II-E. :func:`predict` and :func:`rank`
+    order candidates without measuring them.
+
+Only these light modules are re-exported here. The TVM schedule builders import TVM and
+must be imported explicitly.
+
+Examples
+--------
+>>> from schedules import GemmProblem, generate, rank
+>>> gemm = GemmProblem(256, 256, 256, 32, 32, 32)
+>>> best_cycles, best = rank(generate(*gemm.trips, max_candidates=20), gemm, threads=2)[0]
+>>> best.parse(*gemm.trips).mode
+'collapse'
+"""
+
+from schedules.cost_model import Bandwidths, Prediction, analyze, predict, rank
+from schedules.loop_spec import LoopDecl, LoopSpec, LoopSpecError, Occurrence, parse, simulate
+from schedules.space import Candidate, GemmProblem, gemm_loops, generate, heuristic
+
+__all__ = [
+    "Bandwidths",
+    "Candidate",
+    "GemmProblem",
+    "LoopDecl",
+    "LoopSpec",
+    "LoopSpecError",
+    "Occurrence",
+    "Prediction",
+    "analyze",
+    "gemm_loops",
+    "generate",
+    "heuristic",
+    "parse",
+    "predict",
+    "rank",
+    "simulate",
+]
