@@ -227,13 +227,22 @@ def implementations() -> list[tuple[str, str, str]]:
     return sorted(_IMPLS)
 
 
-def find_impl(shape: BrgemmShape) -> tuple[str, ImplFactory]:
-    """The implementation used for ``shape``: the richest along the ISA's lineage, else generic."""
+def find_impl(shape: BrgemmShape) -> tuple[str, PrimFunc]:
+    """The implementation used for ``shape`` and its impl function.
+
+    The richest ISA along the shape's lineage whose factory accepts the shape wins; a factory
+    refuses a shape it cannot do (an AMX tile budget, a NEON register tile) with ValueError,
+    and the next one is tried, down to the generic loops.
+    """
     _load_implementations()
     for name in _isa.from_name(shape.isa).lineage() + ("generic",):
         factory = _IMPLS.get((name, shape.dtype_a, shape.layout))
-        if factory is not None:
-            return name, factory
+        if factory is None:
+            continue
+        try:
+            return name, factory(shape)
+        except ValueError:
+            continue
     raise AssertionError(f"no generic BRGEMM registered for {shape}")
 
 
@@ -249,7 +258,11 @@ def desc_func(shape: BrgemmShape, as_workload: bool = False) -> PrimFunc:
 
 
 def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
-    from tvm.script import tirx as T
+    import contextlib
+
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
 
     m, n, k, batch, alpha = shape.m, shape.n, shape.k, shape.batch, shape.alpha
     ta, tb, tc = shape.dtype_a, shape.dtype_b, shape.dtype_acc
@@ -257,8 +270,6 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
     blocked = shape.layout == "blocked"
     # Dense strides for a workload; symbolic ones let the intrinsic match any sub-tensor.
     dense = as_workload
-    a_region = tuple(slice(0, s) for s in a_shape)
-    b_region = tuple(slice(0, s) for s in b_shape)
 
     def a_at(i, kk):  # element (i, kk) of the stacked [m, batch*k] A
         return (kk // k, i, kk % k) if blocked else (i, kk)
@@ -268,42 +279,50 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
             return (kk // k, kk % k, j)
         return (kk // alpha, j, kk % alpha) if alpha > 1 else (kk, j)
 
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle, c: T.handle):
-        if dense:
-            T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-        sa0 = T.int32()
-        sa1 = T.int32()
-        sb0 = T.int32()
-        sb1 = T.int32()
-        sc = T.int32()
-        A = T.match_buffer(a, a_shape, ta, offset_factor=1,
-                           strides=None if dense else ([sa0, sa1, 1] if blocked else [sa0, 1]))
-        B = T.match_buffer(b, b_shape, tb, offset_factor=1,
-                           strides=None if dense else
-                           ([sb0, sb1, 1] if len(b_shape) == 3 else [sb0, 1]))
-        C = T.match_buffer(c, (m, n), tc, offset_factor=1, strides=None if dense else [sc, 1])
-        with T.sblock("root" if not dense else "brgemm_root"):
-            T.reads(C[0:m, 0:n], A[a_region], B[b_region])
-            T.writes(C[0:m, 0:n])
-            # One reduction loop over batch*k (batch outer): a scheduled GEMM's K loop split
-            # once by batch*k matches it; the impl walks the batch blocks at their stride.
-            # A single-row kernel has no row loop: TVM drops unit loops from the GEMM it
-            # matches, so the desc must not have one either.
-            if m == 1:
-                for j, kk in T.grid(n, batch * k):
+    sv = {name: tirx.Var(name, "int32") for name in ("sa0", "sa1", "sb0", "sb1", "sc")}
+    a_strides = [sv["sa0"], sv["sa1"], 1] if blocked else [sv["sa0"], 1]
+    b_strides = [sv["sb0"], sv["sb1"], 1] if len(b_shape) == 3 else [sv["sb0"], 1]
+    # One reduction loop over batch*k (batch outer): a scheduled GEMM's K loop split once by
+    # batch*k matches it.  TVM drops unit loops and their block iterators from the GEMM a
+    # kernel is matched in, so the desc has none either: unit axes index with 0.
+    axes = [(name, extent) for name, extent in (("i", m), ("j", n), ("k", batch * k))
+            if extent > 1]
+    with IRBuilder() as builder:
+        with T.prim_func(s_tir=True):
+            T.func_name("main" if dense else "desc")
+            if dense:
+                T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+            a, b, c = (T.arg(name, T.handle()) for name in ("a", "b", "c"))
+            A = T.match_buffer(a, a_shape, ta, strides=None if dense else a_strides,
+                               offset_factor=1)
+            B = T.match_buffer(b, b_shape, tb, strides=None if dense else b_strides,
+                               offset_factor=1)
+            C = T.match_buffer(c, (m, n), tc, strides=None if dense else [sv["sc"], 1],
+                               offset_factor=1)
+            for name, buf in zip("ABC", (A, B, C), strict=True):
+                IRBuilder.name(name, buf)
+            with T.sblock("root" if not dense else "brgemm_root"):
+                T.reads(C[0:m, 0:n], A[tuple(slice(0, s) for s in a_shape)],
+                        B[tuple(slice(0, s) for s in b_shape)])
+                T.writes(C[0:m, 0:n])
+                with contextlib.ExitStack() as loops:
+                    if axes:
+                        loop_vars = loops.enter_context(T.grid(*(e for _, e in axes)))
+                        if isinstance(loop_vars, tirx.Var):  # one loop: a bare variable
+                            loop_vars = [loop_vars]
+                        IRBuilder.name_many([name for name, _ in axes], list(loop_vars))
                     with T.sblock("brgemm"):
-                        vj, vk = T.axis.remap("SR", [j, kk])
-                        C[0, vj] = C[0, vj] + T.Cast(tc, A[a_at(0, vk)]) * T.Cast(
-                            tc, B[b_at(vj, vk)])
-            else:
-                for i, j, kk in T.grid(m, n, batch * k):
-                    with T.sblock("brgemm"):
-                        vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
-                        C[vi, vj] = C[vi, vj] + T.Cast(tc, A[a_at(vi, vk)]) * T.Cast(
-                            tc, B[b_at(vj, vk)])
-
-    return desc
+                        it = {}
+                        for (name, extent), var in zip(axes, loop_vars if axes else [],
+                                                       strict=True):
+                            axis = T.axis.reduce if name == "k" else T.axis.spatial
+                            it[name] = IRBuilder.name("v" + name, axis(extent, var))
+                        vi, vj, vk = it.get("i", 0), it.get("j", 0), it.get("k", 0)
+                        T.reads(C[vi, vj], A[a_at(vi, vk)], B[b_at(vj, vk)])
+                        T.writes(C[vi, vj])
+                        T.buffer_store(C, C[vi, vj] + tirx.Cast(tc, A[a_at(vi, vk)])
+                                       * tirx.Cast(tc, B[b_at(vj, vk)]), [vi, vj])
+    return builder.get()
 
 
 def _generic_impl(shape: BrgemmShape) -> PrimFunc:
@@ -325,8 +344,8 @@ def dispatch(shape: BrgemmShape) -> str:
     from tvm.s_tir import TensorIntrin
 
     if TensorIntrin.get(shape.name, allow_missing=True) is None:
-        _, factory = find_impl(shape)
-        TensorIntrin.register(shape.name, desc_func(shape), factory(shape))
+        _, impl = find_impl(shape)
+        TensorIntrin.register(shape.name, desc_func(shape), impl)
     return shape.name
 
 

@@ -1,1 +1,584 @@
-"""placeholder"""
+"""x86 BRGEMM micro-kernels: register-blocked TIR implementations for AVX2 and AVX-512.
+
+Every kernel walks the shape's ``m x n`` block of C in register tiles of ``rows x vectors``
+SIMD registers (the output-stationary structure of the TPP BRGEMM, Algorithm 2): it loads
+a tile of C into accumulators, runs the whole batch-reduce over K with the accumulators kept
+in registers, and stores the tile once.  Column tiles are walked outermost so a B micro-panel
+stays in L1 while the row tiles stream A.  All sizes are compile-time constants of the shape.
+
+Kernel families (registered with :func:`microkernels.brgemm.register_impl`):
+
+===========  ======  ==================  ============================================
+dtype of A   layout  ISAs                inner step per register ``(row, vector)``
+===========  ======  ==================  ============================================
+float32      flat,   avx2, avx512        broadcast A, load B, ``vfmadd231ps``
+             blocked
+uint8/int8   vnni4   avx2, avx512        exact: ``vpmaddwd`` on 16-bit halves
+uint8        vnni4   avx_vnni,           ``vpdpbusd`` (VEX 256-bit / EVEX 512-bit)
+                     avx512_vnni
+bfloat16     vnni2   avx2, avx512        exact emulation: bf16 -> fp32 by shifting, FMA
+bfloat16     vnni2   avx512_bf16         ``vdpbf16ps``
+===========  ======  ==================  ============================================
+
+Tails: rows are split into near-equal register tiles (``m = 7`` on AVX2 runs tiles of 4 and
+3 rows, not 6 and 1); columns that do not fill a SIMD register run in a narrower vector
+(``n % lanes`` lanes, never touching memory past the block).  Dot-product instructions have
+no narrow form, so their tail columns use plain widening arithmetic.
+
+The registered int8 kernel without VNNI does *not* use ``vpmaddubsw``: that instruction
+saturates its 16-bit pair sums (``255 * -128 * 2 < -32768``), which silently corrupts results
+for full-range operands.  The exact ``vpmaddwd`` sequence runs at about the fp32 rate
+(0.9x on Cascade Lake AVX2); :func:`int8_saturating_impl` keeps the ``vpmaddubsw`` sequence
+(about 1.6x fp32) unregistered, for benchmarks and for callers that guarantee weights in
+[-64, 63] (or activations below 128), where it is exact.
+
+Examples
+--------
+>>> from microkernels.brgemm import BrgemmShape, find_impl
+>>> find_impl(BrgemmShape(m=6, n=16, k=64, batch=4, isa="avx2"))[0]
+'avx2'
+>>> register_tile(BrgemmShape(m=24, n=64, k=64, isa="avx512"), FP32)
+RegisterTile(rows=6, vectors=4, lanes=16)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import isa as _isa
+from .brgemm import BrgemmShape, register_impl
+
+if TYPE_CHECKING:
+    from tvm.tirx import PrimFunc
+
+__all__ = [
+    "Family",
+    "RegisterTile",
+    "FP32",
+    "INT8_DOT",
+    "INT8_EXACT",
+    "INT8_SATURATING",
+    "BF16_DOT",
+    "BF16_EMULATED",
+    "MAX_ROWS",
+    "Step",
+    "register_tile",
+    "row_tiles",
+    "brgemm_func",
+    "fp32_impl",
+    "int8_exact_impl",
+    "int8_dot_impl",
+    "int8_saturating_impl",
+    "bf16_emulated_impl",
+    "bf16_dot_impl",
+]
+
+#: Most rows in one register tile: beyond this A broadcasts dominate the load ports.
+MAX_ROWS = 14
+
+
+@dataclass(frozen=True)
+class Family:
+    """Register cost of one kernel family's inner step.
+
+    Parameters
+    ----------
+    name
+        Short name used in messages.
+    b_registers
+        SIMD registers each B vector needs besides the accumulator (shared by all rows).
+    a_registers
+        SIMD registers the broadcast A value(s) of one row need (with temporaries).
+    unroll
+        K steps per K-loop iteration.  Short steps (one FMA per register) gain from it; long
+        ones already fill the pipeline, and LLVM interleaving unrolled steps spills registers.
+    """
+
+    name: str
+    b_registers: int
+    a_registers: int
+    unroll: int = 1
+
+    def __post_init__(self) -> None:
+        if self.b_registers < 0 or self.a_registers < 1 or self.unroll < 1:
+            raise ValueError(f"implausible register costs for kernel family {self.name!r}")
+
+
+FP32 = Family("fp32 fma", b_registers=1, a_registers=1, unroll=4)
+INT8_DOT = Family("int8 vpdpbusd", b_registers=1, a_registers=1, unroll=4)
+INT8_EXACT = Family("int8 vpmaddwd", b_registers=2, a_registers=3, unroll=2)
+INT8_SATURATING = Family("int8 vpmaddubsw", b_registers=1, a_registers=3, unroll=2)
+BF16_DOT = Family("bf16 vdpbf16ps", b_registers=1, a_registers=1, unroll=4)
+BF16_EMULATED = Family("bf16 fma", b_registers=2, a_registers=3, unroll=2)
+
+
+@dataclass(frozen=True)
+class RegisterTile:
+    """``rows x vectors`` accumulator registers of ``lanes`` 32-bit lanes each."""
+
+    rows: int
+    vectors: int
+    lanes: int
+
+    def __post_init__(self) -> None:
+        if min(self.rows, self.vectors, self.lanes) < 1:
+            raise ValueError(f"register tile dimensions must be positive: {self}")
+
+
+def register_tile(shape: BrgemmShape, family: Family) -> RegisterTile:
+    """The register tile a kernel of ``family`` uses for ``shape`` on ``shape.isa``.
+
+    As many vectors along N as the block has (at most 2 with 16 registers, 4 with 32), then
+    as many rows as the remaining registers hold: 6x16 for fp32 on AVX2, 6x64 on AVX-512.
+    """
+    target = _isa.from_name(shape.isa)
+    lanes = target.lanes("float32")
+    regs = target.vector_registers
+    vectors = min(2 if regs <= 16 else 4, -(-shape.n // lanes))
+    free = regs - vectors * family.b_registers - family.a_registers
+    rows = max(1, min(shape.m, MAX_ROWS, free // vectors))
+    return RegisterTile(rows, vectors, lanes)
+
+
+def row_tiles(m: int, rows: int) -> tuple[tuple[int, int, int], ...]:
+    """Split ``m`` rows into near-equal tiles of at most ``rows``: ``(start, count, size)``.
+
+    >>> row_tiles(7, 6)
+    ((0, 1, 4), (4, 1, 3))
+    >>> row_tiles(12, 6)
+    ((0, 2, 6),)
+    """
+    if m < 1 or rows < 1:
+        raise ValueError(f"row_tiles needs positive sizes, got m={m}, rows={rows}")
+    count = -(-m // rows)
+    size, bigger = divmod(m, count)
+    parts = ((0, bigger, size + 1), (bigger * (size + 1), count - bigger, size))
+    return tuple(p for p in parts if p[1] > 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The common walk over register tiles, built with TVM's IR builder: plain Python loops unroll
+# rows, vectors and K steps at build time (TVMScript macros cost ~1 s of parsing per kernel).
+# ----------------------------------------------------------------------------------------------
+
+#: ``step(A, B, acc, row0, rows, col0, acc0, nvec, width, kb, kq)``: emit the update of
+#: accumulators ``acc[r, acc0 + v*width ...]`` (``r < rows``, ``v < nvec``) by one K step of
+#: rows ``row0 + r`` and columns ``col0 + v*width ...``; ``kq`` indexes the K step (one element,
+#: or one VNNI group of ``alpha``) and ``kb`` the batch block (blocked layout only).
+Step = Callable[..., None]
+
+
+def _vec(base: Any, width: int) -> Any:
+    from tvm import tirx
+
+    return tirx.Ramp(base, 1, width) if width > 1 else base
+
+
+def _bcast(value: Any, width: int) -> Any:
+    from tvm import tirx
+
+    return tirx.Broadcast(value, width) if width > 1 else value
+
+
+def _lanes(dtype: str, width: int) -> str:
+    return f"{dtype}x{width}" if width > 1 else dtype
+
+
+def _store(buf: Any, indices: list, value: Any) -> None:
+    from tvm.script.ir_builder import tirx as T
+
+    T.buffer_store(buf, value, indices)
+
+
+def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: Step,
+                uint16_views: bool = False, unroll: int = 4,
+                llvm_import: str | None = None) -> PrimFunc:
+    """The impl PrimFunc of ``shape``: C walked in ``tile``-sized register tiles.
+
+    Parameters
+    ----------
+    step, tail_step
+        Emit one K step (see :data:`Step`) for full vectors of ``tile.lanes`` columns and for
+        the last ``n % lanes`` columns (one narrower vector) respectively.
+    uint16_views
+        Hand the steps ``uint16`` views of the (bfloat16) A and B: TVM legalizes bfloat16
+        vectors to float32, so raw bf16 bits travel as uint16.
+    unroll
+        K steps per iteration of the K loop (amortizes loop overhead; LLVM leaves it rolled).
+    llvm_import
+        LLVM IR text linked into the module (helpers the steps call with ``call_pure_extern``).
+
+    Examples
+    --------
+    >>> s = BrgemmShape(m=7, n=20, k=8, batch=2)
+    >>> f = brgemm_func(s, register_tile(s, FP32), *_fp32_steps(s))  # doctest: +SKIP
+    """
+    from tvm import tirx
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.script.ir_builder import tirx as T
+
+    if unroll < 1:
+        raise ValueError(f"unroll must be positive, got {unroll}")
+    m, n, k, batch, alpha = shape.m, shape.n, shape.k, shape.batch, shape.alpha
+    tc = shape.dtype_acc
+    a_shape, b_shape = shape.a_shape(), shape.b_shape()
+    blocked = shape.layout == "blocked"
+    lanes = tile.lanes
+    width = tile.vectors * lanes
+    full_cols, rest = divmod(n, width)
+    # (first column, number of such column tiles, full vectors per tile, tail lanes)
+    col_tiles = [(0, full_cols, tile.vectors, 0)] if full_cols else []
+    if rest:
+        col_tiles.append((full_cols * width, 1, rest // lanes, rest % lanes))
+    kq_extent = k * batch // alpha
+
+    def one_tile(A, B, C, row0, rows, col0, nvec, tail_w):
+        # "global" scope on purpose: TVM puts small global allocations on the stack, where
+        # LLVM promotes them to registers; "local" ones become heap workspaces.
+        acc = IRBuilder.name("acc", T.alloc_buffer((rows, nvec * lanes + tail_w), tc))
+        vectors = [(v * lanes, lanes) for v in range(nvec)] + (
+            [(nvec * lanes, tail_w)] if tail_w else [])
+
+        def k_loop(emit, steps_per_iter):
+            """The batch-reduce over K, ``emit(kb, kq)`` per step, unrolled by
+            ``steps_per_iter`` (the blocked layout loops over (batch, k) instead)."""
+            if blocked:
+                with T.grid(batch, k) as (kb, kq):
+                    IRBuilder.name_many(["kb", "kq"], [kb, kq])
+                    emit(kb, kq)
+                return
+            if kq_extent >= steps_per_iter:
+                with T.serial(kq_extent // steps_per_iter) as ko:
+                    IRBuilder.name("ko", ko)
+                    for u in range(steps_per_iter):
+                        emit(0, ko * steps_per_iter + u)
+            for kq in range(kq_extent - kq_extent % steps_per_iter, kq_extent):
+                emit(0, kq)
+
+        for r in range(rows):
+            for off, w in vectors:
+                _store(acc, [r, _vec(off, w)], C[row0 + r, _vec(col0 + off, w)])
+        if nvec:
+            k_loop(lambda kb, kq: step(A, B, acc, row0, rows, col0, 0, nvec, lanes, kb, kq),
+                   unroll)
+        if tail_w:  # rare narrow columns: their own rolled K loop keeps the code small
+            k_loop(lambda kb, kq: tail_step(A, B, acc, row0, rows, col0 + nvec * lanes,
+                                            nvec * lanes, 1, tail_w, kb, kq), 1)
+        for r in range(rows):
+            for off, w in vectors:
+                _store(C, [row0 + r, _vec(col0 + off, w)], acc[r, _vec(off, w)])
+
+    def walk(A, B, C):
+        # Column tiles outermost: a B micro-panel stays in L1 while row tiles stream A.
+        for col_start, col_count, nvec, tail_w in col_tiles:
+            with T.serial(col_count) as jt:
+                IRBuilder.name("jt", jt)
+                for row_start, row_count, rows in row_tiles(m, tile.rows):
+                    with T.serial(row_count) as it:
+                        IRBuilder.name("it", it)
+                        one_tile(A, B, C, row_start + it * rows, rows,
+                                 col_start + jt * width, nvec, tail_w)
+
+    strides = {name: tirx.Var(name, "int32") for name in ("sa0", "sa1", "sb0", "sb1", "sc")}
+    a_strides = [strides["sa0"], strides["sa1"], 1] if blocked else [strides["sa0"], 1]
+    b_strides = [strides["sb0"], strides["sb1"], 1] if len(b_shape) == 3 else [strides["sb0"], 1]
+    with IRBuilder() as builder:
+        with T.prim_func(s_tir=True):
+            T.func_name(shape.name + "_impl")
+            handles = [T.arg(name, T.handle()) for name in ("a", "b", "c")]
+            # Buffers exactly as desc_func declares them (symbolic strides, offset_factor=1).
+            A = T.match_buffer(handles[0], a_shape, shape.dtype_a, strides=a_strides,
+                               offset_factor=1)
+            B = T.match_buffer(handles[1], b_shape, shape.dtype_b, strides=b_strides,
+                               offset_factor=1)
+            C = T.match_buffer(handles[2], (m, n), tc, strides=[strides["sc"], 1],
+                               offset_factor=1)
+            for name, buf in zip("ABC", (A, B, C), strict=True):
+                IRBuilder.name(name, buf)
+            with T.sblock("root"):
+                T.reads(C[0:m, 0:n], A[tuple(slice(0, s) for s in a_shape)],
+                        B[tuple(slice(0, s) for s in b_shape)])
+                T.writes(C[0:m, 0:n])
+                with contextlib.ExitStack() as scopes:
+                    if alpha > 1:
+                        # B rows are loaded as whole vectors: the [n][alpha] part must be dense
+                        # (it is in any buffer whose last axis is the alpha group).
+                        scopes.enter_context(T.Assert(
+                            strides["sb1"] == alpha,
+                            "BRGEMM: VNNI-packed B needs dense [n][alpha] rows"))
+                    if llvm_import is not None:
+                        scopes.enter_context(T.attr(0, "pragma_import_llvm", llvm_import))
+                    if uint16_views:
+                        A = T.decl_buffer(a_shape, "uint16", data=A.data, strides=a_strides,
+                                          elem_offset=A.elem_offset)
+                        B = T.decl_buffer(b_shape, "uint16", data=B.data, strides=b_strides,
+                                          elem_offset=B.elem_offset)
+                    walk(A, B, C)
+    return builder.get()
+
+
+# ----------------------------------------------------------------------------------------------
+# Inner steps, one factory per kernel family.
+# ----------------------------------------------------------------------------------------------
+
+
+def _fp32_steps(shape: BrgemmShape) -> tuple[Step, Step]:
+    """``acc += broadcast(A[row, k]) * B[k, cols]``: one fused multiply-add per vector."""
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    blocked = shape.layout == "blocked"
+
+    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
+        for r in range(rows):
+            a = T.Bind(A[kb, row0 + r, kq] if blocked else A[row0 + r, kq])
+            for v in range(nvec):
+                cols = _vec(col0 + v * w, w)
+                b = B[kb, kq, cols] if blocked else B[kq, cols]
+                idx = [r, _vec(acc0 + v * w, w)]
+                _store(acc, idx, tirx.call_llvm_pure_intrin(
+                    _lanes("float32", w), "llvm.fmuladd", _bcast(a, w), b, acc[tuple(idx)]))
+
+    return step, step
+
+
+def _vnni_tail_step(shape: BrgemmShape) -> Step:
+    """Portable VNNI step for the < lanes tail columns: scalar widen, multiply, add."""
+    from tvm import tirx
+
+    alpha, tc = shape.alpha, shape.dtype_acc
+
+    def widen(x):
+        if shape.dtype_a == "bfloat16":  # the operands are uint16 views of bf16 bits
+            return tirx.reinterpret("float32", tirx.Cast("uint32", x) << tirx.const(16, "uint32"))
+        return tirx.Cast(tc, x)
+
+    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
+        for r in range(rows):
+            for j in range(w):
+                total = acc[r, acc0 + j]
+                for q in range(alpha):
+                    total = total + widen(A[row0 + r, kq * alpha + q]) * widen(B[kq, col0 + j, q])
+                _store(acc, [r, acc0 + j], total)
+
+    return step
+
+
+def _a_group(A: Any, row: Any, kq: Any, alpha: int, w: int, dtype: str) -> Any:
+    """The ``alpha`` A values of one VNNI group of ``row``, broadcast as a 32-bit word to ``w``
+    lanes and viewed as ``dtype`` lanes (``4*w`` bytes or ``2*w`` halves)."""
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    per_word = {"int8": 4, "int16": 2, "uint16": 2, "uint32": 1}[dtype]
+    word = tirx.reinterpret("int32", A.vload([row, kq * alpha], f"{A.dtype}x{alpha}"))
+    return T.Bind(tirx.reinterpret(f"{dtype}x{per_word * w}", tirx.Broadcast(word, w)))
+
+
+def _int8_dot_steps(shape: BrgemmShape) -> tuple[Step, Step]:
+    """``vpdpbusd``: 4 u8 x s8 products summed into each int32 lane, A broadcast 32 bits wide."""
+    from tvm import tirx
+
+    # LLVM >= 21 types the byte operands as vXi8 (not vXi32 as TVM's own VNNI intrinsic has it).
+    intrin = f"llvm.x86.avx512.vpdpbusd.{_isa.from_name(shape.isa).vector_bits}"
+
+    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
+        for r in range(rows):
+            a4 = _a_group(A, row0 + r, kq, 4, w, "int8")
+            for v in range(nvec):
+                idx = [r, _vec(acc0 + v * w, w)]
+                _store(acc, idx, tirx.call_llvm_pure_intrin(
+                    f"int32x{w}", intrin, acc[tuple(idx)], a4,
+                    B.vload([kq, col0 + v * w, 0], f"int8x{4 * w}")))
+
+    return step, _vnni_tail_step(shape)
+
+
+def _pmaddwd(bits: int) -> str:
+    return "llvm.x86.avx2.pmadd.wd" if bits == 256 else "llvm.x86.avx512.pmaddw.d.512"
+
+
+def _int8_exact_steps(shape: BrgemmShape) -> tuple[Step, Step]:
+    """Exact int8 dot products without VNNI: ``vpmaddwd`` on sign/zero-extended 16-bit halves.
+
+    A 16-bit lane of a VNNI-4 B row holds the bytes (k0, k1) or (k2, k3) of one column; the
+    low bytes (k0, k2) and high bytes (k1, k3) are extended in place by shifts, A's quad
+    likewise, and two ``vpmaddwd`` give ``a0*b0 + a2*b2`` and ``a1*b1 + a3*b3`` per column.
+    Every product and pair sum fits int32, so no input can saturate.
+    """
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    pmaddwd = _pmaddwd(_isa.from_name(shape.isa).vector_bits)
+    a_unsigned = shape.dtype_a == "uint8"
+    eight = tirx.const(8, "int16")
+
+    def low_byte(x, w, unsigned):
+        if unsigned:
+            return x & tirx.Broadcast(tirx.const(0xFF, "int16"), 2 * w)
+        return (x << eight) >> eight  # arithmetic shift: sign-extends
+
+    def high_byte(x, w, unsigned):
+        if unsigned:
+            return tirx.reinterpret(f"int16x{2 * w}", tirx.reinterpret(
+                f"uint16x{2 * w}", x) >> tirx.const(8, "uint16"))
+        return x >> eight
+
+    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
+        # B halves of all vectors live across the rows; A halves one row at a time.
+        b_halves = []
+        for v in range(nvec):
+            b16 = tirx.reinterpret(f"int16x{2 * w}",
+                                   B.vload([kq, col0 + v * w, 0], f"int8x{4 * w}"))
+            b_halves.append((T.Bind(low_byte(b16, w, False)), T.Bind(high_byte(b16, w, False))))
+        for r in range(rows):
+            a16 = _a_group(A, row0 + r, kq, 4, w, "int16")
+            a_lo, a_hi = T.Bind(low_byte(a16, w, a_unsigned)), T.Bind(high_byte(a16, w, a_unsigned))
+            for v, (b_lo, b_hi) in enumerate(b_halves):
+                idx = [r, _vec(acc0 + v * w, w)]
+                _store(acc, idx, acc[tuple(idx)]
+                       + tirx.call_llvm_pure_intrin(f"int32x{w}", pmaddwd, a_lo, b_lo)
+                       + tirx.call_llvm_pure_intrin(f"int32x{w}", pmaddwd, a_hi, b_hi))
+
+    return step, _vnni_tail_step(shape)
+
+
+def _int8_saturating_steps(shape: BrgemmShape) -> tuple[Step, Step]:
+    """``vpmaddubsw`` + ``vpmaddwd(1)``: twice the exact kernel's rate, but the u8 x s8 pair
+    sums saturate at int16: exact only while ``|a0*b0 + a1*b1| <= 32767`` (e.g. B in
+    [-64, 63], or A < 128)."""
+    from tvm import tirx
+
+    bits = _isa.from_name(shape.isa).vector_bits
+    pmaddubsw = "llvm.x86.avx2.pmadd.ub.sw" if bits == 256 else "llvm.x86.avx512.pmaddubs.w.512"
+    pmaddwd = _pmaddwd(bits)
+
+    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
+        ones = tirx.Broadcast(tirx.const(1, "int16"), 2 * w)
+        for r in range(rows):
+            a4 = _a_group(A, row0 + r, kq, 4, w, "int8")
+            for v in range(nvec):
+                idx = [r, _vec(acc0 + v * w, w)]
+                pairs = tirx.call_llvm_pure_intrin(
+                    f"int16x{2 * w}", pmaddubsw, a4,
+                    B.vload([kq, col0 + v * w, 0], f"int8x{4 * w}"))
+                _store(acc, idx, acc[tuple(idx)] + tirx.call_llvm_pure_intrin(
+                    f"int32x{w}", pmaddwd, pairs, ones))
+
+    return step, _vnni_tail_step(shape)
+
+
+def _bf16_emulated_steps(shape: BrgemmShape) -> tuple[Step, Step]:
+    """Exact bf16 -> fp32 widening (a bf16 is the top half of an fp32) and two FMAs per pair."""
+    from tvm import tirx
+    from tvm.script.ir_builder import tirx as T
+
+    def even(x, w):  # element 0 of each (k, k+1) pair: the low half of the 32-bit word
+        return tirx.reinterpret(f"float32x{w}", x << tirx.Broadcast(tirx.const(16, "uint32"), w))
+
+    def odd(x, w):
+        mask = tirx.Broadcast(tirx.const(0xFFFF0000, "uint32"), w)
+        return tirx.reinterpret(f"float32x{w}", x & mask)
+
+    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
+        # B halves of all vectors live across the rows; A halves one row at a time.
+        b_halves = []
+        for v in range(nvec):
+            b = tirx.reinterpret(f"uint32x{w}", B.vload([kq, col0 + v * w, 0], f"uint16x{2 * w}"))
+            b_halves.append((T.Bind(even(b, w)), T.Bind(odd(b, w))))
+        for r in range(rows):
+            a = _a_group(A, row0 + r, kq, 2, w, "uint32")
+            a0, a1 = T.Bind(even(a, w)), T.Bind(odd(a, w))
+            for v, (b0, b1) in enumerate(b_halves):
+                idx = [r, _vec(acc0 + v * w, w)]
+                first = tirx.call_llvm_pure_intrin(f"float32x{w}", "llvm.fmuladd", a0, b0,
+                                                   acc[tuple(idx)])
+                _store(acc, idx, tirx.call_llvm_pure_intrin(f"float32x{w}", "llvm.fmuladd",
+                                                            a1, b1, first))
+
+    return step, _vnni_tail_step(shape)
+
+
+#: ``vdpbf16ps`` takes <32 x bfloat> operands, which TVM cannot produce (its bf16
+#: legalization widens bf16 vectors to fp32), so a tiny LLVM function bitcasts uint16 lanes.
+_DPBF16PS_LL = "\n".join([
+    "define linkonce_odr <16 x float> @tpp_dpbf16ps_512(",
+    "    <16 x float> %c, <32 x i16> %a, <32 x i16> %b) #0 {",
+    "  %a1 = bitcast <32 x i16> %a to <32 x bfloat>",
+    "  %b1 = bitcast <32 x i16> %b to <32 x bfloat>",
+    "  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(",
+    "      <16 x float> %c, <32 x bfloat> %a1, <32 x bfloat> %b1)",
+    "  ret <16 x float> %r",
+    "}",
+    "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(",
+    "    <16 x float>, <32 x bfloat>, <32 x bfloat>)",
+    'attributes #0 = { alwaysinline nounwind "target-features"="+avx512f,+avx512bf16" }',
+])
+
+
+def _bf16_dot_steps(shape: BrgemmShape) -> tuple[Step, Step]:
+    """``vdpbf16ps``: a bf16 pair product summed into each fp32 lane, A broadcast 32 bits wide.
+
+    Needs ``llvm_import=_DPBF16PS_LL`` and 512-bit vectors.
+    """
+    from tvm import tirx
+
+    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
+        for r in range(rows):
+            a2 = _a_group(A, row0 + r, kq, 2, w, "uint16")
+            for v in range(nvec):
+                idx = [r, _vec(acc0 + v * w, w)]
+                _store(acc, idx, tirx.call_pure_extern(
+                    f"float32x{w}", "tpp_dpbf16ps_512", acc[tuple(idx)], a2,
+                    B.vload([kq, col0 + v * w, 0], f"uint16x{2 * w}")))
+
+    return step, _vnni_tail_step(shape)
+
+
+def _impl(shape: BrgemmShape, family: Family, steps: Callable[[BrgemmShape], tuple[Step, Step]],
+          llvm_import: str | None = None) -> PrimFunc:
+    return brgemm_func(shape, register_tile(shape, family), *steps(shape),
+                       uint16_views=shape.dtype_a == "bfloat16", unroll=family.unroll,
+                       llvm_import=llvm_import)
+
+
+@register_impl(("avx2", "avx512"), "float32", "flat")
+@register_impl(("avx2", "avx512"), "float32", "blocked")
+def fp32_impl(shape: BrgemmShape) -> PrimFunc:
+    """fp32 FMA kernel (``vfmadd231ps`` on ymm or zmm registers)."""
+    return _impl(shape, FP32, _fp32_steps)
+
+
+@register_impl(("avx2", "avx512"), "uint8", "vnni4")
+@register_impl(("avx2", "avx512"), "int8", "vnni4")
+def int8_exact_impl(shape: BrgemmShape) -> PrimFunc:
+    """Exact u8/s8 x s8 kernel without VNNI instructions (``vpmaddwd``)."""
+    return _impl(shape, INT8_EXACT, _int8_exact_steps)
+
+
+@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4")
+def int8_dot_impl(shape: BrgemmShape) -> PrimFunc:
+    """u8 x s8 VNNI kernel (``vpdpbusd``, VEX ymm on avx_vnni, EVEX zmm on avx512_vnni)."""
+    return _impl(shape, INT8_DOT, _int8_dot_steps)
+
+
+def int8_saturating_impl(shape: BrgemmShape) -> PrimFunc:
+    """u8 x s8 kernel with ``vpmaddubsw``; NOT registered: its int16 pair sums saturate."""
+    if shape.dtype_a != "uint8" or shape.layout != "vnni4":
+        raise ValueError(f"the vpmaddubsw kernel takes uint8 A in vnni4 layout, not {shape}")
+    return _impl(shape, INT8_SATURATING, _int8_saturating_steps)
+
+
+@register_impl(("avx2", "avx512"), "bfloat16", "vnni2")
+def bf16_emulated_impl(shape: BrgemmShape) -> PrimFunc:
+    """bf16 kernel for any AVX2 host: exact widening to fp32 and FMA."""
+    return _impl(shape, BF16_EMULATED, _bf16_emulated_steps)
+
+
+@register_impl("avx512_bf16", "bfloat16", "vnni2")
+def bf16_dot_impl(shape: BrgemmShape) -> PrimFunc:
+    """bf16 kernel with ``vdpbf16ps`` (AVX512-BF16: Cooper Lake, Zen 4, Sapphire Rapids)."""
+    return _impl(shape, BF16_DOT, _bf16_dot_steps, llvm_import=_DPBF16PS_LL)

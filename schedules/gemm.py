@@ -230,8 +230,11 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     sch.vectorize(sch.get_loops(init)[-1])
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         layout="flat", isa=isa_name)
-    # A unit row loop vanishes from the matched block (see the BRGEMM desc): start below it.
-    sch.tensorize(i_body if config.bm > 1 else j_body, dispatch(shape))
+    # Unit loops vanish from the matched block (see the BRGEMM desc): start below them.
+    extents = (config.bm, config.bn, config.k_step * config.bk)
+    body = next((loop for loop, e in zip((i_body, j_body, k_body), extents, strict=True)
+                 if e > 1), k_body)
+    sch.tensorize(body, dispatch(shape))
     return sch
 
 

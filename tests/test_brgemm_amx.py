@@ -76,9 +76,10 @@ def test_plan_rejects_what_amx_cannot_hold(shape, match):
         amx.plan(shape)
 
 
-def test_dispatch_reports_oversized_block():
+def test_oversized_block_refused_then_dispatched_to_avx512():
     with pytest.raises(ValueError, match="tile registers"):
-        dispatch(_shape(64, 64, 64, 1, "bfloat16"))
+        amx.impl_func(_shape(64, 64, 64, 1, "bfloat16"))
+    assert find_impl(_shape(64, 64, 64, 1, "bfloat16"))[0] == "avx512_bf16"
 
 
 def test_registered_for_amx_only():

@@ -1,0 +1,209 @@
+"""``tvm-tpp bench-kernel``: single-core throughput of the host's BRGEMM micro-kernel.
+
+The kernel of one :class:`~microkernels.brgemm.BrgemmShape` is tensorized into its own
+semantics (``desc_func(shape, as_workload=True)``) wrapped in a loop that calls it ``reps``
+times on the same L1/L2-resident operands, so the time is the kernel's, not call overhead or
+DRAM.  The result is compared with the core's fp32 FMA peak (:mod:`microkernels.peak`).
+
+Low-precision kernels are reported in GOPS (2 ops per multiply-add) next to the fp32 kernel on
+the same shape (``ratio_to_fp32``); their ``fraction_of_peak`` is relative to the *fp32*
+peak, so e.g. 2.0 means twice the fp32 FMA peak.
+
+Examples
+--------
+>>> r = bench_kernel("float32", isa="avx2")  # doctest: +SKIP
+>>> r["gflops"], r["peak_gflops"], r["fraction_of_peak"]  # doctest: +SKIP
+(80.7, 86.3, 0.935)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from microkernels import isa as _isa
+from microkernels import x86
+from microkernels.brgemm import BrgemmShape, desc_func, dispatch
+from microkernels.peak import llvm_target
+
+if TYPE_CHECKING:
+    import numpy as np
+    from tvm.tirx import PrimFunc
+
+__all__ = ["bench_kernel", "format_bench_kernel", "kernel_timer", "repeated_workload", "DTYPES"]
+
+#: CLI dtype -> (dtype of A, accumulator, layout).
+DTYPES: dict[str, tuple[str, str, str]] = {
+    "float32": ("float32", "float32", "flat"),
+    "int8": ("uint8", "int32", "vnni4"),
+    "bfloat16": ("bfloat16", "float32", "vnni2"),
+}
+
+#: Flops per timed run (sets ``reps``): ~0.5 ms, well under a scheduler time slice, so the
+#: best of many runs is one that ran undisturbed on a shared machine.
+_FLOPS_PER_CALL = 4e7
+
+
+def repeated_workload(shape: BrgemmShape, reps: int) -> PrimFunc:
+    """``desc_func(shape, as_workload=True)`` with its body run ``reps`` times (``C += ...``)."""
+    from tvm import tirx
+    from tvm.s_tir.stmt import SBlock, SBlockRealize
+
+    if reps < 1:
+        raise ValueError(f"reps must be positive, got {reps}")
+    func = desc_func(shape, as_workload=True)
+    realize = func.body
+    root = realize.block
+    loop = tirx.For(tirx.Var("rep", "int32"), 0, reps, tirx.ForKind.SERIAL, root.body)
+    new_root = SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, loop, root.init,
+                      root.alloc_buffers, root.match_buffers, root.annotations)
+    return func.with_body(SBlockRealize(realize.iter_values, realize.predicate, new_root))
+
+
+def _default_shape(isa: _isa.Isa) -> tuple[int, int, int, int]:
+    """Four fp32 register tiles down, two across; K = 128 as 4 batch blocks of 32.
+
+    A typical BRGEMM call of a blocked GEMM: on AVX2 (24 x 32) its A and B fit L1 together.
+    """
+    tile = x86.register_tile(BrgemmShape(m=64, n=64, k=64, isa=isa.name), x86.FP32)
+    return 4 * tile.rows, 2 * tile.vectors * tile.lanes, 32, 4
+
+
+def _operands(shape: BrgemmShape) -> list[np.ndarray]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if shape.dtype_a == "float32":
+        return [rng.standard_normal(s).astype("float32") for s in (shape.a_shape(),
+                shape.b_shape(), (shape.m, shape.n))]
+    if shape.dtype_a == "bfloat16":
+        import ml_dtypes
+
+        return [rng.standard_normal(shape.a_shape()).astype(ml_dtypes.bfloat16),
+                rng.standard_normal(shape.b_shape()).astype(ml_dtypes.bfloat16),
+                np.zeros((shape.m, shape.n), "float32")]
+    return [rng.integers(0, 256, shape.a_shape()).astype(shape.dtype_a),
+            rng.integers(-128, 128, shape.b_shape()).astype("int8"),
+            np.zeros((shape.m, shape.n), "int32")]
+
+
+def kernel_timer(shape: BrgemmShape, impl: Callable[[BrgemmShape], PrimFunc] | None = None
+                 ) -> Callable[[], float]:
+    """Compile ``shape``'s kernel (or ``impl``) into a repeated workload; return a function that
+    runs it once and gives its GFLOPS (GOPS)."""
+    import tvm
+    from tvm import s_tir
+
+    target_isa = _isa.from_name(shape.isa)
+    if not target_isa.runs_on(_isa.host_flags()):
+        raise ValueError(f"this CPU cannot run {shape.isa} code")
+    if impl is None:
+        name = dispatch(shape)
+    else:
+        name = f"{shape.name}_{impl.__name__}"
+        if s_tir.TensorIntrin.get(name, allow_missing=True) is None:
+            s_tir.TensorIntrin.register(name, desc_func(shape), impl(shape))
+    reps = max(1, int(_FLOPS_PER_CALL // shape.flops))
+    sch = s_tir.Schedule(repeated_workload(shape, reps))
+    sch.tensorize(sch.get_loops(sch.get_sblock("brgemm"))[1], name)
+    ex = tvm.compile(sch.mod, target=llvm_target(target_isa))
+    args = [tvm.runtime.tensor(x) for x in _operands(shape)]
+    timer = ex.mod.time_evaluator("main", tvm.cpu(), number=1, repeat=1)
+    return lambda: shape.flops * reps / min(timer(*args).results) / 1e9
+
+
+def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None = None,
+                 n: int | None = None, k: int | None = None, batch: int | None = None,
+                 rounds: int = 20, runs: int = 10) -> dict[str, Any]:
+    """Time the BRGEMM kernel of ``dtype`` for ``isa`` (default: the host's) on one core.
+
+    The kernel, the FMA-peak microbenchmark and (for low precision) the fp32 kernel on the
+    same shape run interleaved, ``rounds`` times ``runs`` short runs each; every figure is the
+    best run, so they share the machine's quietest moments.
+
+    Parameters
+    ----------
+    dtype
+        ``"float32"``, ``"int8"`` (u8 x s8 -> s32, VNNI-4 B) or ``"bfloat16"`` (VNNI-2 B).
+    isa
+        ISA name (:data:`microkernels.isa.KNOWN`); must run on this host.
+    m, n, k, batch
+        Kernel shape; defaults: 4 x 2 fp32 register tiles, K = 4 x 32.
+
+    Returns
+    -------
+    dict
+        ``isa``, ``dtype``, ``shape`` (``[m, n, k, batch]``), ``layout``, ``impl`` (the ISA
+        whose implementation ran), ``gflops``, ``peak_gflops`` (fp32 FMA peak),
+        ``fraction_of_peak``, ``clock_ghz``; for low precision also ``fp32_gflops`` and
+        ``ratio_to_fp32``; for int8 without VNNI also ``saturating_gflops`` and
+        ``saturating_ratio_to_fp32`` (the unregistered ``vpmaddubsw`` kernel, exact only for
+        7-bit weights).
+    """
+    from microkernels.brgemm import find_impl
+    from microkernels.peak import FmaChains
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if rounds < 1 or runs < 1:
+        raise ValueError(f"rounds and runs must be positive, got {rounds}, {runs}")
+    target_isa = _isa.detect() if isa is None else _isa.from_name(isa)
+    if target_isa.arch != "x86_64":
+        raise ValueError(f"bench_kernel times x86 kernels; {target_isa.name} is not x86")
+    dm, dn, dk, db = _default_shape(target_isa)
+    dtype_a, dtype_acc, layout = DTYPES[dtype]
+    shape = BrgemmShape(m=m or dm, n=n or dn, k=k or dk, batch=batch or db, dtype_a=dtype_a,
+                        dtype_acc=dtype_acc, layout=layout, isa=target_isa.name)
+    impl_isa = find_impl(shape)[0]
+    chains = FmaChains(target_isa.name)
+    timers = {"kernel": kernel_timer(shape)}
+    if dtype != "float32":
+        timers["fp32"] = kernel_timer(BrgemmShape(m=shape.m, n=shape.n, k=shape.k,
+                                                  batch=shape.batch, isa=target_isa.name))
+    if dtype == "int8" and impl_isa in ("avx2", "avx512"):
+        timers["saturating"] = kernel_timer(shape, x86.int8_saturating_impl)
+    best = dict.fromkeys(timers, 0.0)
+    fastest_chain = float("inf")
+    for _ in range(rounds):
+        fastest_chain = min(fastest_chain, chains.best_seconds(runs))
+        for key, timer in timers.items():
+            best[key] = max(best[key], max(timer() for _ in range(runs)))
+    peak = chains.peak(fastest_chain)
+    result: dict[str, Any] = {
+        "isa": target_isa.name,
+        "dtype": dtype,
+        "shape": [shape.m, shape.n, shape.k, shape.batch],
+        "layout": layout,
+        "impl": impl_isa,
+        "gflops": round(best["kernel"], 2),
+        "peak_gflops": round(peak.peak_gflops, 2),
+        "fraction_of_peak": round(best["kernel"] / peak.peak_gflops, 4),
+        "clock_ghz": round(peak.clock_ghz, 3),
+    }
+    if "fp32" in best:
+        result["fp32_gflops"] = round(best["fp32"], 2)
+        result["ratio_to_fp32"] = round(best["kernel"] / best["fp32"], 3)
+    if "saturating" in best:
+        result["saturating_gflops"] = round(best["saturating"], 2)
+        result["saturating_ratio_to_fp32"] = round(best["saturating"] / best["fp32"], 3)
+    return result
+
+
+def format_bench_kernel(result: dict[str, Any]) -> str:
+    """Human-readable lines for a :func:`bench_kernel` result."""
+    m, n, k, batch = result["shape"]
+    unit = "GFLOPS" if result["dtype"] == "float32" else "GOPS"
+    lines = [
+        f"BRGEMM {result['isa']} {result['dtype']} {m}x{n}x{k}x{batch} ({result['layout']}, "
+        f"{result['impl']} kernel): {result['gflops']:.1f} {unit} = "
+        f"{100 * result['fraction_of_peak']:.1f}% of the {result['peak_gflops']:.1f} GFLOPS "
+        f"fp32 FMA peak (measured clock {result['clock_ghz']:.2f} GHz x 2 FMA units)"
+    ]
+    if "ratio_to_fp32" in result:
+        lines.append(f"  fp32 kernel, same shape: {result['fp32_gflops']:.1f} GFLOPS; "
+                     f"{result['dtype']} / fp32 = {result['ratio_to_fp32']:.2f}x")
+    if "saturating_gflops" in result:
+        lines.append(f"  vpmaddubsw kernel (saturates int16; exact for 7-bit weights): "
+                     f"{result['saturating_gflops']:.1f} GOPS = "
+                     f"{result['saturating_ratio_to_fp32']:.2f}x fp32")
+    return "\n".join(lines)
