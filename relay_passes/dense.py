@@ -19,6 +19,7 @@ Examples
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,13 +36,17 @@ from schedules.tuner import Tuner
 
 __all__ = ["Offload", "rewrite_dense", "report_leftovers"]
 
+_GELU_SPELLED_OUT = "gelu_erf"
 # Activations absorbed into the epilogue: relax op -> epilogue op.
 _ACTIVATIONS = {
     "relax.nn.relu": EpilogueOp("relu"),
     "relax.nn.gelu": EpilogueOp("gelu", variant="erf"),
     "relax.nn.gelu_tanh": EpilogueOp("gelu", variant="tanh"),
     "relax.sigmoid": EpilogueOp("sigmoid"),
+    # ONNX exporters spell GELU out as x * (1 + erf(x / sqrt 2)) * 0.5.
+    _GELU_SPELLED_OUT: EpilogueOp("gelu", variant="erf"),
 }
+_GELU_CONSTANTS = (math.sqrt(2.0), 1.0, 0.5)
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,15 @@ class _Pattern:
     bias: object | None
     residual: object | None
     activation: str | None
+    constants: tuple = ()  # constant patterns whose values must be _GELU_CONSTANTS
+
+
+def _gelu_spelled_out(node):
+    div, one, half = is_const(), is_const(), is_const()
+    erf = is_op("relax.erf")(is_op("relax.divide")(node, div))
+    gelu = is_op("relax.multiply")(is_op("relax.multiply")(node, is_op("relax.add")(erf, one)),
+                                   half)
+    return gelu, (div, one, half)
 
 
 def _patterns() -> list[_Pattern]:
@@ -92,9 +106,12 @@ def _patterns() -> list[_Pattern]:
                 if with_residual:
                     residual = wildcard()
                     node = is_op("relax.add")(node, residual) | is_op("relax.add")(residual, node)
-                if activation:
+                constants = ()
+                if activation == _GELU_SPELLED_OUT:
+                    node, constants = _gelu_spelled_out(node)
+                elif activation:
                     node = is_op(activation)(node)
-                out.append(_Pattern(node, mm, x, w, wt, bias, residual, activation))
+                out.append(_Pattern(node, mm, x, w, wt, bias, residual, activation, constants))
     return out
 
 
@@ -142,6 +159,10 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
         weight = weight.T
     if _unsupported(x, weight) is not None:
         return orig
+    for const, want in zip(pattern.constants, _GELU_CONSTANTS, strict=False):
+        value = matches[const].value.numpy()
+        if value.size != 1 or abs(float(value.reshape(-1)[0]) - want) > 1e-6 * want:
+            return orig
     x_shape = _static(x.ty.shape)
     k, n = weight.shape
     out_shape = (*x_shape[:-1], n)
@@ -181,7 +202,7 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
     if residual is not None:
         args.append(_as_matrix(residual, m, n))
     out = relax.call_tir(gv, args, relax.TensorType((m, n), "float32"))
-    op = "+".join(["matmul", *(o.tag for o in ops)])
+    op = "+".join(["matmul", *(o.tag for o in ops)])  # e.g. matmul+bias+gelu_erf
     report.append(Offload(op, (m, n, k), kernel=f"{name} [{config.spec}]"))
     return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
 

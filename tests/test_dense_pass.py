@@ -103,3 +103,34 @@ def test_kernels_for_each_x86_isa_build(isa):
         inputs = random_inputs(compiled.inputs)
         _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
         assert rel <= 1e-5
+
+
+def test_spelled_out_erf_gelu_is_fused():
+    """x * (1 + erf(x / sqrt 2)) * 0.5 after a dense layer becomes its gelu epilogue."""
+    w = _weights(W=(32, 48), b=(48,))
+    w.update({"s2": np.array(np.sqrt(2.0), "float32"), "one": np.array(1.0, "float32"),
+              "half": np.array(0.5, "float32")})
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]),
+             helper.make_node("Add", ["mm", "b"], ["h"]),
+             helper.make_node("Div", ["h", "s2"], ["d"]),
+             helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["a"]),
+             helper.make_node("Mul", ["h", "a"], ["m"]),
+             helper.make_node("Mul", ["m", "half"], ["y"])]
+    report = _compile_and_check(_model(nodes, [("x", [9, 32])], [("y", [9, 48])], w))
+    assert [r.op for r in report if r.kernel] == ["matmul+bias+gelu_erf"]
+
+
+def test_other_constants_are_not_mistaken_for_gelu():
+    w = _weights(W=(32, 48), b=(48,))
+    w.update({"s2": np.array(3.0, "float32"), "one": np.array(1.0, "float32"),
+              "half": np.array(0.5, "float32")})
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]),
+             helper.make_node("Add", ["mm", "b"], ["h"]),
+             helper.make_node("Div", ["h", "s2"], ["d"]),
+             helper.make_node("Erf", ["d"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["a"]),
+             helper.make_node("Mul", ["h", "a"], ["m"]),
+             helper.make_node("Mul", ["m", "half"], ["y"])]
+    report = _compile_and_check(_model(nodes, [("x", [9, 32])], [("y", [9, 48])], w))
+    assert [r.op for r in report if r.kernel] == ["matmul+bias"]
