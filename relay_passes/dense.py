@@ -208,23 +208,18 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
 
 
 def report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
-    """Add the GEMM-like operators still in ``mod`` (left to TVM) to ``report``, with why."""
-    reasons = {"relax.nn.conv2d": "conv2d is not routed to TPP kernels yet"}
+    """Add the matmuls still in ``mod`` (left to TVM) to ``report``, with why."""
 
     def visit(expr) -> None:
-        if not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
+        if not (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)
+                and expr.op.name == "relax.matmul"):
             return
         name = expr.op.name
-        if name == "relax.matmul":
-            x, w = expr.args
-            if isinstance(w, tvm.ir.expr.Constant):
-                reason = _unsupported(x, w.value.numpy()) or "pattern not matched"
-            else:
-                reason = "right operand is not a constant weight (e.g. attention)"
-        elif name in reasons:
-            reason = reasons[name]
+        x, w = expr.args
+        if isinstance(w, tvm.ir.expr.Constant):
+            reason = _unsupported(x, w.value.numpy()) or "pattern not matched"
         else:
-            return
+            reason = "right operand is not a constant weight (e.g. attention)"
         shape = _static(expr.ty.shape) or ()
         report.append(Offload(name.split(".")[-1], shape, reason=reason))
 

@@ -21,6 +21,7 @@ from tvm.target import Target
 
 from schedules.tuner import Tuner
 
+from .conv import fold_batchnorm, rewrite_conv
 from .dense import Offload, rewrite_dense
 from .fallback import fallback_schedules
 
@@ -28,11 +29,16 @@ __all__ = ["prepare", "tpp_pipeline"]
 
 
 def prepare() -> tvm.transform.Pass:
-    """Inference simplifications that expose GEMM/conv patterns with constant weights."""
+    """Inference simplifications that expose GEMM/conv patterns with constant weights.
+
+    BatchNorm is folded into conv weights in numpy first (before DecomposeOpsForInference
+    turns it into arithmetic; TVM's FoldConstant would compile a kernel per fold).
+    """
     return tvm.transform.Sequential(
         [
+            tvm.transform.module_pass(lambda mod, _ctx: fold_batchnorm(mod), opt_level=0,
+                                      name="TppFoldBatchnorm"),
             relax.transform.DecomposeOpsForInference(),
-            relax.transform.FoldBatchnormToConv2D(),
             relax.transform.FoldConstant(),
         ],
         name="TppPrepare",
@@ -54,7 +60,9 @@ def tpp_pipeline(
         mod = prepare()(mod)
         if "tpp" not in target.keys:
             return relax.get_default_pipeline(target)(mod)
-        mod = rewrite_dense(mod, target, report if report is not None else [], tuner)
+        found = report if report is not None else []
+        mod = rewrite_dense(mod, target, found, tuner)
+        mod = rewrite_conv(mod, target, found)
         with target:
             return tvm.transform.Sequential(
                 cpu.library_dispatch_passes(target)

@@ -1,0 +1,288 @@
+"""Batch matmuls of two activations (attention) to TPP kernels: ``epi(X @ Y)`` as one call_tir.
+
+Matches ``relax.matmul(x, y)`` whose right operand is not a constant (the dense pass,
+:mod:`relay_passes.dense`, has taken the constant ones): float32, static shapes, both of rank
+>= 2 with the same leading (batch) dimensions, which flatten into one batch.  Around it:
+
+* the ``permute_dims`` producing the operands, when they only move the heads: ``y`` given as
+  ``permute_dims(z)`` swapping its last two axes (``Q @ K^T``) is read transposed, and an
+  operand permuted from heads-interleaved ``[..., S, H, D]`` to ``[..., H, S, D]`` (after a
+  projection, ``K^T`` also as ``[..., H, D, S]``) is read in place; chains of permutes are
+  composed first.  A ``permute_dims`` of the result back to ``[..., S, H, D]`` is absorbed the
+  same way.  No transposed copy of Q, K, V or the context is left to TVM;
+* the epilogue: division or multiplication by a constant scalar (the ``1/sqrt(d)`` scaling),
+  then an add of a constant scalar, of an ``[N]`` vector or of a tensor of the output's shape.
+
+The kernel (:mod:`schedules.batch_gemm`) packs the right operand itself, per batch element and
+N panel.  What does not fit stays with TVM and is reported with the reason.
+
+Examples
+--------
+>>> report = []
+>>> mod = rewrite_batch_matmul(mod, target, report)             # doctest: +SKIP
+>>> [(r.op, r.shape, r.kernel or r.reason) for r in report]     # doctest: +SKIP
+[('batch_matmul+scale', (12, 128, 128, 64), 'tpp_batch_matmul_12x128x128x64_txb12_scale'), ...]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+from tvm.target import Target
+
+from microkernels import isa as _isa
+from microkernels.epilogue import Epilogue, EpilogueOp
+from schedules.batch_gemm import BatchGemmProblem, default_config, schedule
+
+from .dense import Offload, _static
+
+__all__ = ["rewrite_batch_matmul"]
+
+
+@dataclass(frozen=True)
+class _Pattern:
+    root: object
+    matmul: object
+    scale: object | None  # the constant
+    scale_op: str | None  # "divide" / "multiply"
+    addend: object | None
+    out_permute: object | None
+
+
+def _patterns() -> list[_Pattern]:
+    """Every chain, longest first so the whole epilogue is taken before its prefixes."""
+    out = []
+    for out_permute in (True, False):
+        for with_add in (True, False):
+            for scale_op in ("divide", "multiply", None):
+                mm = is_op("relax.matmul")(wildcard(), wildcard())
+                node, scale, addend, permute = mm, None, None, None
+                if scale_op == "divide":
+                    scale = is_const()
+                    node = is_op("relax.divide")(node, scale)
+                elif scale_op == "multiply":
+                    scale = is_const()
+                    node = is_op("relax.multiply")(node, scale) | is_op("relax.multiply")(
+                        scale, node)
+                if with_add:
+                    addend = wildcard()
+                    node = is_op("relax.add")(node, addend) | is_op("relax.add")(addend, node)
+                if out_permute:
+                    node = permute = is_op("relax.permute_dims")(node)
+                out.append(_Pattern(node, mm, scale, scale_op, addend, permute))
+    return out
+
+
+def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload]
+                         ) -> tvm.IRModule:
+    """Replace every float32 matmul of two activations (and its epilogue) by a TPP kernel call.
+
+    Appends one :class:`~relay_passes.dense.Offload` per such matmul to ``report``: the kernel
+    (``shape`` is ``(batch, m, n, k)``) or why it stayed with TVM (``shape`` is its output's).
+    """
+    builder = relax.BlockBuilder(mod)
+    isa = _isa.from_name(str(target.attrs["model"]))
+    threads = int(target.attrs.get("num-cores", 1))
+    functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
+    for pattern in _patterns():
+        for gv, func in functions.items():
+            bindings = _bindings(func)
+
+            def rewriter(orig, matches, pattern=pattern, bindings=bindings):
+                return _rewrite(orig, matches, pattern, bindings, builder, isa, threads, report)
+
+            functions[gv] = rewrite_call(pattern.root, rewriter, func)
+    new_mod = builder.get()
+    for gv, f in functions.items():
+        new_mod[gv] = f
+    new_mod = relax.transform.DeadCodeElimination()(new_mod)
+    _report_leftovers(new_mod, report)
+    return new_mod
+
+
+def _bindings(func: relax.Function) -> dict:
+    """var -> bound value, for following an operand back through its permutes."""
+    found = {}
+
+    def visit(expr) -> None:
+        if isinstance(expr, relax.SeqExpr):
+            for block in expr.blocks:
+                for binding in block.bindings:
+                    if isinstance(binding, relax.VarBinding):
+                        found[binding.var] = binding.value
+
+    relax.analysis.post_order_visit(func, visit)
+    return found
+
+
+def _axes(call: relax.Call, rank: int) -> list[int]:
+    axes = call.attrs.axes
+    return list(range(rank))[::-1] if axes is None else [int(a) for a in axes]
+
+
+def _is_permute(expr) -> bool:
+    return (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)
+            and expr.op.name == "relax.permute_dims")
+
+
+def _layout(axes: list[int], transposable: bool) -> tuple[bool, bool] | None:
+    """(interleaved, transposed) of an operand read through the permutation ``axes``."""
+    r = len(axes)
+    forms = {(False, False): [*range(r - 2), r - 2, r - 1],
+             (False, True): [*range(r - 2), r - 1, r - 2]}
+    if r >= 3:  # [..., S, H, D] -> [..., H, S, D] (or [..., H, D, S])
+        forms[(True, False)] = [*range(r - 3), r - 2, r - 3, r - 1]
+        forms[(True, True)] = [*range(r - 3), r - 2, r - 1, r - 3]
+    for form, want in forms.items():
+        if want == axes and (transposable or not form[1]):
+            return form
+    return None
+
+
+def _operand(expr, bindings: dict, transposable: bool):
+    """(source, interleaved, transposed): the deepest tensor ``expr`` is a head-moving (or, if
+    ``transposable``, transposing) permutation of, through chains of ``permute_dims``."""
+    rank = len(expr.ty.shape)
+    best, axes, node = (expr, False, False), list(range(rank)), expr
+    while True:
+        value = bindings.get(node, node)
+        if not _is_permute(value):
+            return best
+        # y = permute(z, P), z = permute(w, Q)  =>  y = permute(w, [Q[p] for p in P]).
+        axes = [_axes(value, rank)[a] for a in axes]
+        node = value.args[0]
+        form = _layout(axes, transposable)
+        if form is not None:
+            best = (node, *form)
+
+
+def _static_f32(expr) -> tuple[int, ...] | None:
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.dtype != "float32":
+        return None
+    return _static(ty.shape)
+
+
+def _unsupported(call: relax.Call) -> str | None:
+    """Why the matmul ``call`` cannot become a batch TPP kernel (None if it can)."""
+    x, y = call.args
+    if isinstance(y, tvm.ir.expr.Constant):
+        return "constant right operand: a dense layer the dense pass did not take"
+    xs, ys, outs = _static_f32(x), _static_f32(y), _static_f32(call)
+    if xs is None or ys is None or outs is None:
+        return "operands and result must be float32 with static shapes"
+    if len(xs) < 2 or len(xs) != len(ys):
+        return f"operand ranks {len(xs)} and {len(ys)}: need equal ranks >= 2"
+    if xs[:-2] != ys[:-2]:
+        return f"batch dimensions {xs[:-2]} and {ys[:-2]} differ (broadcasting unsupported)"
+    if xs[-1] != ys[-2]:
+        return f"inner dimensions {xs[-1]} and {ys[-2]} differ"
+    return None
+
+
+def _scalar(const) -> float | None:
+    value = const.value.numpy()
+    if value.size != 1 or value.dtype.kind != "f":
+        return None
+    v = float(value.reshape(()))
+    return v if math.isfinite(v) else None
+
+
+def _rewrite(orig, matches, pattern: _Pattern, bindings, builder, isa, threads, report):
+    # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
+    # reported once, by _report_leftovers().
+    call = matches[pattern.matmul]
+    if _unsupported(call) is not None:
+        return orig
+    xs = _static(call.args[0].ty.shape)
+    lead, (m, k), n = xs[:-2], xs[-2:], _static(call.args[1].ty.shape)[-1]
+    batch = int(np.prod(lead, dtype=np.int64))
+    x_src, x_inter, _ = _operand(call.args[0], bindings, transposable=False)
+    b_src, b_inter, transposed = _operand(call.args[1], bindings, transposable=True)
+    y_inter = pattern.out_permute is not None
+    if y_inter and _layout(_axes(orig, len(xs)), False) != (True, False):
+        return orig  # not the permute back to [..., S, H, D]
+    heads = lead[-1] if (x_inter or b_inter or y_inter) and lead[-1] > 1 else 1
+    if heads == 1:  # one head: interleaved and plain layouts are the same memory
+        x_inter = b_inter = y_inter = False
+
+    ops, extra = [], []
+    if pattern.scale is not None:
+        value = _scalar(matches[pattern.scale])
+        if value is None or (pattern.scale_op == "divide" and value == 0):
+            return orig
+        ops.append(EpilogueOp("scale", value=1.0 / value if pattern.scale_op == "divide"
+                              else value))
+    if pattern.addend is not None:
+        added = _addend(matches[pattern.addend], (*lead, m, n), batch * m, n,
+                        heads if y_inter else 1)
+        if added is None:
+            return orig
+        ops.append(added[0])
+        extra.append(added[1])
+
+    problem = BatchGemmProblem(batch, m, n, k, transposed, Epilogue(tuple(ops)), heads=heads,
+                               x_interleaved=x_inter, b_interleaved=b_inter,
+                               y_interleaved=y_inter)
+    config = default_config(problem, isa, threads)
+    func = schedule(problem, config, isa).mod["main"]
+    # kOpaque keeps FuseOps from fusing neighbours into the kernel; is_scheduled keeps the
+    # fallback schedules off it.
+    func = func.without_attr("global_symbol").with_attrs(
+        {"op_pattern": 8, "tirx.is_scheduled": True})
+    name = f"tpp_batch_matmul_{problem.name}"
+    gv = builder.add_func(func, name)
+    args = [_view(x_src, problem.x_shape), _view(b_src, problem.b_shape), *extra]
+    out = relax.call_tir(gv, args, relax.TensorType(problem.y_shape, "float32"))
+    op = "+".join(["batch_matmul", *(o.tag for o in ops)])
+    report.append(Offload(op, (batch, m, n, k), kernel=name))
+    shape = _static(orig.ty.shape)
+    return out if shape == problem.y_shape else relax.op.reshape(out, shape)
+
+
+def _addend(expr, out_shape: tuple[int, ...], rows: int, n: int, heads: int):
+    """(EpilogueOp, argument) adding ``expr`` to the ``[rows, heads * n]`` stored result, or
+    None: a scalar or ``[N]`` constant (tiled over interleaved heads), an ``[N]`` tensor, or a
+    tensor of the output's shape (not when the result is stored interleaved)."""
+    if isinstance(expr, tvm.ir.expr.Constant):
+        value = expr.value.numpy()
+        if value.dtype != np.float32:
+            return None
+        if value.size == 1:
+            value = np.full(n, value.reshape(()), np.float32)
+        if value.size == n and value.shape[-1] == n:
+            row = np.tile(value.reshape(n), heads)
+            return EpilogueOp("bias"), relax.const(np.ascontiguousarray(row))
+        if value.shape == out_shape and heads == 1:
+            return EpilogueOp("residual"), relax.const(value.reshape(rows, n))
+        return None
+    shape = _static_f32(expr)
+    if shape is None or heads > 1:
+        return None
+    if shape == out_shape:
+        return EpilogueOp("residual"), _view(expr, (rows, n))
+    if shape[-1:] == (n,) and int(np.prod(shape)) == n:
+        return EpilogueOp("bias"), _view(expr, (n,))
+    return None
+
+
+def _view(expr, shape: tuple[int, ...]):
+    return expr if _static(expr.ty.shape) == tuple(shape) else relax.op.reshape(expr, shape)
+
+
+def _report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
+    def visit(expr) -> None:
+        if (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)
+                and expr.op.name == "relax.matmul"
+                and not isinstance(expr.args[1], tvm.ir.expr.Constant)):
+            reason = _unsupported(expr) or "pattern not matched"
+            report.append(Offload("matmul", _static(expr.ty.shape) or (), reason=reason))
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)

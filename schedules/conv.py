@@ -1,0 +1,521 @@
+"""Direct convolution template: PARLOOPER's conv loops around a BRGEMM over channels.
+
+``Y = epilogue(conv2d(X, W))`` for float32, ``groups = 1``, dilation 1, any stride and padding,
+computed as in [PL] Listing 4: seven logical loops
+
+* ``a`` — N (images),
+* ``b`` — Cb (input-channel blocks of ``bc``, a reduction; step ``c_step`` blocks),
+* ``c`` — Kb (output-channel blocks of ``bk``),
+* ``d`` — P (output rows),
+* ``e`` — Q blocks (output columns in blocks of ``bq``),
+* ``f`` — R, ``g`` — S (filter taps, reductions),
+
+ordered, blocked and parallelized by a loop_spec string, around a BRGEMM call
+``C[bq, bk] += A[bq, c_step*bc] @ B[c_step*bc, bk]`` for one output tile and one tap (r, s).
+
+Layouts (row-major)
+-------------------
+Activations are channels-last.  This is PARLOOPER's blocked ``NCHWc`` with a single channel
+block (``Cb = 1``, ``bc = C``) in memory; the ``bc``/``bk`` blocks are column blocks of that
+layout.  It keeps the epilogue a plain 2-D ``[pixels, channels]`` chain, and lets any conv
+consume any other conv's output, whatever their blocks.
+
+* input ``X[N][Hp][Wq][sw*C]``: NHWC, zero-padded (the kernel never reads out of bounds),
+  the padded width rounded up to ``Wq * sw``.  It is the padded NHWC tensor reshaped
+  (no copy) so that input column ``w = q*sw + ph`` sits at ``X[.., q, ph*C + c]``.  For tap
+  ``s`` the A rows of output columns ``q0 .. q0+bq`` are then *consecutive* rows
+  ``q0 + s//sw ..`` at offset ``(s % sw) * C``: a stride ``sw`` needs no gather.
+* weights ``W[Kb][R][S][C][bk]``: each (kb, r, s) holds a contiguous ``[C, bk]`` panel,
+  the flat BRGEMM's B.
+* output ``Y[N*P*Q][K]``: NHWC viewed as a matrix; residual operands have this shape too,
+  bias operands are ``[K]`` (``broadcast="row"``).
+
+The accumulator is zeroed before the first reduction loop (``decompose_reduction``), and the
+epilogue (:func:`microkernels.epilogue.apply_te`) runs under the deepest spatial loop above
+it, on the finished tile, as :mod:`schedules.gemm` does.
+
+With few input channels (an RGB stem) each call would reduce only C values;
+:meth:`ConvProblem.unfold_width` turns such a conv into an ``R x 1`` one over ``S*C``
+channels of an input unfolded along the width (:func:`unfold_input`).
+
+Examples
+--------
+>>> p = ConvProblem(n=1, c=64, h=56, w=56, k=64, r=3, s=3, padding=1)
+>>> (p.p, p.q, p.input_shape)
+(56, 56, (1, 58, 58, 64))
+>>> cfg = ConvConfig(bq=28, bc=64, bk=64)
+>>> sch = schedule(p, cfg, isa="avx2")       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from microkernels import isa as _isa
+from microkernels.brgemm import BrgemmShape, dispatch
+from microkernels.epilogue import Epilogue
+
+from .blocking import _pick, divisors
+from .gemm import _check_exact
+from .loop_spec import LoopDecl, LoopSpec, parse
+
+if TYPE_CHECKING:
+    from tvm import s_tir
+    from tvm.s_tir.schedule import LoopRV, SBlockRV
+    from tvm.tirx import PrimFunc
+
+__all__ = [
+    "ConvProblem",
+    "ConvConfig",
+    "LETTERS",
+    "workload",
+    "nest_loops",
+    "finish_nest",
+    "schedule",
+    "default_config",
+    "pack_input",
+    "pack_weight",
+    "unfold_input",
+    "unfold_weight",
+    "reference",
+]
+
+#: Loop letters in declaration order: N, Cb, Kb, P, Q blocks, R, S ([PL] Listing 4).
+LETTERS = "abcdefg"
+_REDUCTIONS = frozenset("bfg")
+
+
+def _pair(value, what: str, n: int) -> tuple[int, ...]:
+    values = (value,) * n if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise TypeError(f"{what} must be an int or a tuple of {n} ints, got {value!r}") from None
+    if len(values) != n or any(not isinstance(v, int) or isinstance(v, bool) for v in values):
+        raise TypeError(f"{what} must be an int or a tuple of {n} ints, got {value!r}")
+    return values
+
+
+@dataclass(frozen=True)
+class ConvProblem:
+    """``Y = epilogue(conv2d(X, W))``: NCHW input, OIHW weights, float32, groups 1.
+
+    Parameters
+    ----------
+    n, c, h, w
+        Input batch, channels, height, width.
+    k, r, s
+        Output channels and filter height, width.
+    stride
+        ``(sh, sw)`` or one int for both.
+    padding
+        ``(top, left, bottom, right)`` (Relax's order) or one int for all four.
+    epilogue
+        Elementwise chain on the ``[N*P*Q, K]`` output: bias is per output channel
+        (``"row"``), a residual is a full NHWC tensor.
+
+    Examples
+    --------
+    >>> ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3).output_shape
+    (1, 64, 112, 112)
+    >>> ConvProblem(1, 3, 4, 4, 8, 5, 5)
+    Traceback (most recent call last):
+    ...
+    ValueError: a 5x5 filter does not fit the 4x4 input padded by (0, 0, 0, 0)
+    """
+
+    n: int
+    c: int
+    h: int
+    w: int
+    k: int
+    r: int
+    s: int
+    stride: tuple[int, int] | int = (1, 1)
+    padding: tuple[int, int, int, int] | int = (0, 0, 0, 0)
+    dtype: str = "float32"
+    epilogue: Epilogue = field(default_factory=Epilogue)
+
+    def __post_init__(self) -> None:
+        for dim in ("n", "c", "h", "w", "k", "r", "s"):
+            value = getattr(self, dim)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ConvProblem.{dim} must be a positive int, got {value!r}")
+        object.__setattr__(self, "stride", _pair(self.stride, "stride", 2))
+        object.__setattr__(self, "padding", _pair(self.padding, "padding", 4))
+        if min(self.stride) < 1:
+            raise ValueError(f"strides must be >= 1, got {self.stride}")
+        if min(self.padding) < 0:
+            raise ValueError(f"padding must be >= 0, got {self.padding}")
+        if self.hp < self.r or self.w + self.padding[1] + self.padding[3] < self.s:
+            raise ValueError(f"a {self.r}x{self.s} filter does not fit the {self.h}x{self.w} "
+                             f"input padded by {self.padding}")
+        if self.dtype != "float32":
+            raise ValueError(f"the conv template handles float32, got {self.dtype!r}")
+        if not isinstance(self.epilogue, Epilogue):
+            raise TypeError(f"epilogue must be an Epilogue, got {type(self.epilogue).__name__}")
+        if self.epilogue.out_dtype("float32") != "float32":
+            raise ValueError(f"the conv template writes float32, not {self.epilogue.name!r}")
+
+    @property
+    def p(self) -> int:
+        """Output height."""
+        return (self.hp - self.r) // self.stride[0] + 1
+
+    @property
+    def q(self) -> int:
+        """Output width."""
+        return (self.w + self.padding[1] + self.padding[3] - self.s) // self.stride[1] + 1
+
+    @property
+    def hp(self) -> int:
+        """Padded input height."""
+        return self.h + self.padding[0] + self.padding[2]
+
+    @property
+    def wq(self) -> int:
+        """Input column groups of ``sw``: the padded width is ``wq * sw`` (rounded up)."""
+        return -(-(self.w + self.padding[1] + self.padding[3]) // self.stride[1])
+
+    @property
+    def input_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the packed input ``X[N][Hp][Wq][sw*C]``."""
+        return (self.n, self.hp, self.wq, self.stride[1] * self.c)
+
+    @property
+    def output_shape(self) -> tuple[int, int, int, int]:
+        """NCHW shape of the result."""
+        return (self.n, self.k, self.p, self.q)
+
+    @property
+    def rows(self) -> int:
+        """Output pixels ``N*P*Q``: the rows of the ``[rows, K]`` output matrix."""
+        return self.n * self.p * self.q
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.rows * self.k * self.c * self.r * self.s
+
+    def unfold_width(self) -> ConvProblem:
+        """The same convolution on its input unfolded along the width (im2col of the S taps).
+
+        Input column ``q`` of the unfolded tensor holds the ``S*C`` values output column ``q``
+        reads in one filter row: ``X'[n, h, q, s*C + c] = Xpad[n, h, q*sw + s, c]``.  The
+        filter becomes ``R x 1`` over ``S*C`` channels.  Worth it when C is small (an RGB
+        stem): each BRGEMM call then reduces ``S*C`` channels instead of ``C``, at the price
+        of an S-fold copy of a small input.
+
+        Examples
+        --------
+        >>> p = ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3).unfold_width()
+        >>> (p.c, p.w, p.s, p.stride, p.padding, p.q)
+        (21, 112, 1, (2, 1), (3, 0, 3, 0), 112)
+        """
+        top, _, bottom, _ = self.padding
+        return ConvProblem(self.n, self.s * self.c, self.h, self.q, self.k, self.r, 1,
+                           stride=(self.stride[0], 1), padding=(top, 0, bottom, 0),
+                           epilogue=self.epilogue)
+
+
+@dataclass(frozen=True)
+class ConvConfig:
+    """Block sizes and the loop_spec of one convolution.
+
+    Parameters
+    ----------
+    bq
+        Output columns per BRGEMM (its ``m``); divides Q.
+    bc
+        Input channels per BRGEMM batch element (its ``k``); divides C.
+    bk
+        Output channels per tile (the BRGEMM's ``n``, the vector dimension); divides K.
+    spec
+        loop_spec over :data:`LETTERS`; upper-case loops run in parallel.  Reductions
+        (``b``, ``f``, ``g``) cannot be parallel.
+    c_step
+        Channel blocks one BRGEMM call reduces (its ``batch``): step of ``b``.
+    block_steps
+        Letter -> block steps, outer first, for letters that occur more than once.
+
+    Examples
+    --------
+    >>> ConvConfig(bq=28, bc=64, bk=64, spec="ACDebfg").spec
+    'ACDebfg'
+    """
+
+    bq: int
+    bc: int
+    bk: int
+    spec: str = "ACDebfg"
+    c_step: int = 1
+    block_steps: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("bq", "bc", "bk", "c_step"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ConvConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.spec, str):
+            raise TypeError(f"spec must be a str, got {type(self.spec).__name__}")
+        bad = set(self.block_steps) - set(LETTERS)
+        if bad:
+            raise ValueError(f"block_steps keys must be conv loop letters a-g, got {sorted(bad)}")
+        steps = {k: tuple(self.block_steps[k]) for k in sorted(self.block_steps)}
+        object.__setattr__(self, "block_steps", MappingProxyType(steps))
+
+    def __hash__(self) -> int:
+        return hash((self.bq, self.bc, self.bk, self.spec, self.c_step,
+                     tuple(self.block_steps.items())))
+
+    def check(self, problem: ConvProblem) -> None:
+        """ValueError unless the blocks tile ``problem`` exactly."""
+        for block, dim, name, what in ((self.bq, problem.q, "bq", "Q"),
+                                       (self.bc, problem.c, "bc", "C"),
+                                       (self.bk, problem.k, "bk", "K")):
+            if dim % block:
+                raise ValueError(f"{name}={block} does not divide {what}={dim}")
+        if (problem.c // self.bc) % self.c_step:
+            raise ValueError(f"c_step={self.c_step} does not divide C/bc={problem.c // self.bc}")
+
+    def loops(self, problem: ConvProblem) -> tuple[LoopDecl, ...]:
+        """The seven logical loops of ``problem``, in block units."""
+        self.check(problem)
+        extents = (("N", problem.n), ("Cb", problem.c // self.bc), ("Kb", problem.k // self.bk),
+                   ("P", problem.p), ("Qb", problem.q // self.bq), ("R", problem.r),
+                   ("S", problem.s))
+        return tuple(
+            LoopDecl(name, extent, step=self.c_step if letter == "b" else 1,
+                     block_steps=self.block_steps.get(letter, ()),
+                     reduction=letter in _REDUCTIONS)
+            for letter, (name, extent) in zip(LETTERS, extents, strict=True))
+
+    def parse(self, problem: ConvProblem) -> LoopSpec:
+        """The parsed loop_spec (LoopSpecError if it does not fit)."""
+        spec = parse(self.spec, self.loops(problem))
+        _check_exact(spec)
+        return spec
+
+
+def workload(problem: ConvProblem, bk: int) -> PrimFunc:
+    """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc)."""
+    from tvm import te
+
+    from microkernels.epilogue import apply_te
+
+    p, q, c, k = problem.p, problem.q, problem.c, problem.k
+    sh, sw = problem.stride
+    if k % bk:
+        raise ValueError(f"bk={bk} does not divide K={k}")
+    x = te.placeholder(problem.input_shape, "float32", name="X")
+    w = te.placeholder((k // bk, problem.r, problem.s, c, bk), "float32", name="W")
+    rr = te.reduce_axis((0, problem.r), name="r")
+    rs = te.reduce_axis((0, problem.s), name="s")
+    rc = te.reduce_axis((0, c), name="c")
+    conv = te.compute(
+        (problem.n, p, q, k),
+        lambda n, i, j, o: te.sum(
+            x[n, i * sh + rr, j + rs // sw, rs % sw * c + rc]
+            * w[o // bk, rr, rs, rc, o % bk], axis=[rr, rs, rc]),
+        name="conv")
+    extra = {op.name: te.placeholder(op.shape(problem.rows, k), op.dtype, name=op.name)
+             for op in problem.epilogue.inputs("float32")}
+    if not problem.epilogue.ops:
+        return te.create_prim_func([x, w, conv])
+    # The epilogue is a 2-D chain: it reads the conv through a [rows, K] view, which the
+    # schedule inlines once the conv's buffer itself is laid out as that matrix.
+    view = te.compute((problem.rows, k),
+                      lambda i, o: conv[i // (p * q), i // q % p, i % q, o], name="view")
+    y = apply_te(problem.epilogue, view, extra)
+    return te.create_prim_func([x, w, *extra.values(), y])
+
+
+def nest_loops(sch: s_tir.Schedule, spec: LoopSpec, logical: Mapping[str, LoopRV]
+               ) -> tuple[list[LoopRV], list[LoopRV]]:
+    """Split each logical loop into its spec occurrences, in nest order.
+
+    ``logical`` maps each letter to the TIR loop over its blocks.  Returns the occurrence
+    loops in nest order and, in grid mode, the thread-grid chunk loops split off each gridded
+    occurrence (``L, R, C`` order), to be hoisted above them.  Nothing is reordered yet.
+    """
+    loops = {}
+    for letter, blocks in logical.items():
+        occurrences = spec.occurrences_of(letter)
+        parts = sch.split(blocks, [None] + [o.trips for o in occurrences[1:]])
+        loops.update({(o.letter, o.level): part
+                      for o, part in zip(occurrences, parts, strict=True)})
+    order = [loops[(o.letter, o.level)] for o in spec.occurrences]
+    grid_loops = []
+    if spec.mode == "grid":
+        for index in spec.parallel_groups()[0]:
+            chunk, order[index] = sch.split(order[index], [spec.occurrences[index].grid[1], None])
+            grid_loops.append(chunk)
+    return order, grid_loops
+
+
+def finish_nest(sch: s_tir.Schedule, spec: LoopSpec, order: list[LoopRV],
+                grid_loops: list[LoopRV], block: SBlockRV, reductions: frozenset[str],
+                epilogue: SBlockRV | None = None) -> SBlockRV:
+    """Place the epilogue, parallelize, and zero the accumulator; returns the init block.
+
+    The epilogue block goes under the deepest spatial loop above the first reduction loop:
+    each output tile is finished there (a separate parallel pass when a reduction loop is
+    outermost).  Collapse groups and thread grids become one fused parallel loop, and the
+    accumulator is zeroed right above the first reduction loop (``decompose_reduction``).
+    """
+    first = next(i for i, o in enumerate(spec.occurrences) if o.letter in reductions)
+    anchor = order[first - 1] if first else (grid_loops[-1] if grid_loops else None)
+    if epilogue is not None:
+        if anchor is not None:
+            sch.reverse_compute_at(epilogue, anchor)
+        else:
+            sch.parallel(sch.fuse(*sch.get_loops(epilogue)[:-1]))
+        sch.vectorize(sch.get_loops(epilogue)[-1])
+    if grid_loops:
+        sch.parallel(sch.fuse(*grid_loops) if len(grid_loops) > 1 else grid_loops[0])
+    elif spec.parallel_groups():
+        members = [order[index] for index in spec.parallel_groups()[0]]
+        sch.parallel(sch.fuse(*members) if len(members) > 1 else members[0])
+    init = sch.decompose_reduction(block, order[first])
+    sch.vectorize(sch.get_loops(init)[-1])
+    return init
+
+
+def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "avx2"
+             ) -> s_tir.Schedule:
+    """The scheduled convolution: loop_spec outer loops around the ISA's BRGEMM.
+
+    Raises
+    ------
+    LoopSpecError
+        The spec is malformed, misses a loop, parallelizes a reduction, or does not tile.
+    ValueError
+        Block sizes do not tile the problem.
+    """
+    from tvm import s_tir
+
+    isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
+    spec = config.parse(problem)
+    pq = problem.p * problem.q
+    sch = s_tir.Schedule(workload(problem, config.bk))
+    conv = sch.get_sblock("conv")
+    # The accumulator (or the output itself) as the [N*P*Q, K] matrix the epilogue reads:
+    # the view stage then inlines to plain 2-D indices.
+    sch.transform_layout(conv, ("write", 0),
+                         lambda n, i, j, o: (n * pq + i * problem.q + j, o))
+    n, p, q, k, r, s, c = sch.get_loops(conv)
+    q_blocks, q_body = sch.split(q, [None, config.bq])
+    k_blocks, k_body = sch.split(k, [None, config.bk])
+    c_blocks, c_body = sch.split(c, [None, config.c_step * config.bc])
+    logical = dict(zip(LETTERS, (n, c_blocks, k_blocks, p, q_blocks, r, s), strict=True))
+    order, grid_loops = nest_loops(sch, spec, logical)
+    sch.reorder(*grid_loops, *order, q_body, k_body, c_body)
+    epilogue = None
+    if problem.epilogue.ops:
+        sch.compute_inline(sch.get_sblock("view"))
+        epilogue = sch.get_sblock("epilogue")
+    finish_nest(sch, spec, order, grid_loops, conv, _REDUCTIONS, epilogue)
+    # The BRGEMM desc has no loop for a unit dimension (TVM drops them from the blocks it
+    # matches), so each unit loop of the tile is fused into a neighbour.
+    inner = [(q_body, config.bq), (k_body, config.bk), (c_body, config.c_step * config.bc)]
+    while len(inner) > 1 and any(extent == 1 for _, extent in inner):
+        unit = next(i for i, (_, extent) in enumerate(inner) if extent == 1)
+        first = min(unit, len(inner) - 2)  # fuse with the loop below, or above if last
+        (outer, e0), (under, e1) = inner[first:first + 2]
+        inner[first:first + 2] = [(sch.fuse(outer, under), e0 * e1)]
+    if inner[0][1] == 1:
+        return sch  # a 1x1x1 "GEMM" per step: scalar code is all it needs
+    shape = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
+                        layout="flat", isa=isa_name)
+    sch.tensorize(inner[0][0], dispatch(shape))
+    return sch
+
+
+def default_config(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int
+                   ) -> ConvConfig:
+    """Blocks and loop order from the shape, the ISA's vectors and the caches.
+
+    * ``bk`` — at most 64 output channels, a multiple of the vector width where possible;
+    * ``bc`` — all input channels (at most 512) in one BRGEMM: C stays in registers across
+      the whole channel reduction of a tap;
+    * ``bq`` — the largest divisor of Q up to 28 rows, or, when that gives fewer than 7 rows
+      (Q prime, say), the smallest divisor from 7 up: tails would need predicated kernels;
+    * order — ``ACDebfg`` (parallel over images, K blocks and output rows; every output tile
+      finishes its taps while hot).  When the images and K blocks alone give every thread
+      two tasks and a K block's output fits in half of L2, ``ACbfgde`` instead: each weight
+      panel is then reused across the whole output plane, which matters in the deep layers
+      whose weights outgrow L2.
+
+    Examples
+    --------
+    >>> from microkernels import isa
+    >>> p = ConvProblem(1, 512, 7, 7, 512, 3, 3, padding=1)
+    >>> cfg = default_config(p, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+    >>> (cfg.bq, cfg.bc, cfg.bk, cfg.spec)
+    (7, 512, 64, 'ACbfgde')
+    """
+    lanes = isa.lanes("float32")
+    bk = _pick(problem.k, 64, lanes)
+    bc = _pick(problem.c, 512)
+    q_divisors = divisors(problem.q)
+    bq = max(d for d in q_divisors if d <= 28)
+    if bq < 7:
+        bq = min(d for d in q_divisors if d >= min(7, problem.q))
+    plane = problem.p * problem.q * bk * 4
+    tasks = problem.n * (problem.k // bk)
+    spec = "ACbfgde" if tasks >= 2 * threads and plane <= caches.l2 // 2 else "ACDebfg"
+    return ConvConfig(bq=bq, bc=bc, bk=bk, spec=spec)
+
+
+# --------------------------------------------------------------------------------------------
+# numpy layouts and semantics (tests, and the graph pass's weight packing)
+
+
+def pack_input(x: np.ndarray, problem: ConvProblem) -> np.ndarray:
+    """NCHW ``x`` -> the kernel's padded ``X[N][Hp][Wq][sw*C]``."""
+    top, left, bottom, right = problem.padding
+    width = problem.wq * problem.stride[1]
+    nhwc = np.transpose(x, (0, 2, 3, 1))
+    padded = np.pad(nhwc, ((0, 0), (top, bottom), (left, width - problem.w - left), (0, 0)))
+    return np.ascontiguousarray(padded.reshape(problem.input_shape), dtype=np.float32)
+
+
+def pack_weight(w: np.ndarray, bk: int) -> np.ndarray:
+    """OIHW ``w`` -> ``W[K/bk][R][S][C][bk]``: a contiguous ``[C, bk]`` panel per tap."""
+    k, c, r, s = w.shape
+    if k % bk:
+        raise ValueError(f"bk={bk} does not divide K={k}")
+    blocked = w.reshape(k // bk, bk, c, r, s).transpose(0, 3, 4, 2, 1)
+    return np.ascontiguousarray(blocked, dtype=np.float32)
+
+
+def unfold_input(x: np.ndarray, problem: ConvProblem) -> np.ndarray:
+    """NCHW ``x`` -> the packed input of ``problem.unfold_width()``."""
+    top, left, bottom, right = problem.padding
+    sw = problem.stride[1]
+    padded = np.pad(np.transpose(x, (0, 2, 3, 1)), ((0, 0), (top, bottom), (left, right), (0, 0)))
+    taps = [padded[:, :, s:s + (problem.q - 1) * sw + 1:sw] for s in range(problem.s)]
+    return np.ascontiguousarray(np.concatenate(taps, axis=3), dtype=np.float32)
+
+
+def unfold_weight(w: np.ndarray) -> np.ndarray:
+    """OIHW ``w`` -> the ``[K, S*C, R, 1]`` filter of :meth:`ConvProblem.unfold_width`."""
+    k, c, r, s = w.shape
+    return np.ascontiguousarray(w.transpose(0, 3, 1, 2).reshape(k, s * c, r, 1))
+
+
+def reference(problem: ConvProblem, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """float64 NCHW ``conv2d(x, w)`` without the epilogue (numpy, tap by tap)."""
+    top, left, bottom, right = problem.padding
+    sh, sw = problem.stride
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)))
+    out = np.zeros(problem.output_shape)
+    for i in range(problem.r):
+        for j in range(problem.s):
+            taps = xp[:, :, i:i + (problem.p - 1) * sh + 1:sh, j:j + (problem.q - 1) * sw + 1:sw]
+            out += np.einsum("nchw,kc->nkhw", taps, w[:, :, i, j].astype(np.float64))
+    return out

@@ -1,0 +1,157 @@
+"""Direct convolution template: loop_spec outer loops around BRGEMM, checked vs numpy.
+
+Each case builds the scheduled PrimFunc, runs it on the packed layouts (NHWC input padded and
+width-grouped by the stride, ``[Kb, R, S, C, bk]`` weights, ``[N*P*Q, K]`` output) and compares
+with a float64 numpy convolution followed by the epilogue's numpy semantics.
+"""
+
+import numpy as np
+import pytest
+import tvm
+
+from microkernels import isa
+from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.epilogue import reference as epilogue_reference
+from schedules.conv import (
+    ConvConfig,
+    ConvProblem,
+    default_config,
+    pack_input,
+    pack_weight,
+    reference,
+    schedule,
+    unfold_input,
+    unfold_weight,
+)
+from schedules.loop_spec import LoopSpecError
+
+TARGETS = {"avx2": {"kind": "llvm", "mcpu": "haswell"},
+           "avx512": {"kind": "llvm", "mcpu": "skylake-avx512"}}
+BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
+BIAS_RES_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("residual"), EpilogueOp("relu")))
+
+
+def _run(problem, config, isa_name="avx2", seed=0, unfold=False):
+    """Run ``problem`` (through its width-unfolded form if asked) and compare with numpy."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((problem.n, problem.c, problem.h, problem.w)).astype("float32")
+    w = rng.standard_normal((problem.k, problem.c, problem.r, problem.s)).astype("float32")
+    extra = {op.name: rng.standard_normal(op.shape(problem.rows, problem.k)).astype("float32")
+             for op in problem.epilogue.inputs("float32")}
+    kernel = problem.unfold_width() if unfold else problem
+    packed_x = unfold_input(x, problem) if unfold else pack_input(x, problem)
+    packed_w = pack_weight(unfold_weight(w) if unfold else w, config.bk)
+    assert packed_x.shape == kernel.input_shape
+    func = tvm.compile(schedule(kernel, config, isa_name).mod,
+                       target=tvm.target.Target(TARGETS[isa_name]))
+    y = tvm.runtime.empty((problem.rows, problem.k), "float32")
+    func(tvm.runtime.tensor(packed_x), tvm.runtime.tensor(packed_w),
+         *[tvm.runtime.tensor(v) for v in extra.values()], y)
+    want = reference(problem, x, w).transpose(0, 2, 3, 1).reshape(problem.rows, problem.k)
+    if problem.epilogue.ops:
+        want = epilogue_reference(problem.epilogue, want.astype("float32"), extra)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)
+    assert np.abs(y.numpy()).max() > 0
+
+
+def _default(problem, isa_name="avx2"):
+    return default_config(problem, isa.from_name(isa_name), isa.DEFAULT_CACHES, threads=2)
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [
+        ConvProblem(1, 8, 7, 7, 24, 1, 1),                                      # 1x1, odd plane
+        ConvProblem(2, 16, 13, 13, 32, 3, 3, padding=1, epilogue=BIAS_RES_RELU),
+        ConvProblem(1, 16, 56, 56, 16, 3, 3, padding=1, epilogue=BIAS_RELU),   # big plane
+        ConvProblem(1, 16, 14, 14, 32, 3, 3, stride=2, padding=1, epilogue=BIAS_RELU),
+        ConvProblem(1, 24, 9, 9, 16, 1, 1, stride=2, epilogue=BIAS_RES_RELU),  # projection
+        # asymmetric everything: stride (2, 3), padding (t, l, b, r), 3x5 filter
+        ConvProblem(2, 8, 9, 11, 8, 3, 5, stride=(2, 3), padding=(1, 2, 0, 1),
+                    epilogue=BIAS_RELU),
+        # unit BRGEMM dimensions: one pixel (m = 1), one input channel (k = 1), one output
+        # channel (n = 1), all three (no BRGEMM left)
+        ConvProblem(1, 32, 1, 1, 40, 1, 1, epilogue=BIAS_RELU),
+        ConvProblem(1, 1, 9, 9, 8, 1, 1),
+        ConvProblem(2, 8, 5, 5, 1, 3, 3, padding=1, epilogue=BIAS_RELU),
+        ConvProblem(1, 1, 1, 1, 1, 1, 1),
+    ],
+    ids=["1x1", "3x3-residual", "56x56", "stride2", "1x1-stride2", "asymmetric", "1-pixel",
+         "1-input-channel", "1-output-channel", "all-unit"],
+)
+def test_default_config(problem):
+    _run(problem, _default(problem))
+
+
+def test_rgb_stem_direct_and_unfolded():
+    """3 input channels: directly (k = 3 per call) and with the taps unfolded (k = S*C)."""
+    problem = ConvProblem(1, 3, 23, 23, 16, 7, 7, stride=2, padding=3, epilogue=BIAS_RELU)
+    _run(problem, _default(problem))
+    unfolded = problem.unfold_width()
+    assert (unfolded.c, unfolded.s, unfolded.q, unfolded.rows) == (21, 1, 12, problem.rows)
+    _run(problem, _default(unfolded), unfold=True)
+
+
+@pytest.mark.parametrize(
+    "spec, c_step, block_steps",
+    [
+        ("ACbfgde", 1, {}),
+        ("ACDbfge", 2, {}),             # taps outside the column blocks, 2 channel blocks/call
+        ("bfgACDe", 1, {}),             # reductions outermost: the epilogue runs as its own pass
+        ("cACDebfg", 1, {"c": (2,)}),   # K blocked: 2 serial chunks of parallel work
+        ("aC{R:2}D{C:2}ebfg", 1, {}),   # thread grid over K blocks x output rows
+    ],
+)
+def test_loop_specs(spec, c_step, block_steps):
+    problem = ConvProblem(2, 32, 10, 10, 64, 3, 3, padding=1, epilogue=BIAS_RES_RELU)
+    _run(problem, ConvConfig(bq=5, bc=8, bk=16, spec=spec, c_step=c_step,
+                             block_steps=block_steps))
+
+
+def test_avx512_kernel():
+    if not isa.from_name("avx512").runs_on(isa.host_flags()):
+        pytest.skip("this host has no AVX-512F (the AVX2 cases cover the template)")
+    problem = ConvProblem(1, 32, 13, 13, 48, 3, 3, padding=1, epilogue=BIAS_RES_RELU)
+    _run(problem, _default(problem, "avx512"), "avx512")
+
+
+def test_default_config_choices():
+    avx2, caches = isa.from_name("avx2"), isa.DEFAULT_CACHES
+    deep = default_config(ConvProblem(1, 512, 7, 7, 512, 3, 3, padding=1), avx2, caches, 2)
+    assert (deep.bq, deep.bc, deep.bk, deep.spec) == (7, 512, 64, "ACbfgde")
+    wide = default_config(ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1), avx2, caches, 2)
+    assert (wide.bq, wide.bc, wide.bk, wide.spec) == (28, 64, 64, "ACDebfg")
+    prime = default_config(ConvProblem(1, 8, 29, 29, 8, 1, 1), avx2, caches, 2)
+    assert prime.bq == 29  # no divisor of 29 between 7 and 28: one block
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(n=0), "ConvProblem.n must be a positive int"),
+        (dict(r=9), "a 9x3 filter does not fit"),
+        (dict(stride=0), "strides must be >= 1"),
+        (dict(padding=(1, 1)), "padding must be an int or a tuple of 4 ints"),
+        (dict(padding=-1), "padding must be >= 0"),
+        (dict(dtype="int8"), "float32"),
+        (dict(epilogue=Epilogue((EpilogueOp("convert", dtype="bfloat16"),))), "writes float32"),
+    ],
+)
+def test_bad_problems(kwargs, message):
+    args = dict(n=1, c=8, h=8, w=8, k=8, r=3, s=3) | kwargs
+    with pytest.raises((ValueError, TypeError), match=message):
+        ConvProblem(**args)
+
+
+def test_bad_configs():
+    problem = ConvProblem(1, 16, 8, 8, 32, 3, 3, padding=1)
+    with pytest.raises(ValueError, match="bq=3 does not divide Q=8"):
+        schedule(problem, ConvConfig(bq=3, bc=16, bk=16))
+    with pytest.raises(ValueError, match="c_step=3 does not divide"):
+        schedule(problem, ConvConfig(bq=8, bc=4, bk=16, c_step=3))
+    with pytest.raises(LoopSpecError, match="reduction"):
+        schedule(problem, ConvConfig(bq=8, bc=16, bk=16, spec="ACDeBfg"))
+    with pytest.raises(LoopSpecError):
+        schedule(problem, ConvConfig(bq=8, bc=16, bk=16, spec="ACDebf"))  # g missing
+    with pytest.raises(ValueError, match="loop letters"):
+        ConvConfig(bq=8, bc=16, bk=16, block_steps={"x": (2,)})
