@@ -26,7 +26,7 @@ from microkernels.isa import Caches, Isa
 from .gemm import GemmConfig
 from .space import heuristic
 
-__all__ = ["default_config", "divisors"]
+__all__ = ["default_config", "divisors", "pick_divisor"]
 
 
 def divisors(n: int) -> list[int]:
@@ -35,7 +35,7 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def _pick(n: int, limit: int, multiple: int = 1) -> int:
+def pick_divisor(n: int, limit: int, multiple: int = 1) -> int:
     """The largest divisor of ``n`` within ``limit``, preferring multiples of ``multiple``."""
     fitting = [d for d in divisors(n) if d <= limit]
     aligned = [d for d in fitting if d % multiple == 0]
@@ -55,9 +55,12 @@ def default_config(m: int, n: int, k: int, isa: Isa, caches: Caches, threads: in
         Passed to the loop-order heuristic.
     """
     lanes = isa.lanes("float32")
-    bn = _pick(n, max(64, 2 * lanes), 2 * lanes) if n % lanes == 0 else _pick(n, 64, lanes)
-    bm = _pick(m, 64)
-    bk = _pick(k, 512)
+    if n % lanes == 0:
+        bn = pick_divisor(n, max(64, 2 * lanes), 2 * lanes)
+    else:
+        bn = pick_divisor(n, 64, lanes)
+    bm = pick_divisor(m, 64)
+    bk = pick_divisor(k, 512)
     k_blocks = k // bk
     candidate = heuristic(m // bm, n // bn, k_blocks, caches, threads, bm=bm, bn=bn, bk=bk,
                           k_step=k_blocks)

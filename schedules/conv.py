@@ -60,13 +60,12 @@ from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 
-from .blocking import _pick, divisors
-from .gemm import _check_exact
+from .blocking import divisors, pick_divisor
 from .loop_spec import LoopDecl, LoopSpec, parse
+from .nest import check_exact, finish_nest, nest_loops
 
 if TYPE_CHECKING:
     from tvm import s_tir
-    from tvm.s_tir.schedule import LoopRV, SBlockRV
     from tvm.tirx import PrimFunc
 
 __all__ = [
@@ -74,8 +73,6 @@ __all__ = [
     "ConvConfig",
     "LETTERS",
     "workload",
-    "nest_loops",
-    "finish_nest",
     "schedule",
     "default_config",
     "pack_input",
@@ -297,7 +294,7 @@ class ConvConfig:
     def parse(self, problem: ConvProblem) -> LoopSpec:
         """The parsed loop_spec (LoopSpecError if it does not fit)."""
         spec = parse(self.spec, self.loops(problem))
-        _check_exact(spec)
+        check_exact(spec)
         return spec
 
 
@@ -332,57 +329,6 @@ def workload(problem: ConvProblem, bk: int) -> PrimFunc:
                       lambda i, o: conv[i // (p * q), i // q % p, i % q, o], name="view")
     y = apply_te(problem.epilogue, view, extra)
     return te.create_prim_func([x, w, *extra.values(), y])
-
-
-def nest_loops(sch: s_tir.Schedule, spec: LoopSpec, logical: Mapping[str, LoopRV]
-               ) -> tuple[list[LoopRV], list[LoopRV]]:
-    """Split each logical loop into its spec occurrences, in nest order.
-
-    ``logical`` maps each letter to the TIR loop over its blocks.  Returns the occurrence
-    loops in nest order and, in grid mode, the thread-grid chunk loops split off each gridded
-    occurrence (``L, R, C`` order), to be hoisted above them.  Nothing is reordered yet.
-    """
-    loops = {}
-    for letter, blocks in logical.items():
-        occurrences = spec.occurrences_of(letter)
-        parts = sch.split(blocks, [None] + [o.trips for o in occurrences[1:]])
-        loops.update({(o.letter, o.level): part
-                      for o, part in zip(occurrences, parts, strict=True)})
-    order = [loops[(o.letter, o.level)] for o in spec.occurrences]
-    grid_loops = []
-    if spec.mode == "grid":
-        for index in spec.parallel_groups()[0]:
-            chunk, order[index] = sch.split(order[index], [spec.occurrences[index].grid[1], None])
-            grid_loops.append(chunk)
-    return order, grid_loops
-
-
-def finish_nest(sch: s_tir.Schedule, spec: LoopSpec, order: list[LoopRV],
-                grid_loops: list[LoopRV], block: SBlockRV, reductions: frozenset[str],
-                epilogue: SBlockRV | None = None) -> SBlockRV:
-    """Place the epilogue, parallelize, and zero the accumulator; returns the init block.
-
-    The epilogue block goes under the deepest spatial loop above the first reduction loop:
-    each output tile is finished there (a separate parallel pass when a reduction loop is
-    outermost).  Collapse groups and thread grids become one fused parallel loop, and the
-    accumulator is zeroed right above the first reduction loop (``decompose_reduction``).
-    """
-    first = next(i for i, o in enumerate(spec.occurrences) if o.letter in reductions)
-    anchor = order[first - 1] if first else (grid_loops[-1] if grid_loops else None)
-    if epilogue is not None:
-        if anchor is not None:
-            sch.reverse_compute_at(epilogue, anchor)
-        else:
-            sch.parallel(sch.fuse(*sch.get_loops(epilogue)[:-1]))
-        sch.vectorize(sch.get_loops(epilogue)[-1])
-    if grid_loops:
-        sch.parallel(sch.fuse(*grid_loops) if len(grid_loops) > 1 else grid_loops[0])
-    elif spec.parallel_groups():
-        members = [order[index] for index in spec.parallel_groups()[0]]
-        sch.parallel(sch.fuse(*members) if len(members) > 1 else members[0])
-    init = sch.decompose_reduction(block, order[first])
-    sch.vectorize(sch.get_loops(init)[-1])
-    return init
 
 
 def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "avx2"
@@ -459,8 +405,8 @@ def default_config(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, thr
     (7, 512, 64, 'ACbfgde')
     """
     lanes = isa.lanes("float32")
-    bk = _pick(problem.k, 64, lanes)
-    bc = _pick(problem.c, 512)
+    bk = pick_divisor(problem.k, 64, lanes)
+    bc = pick_divisor(problem.c, 512)
     q_divisors = divisors(problem.q)
     bq = max(d for d in q_divisors if d <= 28)
     if bq < 7:

@@ -41,7 +41,7 @@ from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 
-from .loop_spec import LoopSpecError
+from .nest import check_exact, finish_nest, nest_loops
 from .space import Candidate
 from .space import GemmProblem as BlockedGemm
 
@@ -185,7 +185,7 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
 
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
     spec = config.candidate.parse(*config.blocked(problem).trips)
-    _check_exact(spec)
+    check_exact(spec)
     sch = s_tir.Schedule(workload(problem, config.bn))
     gemm = sch.get_sblock("C")
     i, j, kk = sch.get_loops(gemm)
@@ -193,41 +193,10 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     j_blocks, j_body = sch.split(j, [None, config.bn])
     k_blocks, k_body = sch.split(kk, [None, config.k_step * config.bk])
 
-    # One TIR loop per occurrence: split each logical loop by its occurrences' trip counts.
-    loops = {}
-    for letter, blocks in (("a", k_blocks), ("b", i_blocks), ("c", j_blocks)):
-        occurrences = spec.occurrences_of(letter)
-        parts = sch.split(blocks, [None] + [o.trips for o in occurrences[1:]])
-        loops.update({(o.letter, o.level): p for o, p in zip(occurrences, parts, strict=True)})
-    order = [loops[(o.letter, o.level)] for o in spec.occurrences]
-
-    # Grid mode: split each gridded occurrence into (chunks, rest) and hoist the chunk loops
-    # outermost in L, R, C order: one parallel loop over the thread grid.
-    grid_loops = []
-    if spec.mode == "grid":
-        for index in spec.parallel_groups()[0]:
-            chunk, order[index] = sch.split(order[index], [spec.occurrences[index].grid[1], None])
-            grid_loops.append(chunk)
+    order, grid_loops = nest_loops(sch, spec, {"a": k_blocks, "b": i_blocks, "c": j_blocks})
     sch.reorder(*grid_loops, *order, i_body, j_body, k_body)
-
-    # The epilogue goes under the deepest spatial loop above the first K loop.
-    first_k = next(n for n, o in enumerate(spec.occurrences) if o.letter == "a")
-    anchor = order[first_k - 1] if first_k else (grid_loops[-1] if grid_loops else None)
-    if problem.epilogue.ops:
-        epilogue = sch.get_sblock("epilogue")
-        if anchor is not None:
-            sch.reverse_compute_at(epilogue, anchor)
-        else:
-            sch.parallel(sch.fuse(*sch.get_loops(epilogue)[:-1]))
-        sch.vectorize(sch.get_loops(epilogue)[-1])
-
-    if grid_loops:
-        sch.parallel(sch.fuse(*grid_loops) if len(grid_loops) > 1 else grid_loops[0])
-    elif spec.parallel_groups():
-        members = [order[index] for index in spec.parallel_groups()[0]]
-        sch.parallel(sch.fuse(*members) if len(members) > 1 else members[0])
-    init = sch.decompose_reduction(gemm, order[first_k])
-    sch.vectorize(sch.get_loops(init)[-1])
+    epilogue = sch.get_sblock("epilogue") if problem.epilogue.ops else None
+    finish_nest(sch, spec, order, grid_loops, gemm, frozenset("a"), epilogue)
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         layout="flat", isa=isa_name)
     # Unit loops vanish from the matched block (see the BRGEMM desc): start below them.
@@ -236,14 +205,3 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
                  if e > 1), k_body)
     sch.tensorize(body, dispatch(shape))
     return sch
-
-
-def _check_exact(spec) -> None:
-    # TVM tensorizes only exact tiles: a ragged last block would need predicated kernels.
-    for o in spec.occurrences:
-        if o.span % o.step:
-            raise LoopSpecError(f"step {o.step} of {o.var} does not divide its range {o.span}",
-                                spec.text, o.position)
-        if o.grid is not None and o.trips % o.grid[1]:
-            raise LoopSpecError(f"{o.grid[1]} {o.grid[0]}-teams do not divide the "
-                                f"{o.trips} iterations of {o.var}", spec.text, o.position)

@@ -1,0 +1,82 @@
+"""From a parsed loop_spec to TVM loops: split, hoist grids, place the epilogue, parallelize.
+
+Shared by the GEMM and convolution templates: each maps its logical loops (letters) to the TIR
+loops over its blocks, and these functions do the rest the same way for both.  See
+:mod:`schedules.gemm` for how each loop_spec construct maps onto TVM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from .loop_spec import LoopSpec, LoopSpecError
+
+if TYPE_CHECKING:
+    from tvm import s_tir
+    from tvm.s_tir import LoopRV, SBlockRV
+
+__all__ = ["check_exact", "nest_loops", "finish_nest"]
+
+
+def check_exact(spec: LoopSpec) -> None:
+    """LoopSpecError unless every occurrence and thread grid tiles its range exactly."""
+    # TVM tensorizes only exact tiles: a ragged last block would need predicated kernels.
+    for o in spec.occurrences:
+        if o.span % o.step:
+            raise LoopSpecError(f"step {o.step} of {o.var} does not divide its range {o.span}",
+                                spec.text, o.position)
+        if o.grid is not None and o.trips % o.grid[1]:
+            raise LoopSpecError(f"{o.grid[1]} {o.grid[0]}-teams do not divide the "
+                                f"{o.trips} iterations of {o.var}", spec.text, o.position)
+
+
+def nest_loops(sch: s_tir.Schedule, spec: LoopSpec, logical: Mapping[str, LoopRV]
+               ) -> tuple[list[LoopRV], list[LoopRV]]:
+    """Split each logical loop into its spec occurrences, in nest order.
+
+    ``logical`` maps each letter to the TIR loop over its blocks.  Returns the occurrence
+    loops in nest order and, in grid mode, the thread-grid chunk loops split off each gridded
+    occurrence (``L, R, C`` order), to be hoisted above them.  Nothing is reordered yet.
+    """
+    loops = {}
+    for letter, blocks in logical.items():
+        occurrences = spec.occurrences_of(letter)
+        parts = sch.split(blocks, [None] + [o.trips for o in occurrences[1:]])
+        loops.update({(o.letter, o.level): part
+                      for o, part in zip(occurrences, parts, strict=True)})
+    order = [loops[(o.letter, o.level)] for o in spec.occurrences]
+    grid_loops = []
+    if spec.mode == "grid":
+        for index in spec.parallel_groups()[0]:
+            chunk, order[index] = sch.split(order[index], [spec.occurrences[index].grid[1], None])
+            grid_loops.append(chunk)
+    return order, grid_loops
+
+
+def finish_nest(sch: s_tir.Schedule, spec: LoopSpec, order: list[LoopRV],
+                grid_loops: list[LoopRV], block: SBlockRV, reductions: frozenset[str],
+                epilogue: SBlockRV | None = None) -> SBlockRV:
+    """Place the epilogue, parallelize, and zero the accumulator; returns the init block.
+
+    The epilogue block goes under the deepest spatial loop above the first reduction loop:
+    each output tile is finished there (a separate parallel pass when a reduction loop is
+    outermost).  Collapse groups and thread grids become one fused parallel loop, and the
+    accumulator is zeroed right above the first reduction loop (``decompose_reduction``).
+    """
+    first = next(i for i, o in enumerate(spec.occurrences) if o.letter in reductions)
+    anchor = order[first - 1] if first else (grid_loops[-1] if grid_loops else None)
+    if epilogue is not None:
+        if anchor is not None:
+            sch.reverse_compute_at(epilogue, anchor)
+        else:
+            sch.parallel(sch.fuse(*sch.get_loops(epilogue)[:-1]))
+        sch.vectorize(sch.get_loops(epilogue)[-1])
+    if grid_loops:
+        sch.parallel(sch.fuse(*grid_loops) if len(grid_loops) > 1 else grid_loops[0])
+    elif spec.parallel_groups():
+        members = [order[index] for index in spec.parallel_groups()[0]]
+        sch.parallel(sch.fuse(*members) if len(members) > 1 else members[0])
+    init = sch.decompose_reduction(block, order[first])
+    sch.vectorize(sch.get_loops(init)[-1])
+    return init
