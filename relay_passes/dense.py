@@ -7,8 +7,9 @@ tensor of the output's shape, and ReLU / GELU / sigmoid.  The weights are packed
 time into the BRGEMM's blocked layout, the activations of rank > 2 are viewed as ``[M, K]``,
 and the whole chain becomes one scheduled PrimFunc (:mod:`schedules.gemm`).
 
-What does not fit (non-float32, symbolic shapes, a non-constant right operand such as
-attention's ``Q @ K^T``) is left to TVM's own lowering and listed in the report with the reason.
+What does not fit (non-float32, symbolic shapes) is left to TVM's own lowering and listed in
+the report with the reason; matmuls of two activations (attention's ``Q @ K^T``) are
+:mod:`relay_passes.batch_matmul`'s.
 
 Examples
 --------
@@ -216,10 +217,9 @@ def report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
             return
         name = expr.op.name
         x, w = expr.args
-        if isinstance(w, tvm.ir.expr.Constant):
-            reason = _unsupported(x, w.value.numpy()) or "pattern not matched"
-        else:
-            reason = "right operand is not a constant weight (e.g. attention)"
+        if not isinstance(w, tvm.ir.expr.Constant):
+            return  # activations on both sides: relay_passes.batch_matmul reports these
+        reason = _unsupported(x, w.value.numpy()) or "pattern not matched"
         shape = _static(expr.ty.shape) or ()
         report.append(Offload(name.split(".")[-1], shape, reason=reason))
 

@@ -3,8 +3,9 @@
 TVM 0.27 schedules nothing on CPU by default (the legalized loops run serial and scalar), so
 the ``tpp`` pipeline applies DLight's CPU rules (GEMV; softmax/layer-norm style reductions)
 and, for everything else, :class:`ParallelLoops`: the leading spatial loops of each block are
-fused and run in parallel, and an injective block's innermost loop is vectorized when the
-vector length divides it.  Functions already scheduled (the TPP kernels) are left alone.
+fused and run in parallel, and an injective block's innermost loop is vectorized by the widest
+of a full, half or quarter-width (4 lanes) vector that divides it.  Functions already
+scheduled (the TPP kernels) are left alone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
+
+from microkernels import isa as _isa
 
 __all__ = ["ParallelLoops", "fallback_schedules"]
 
@@ -28,7 +31,8 @@ class ParallelLoops(dl.ScheduleRule):
         infos = normalize_prim_func(sch)
         if infos is None:
             return None
-        lanes = max(1, tvm.target.codegen.llvm_get_vector_width(target) // 32)
+        model = str(target.attrs.get("model", ""))
+        lanes = _isa.from_name(model).lanes("float32") if model in _isa.KNOWN else 8
         for info in infos:
             kinds = info.dom_kind()
             spatial = len(kinds) - len(kinds.lstrip("S"))
@@ -39,14 +43,34 @@ class ParallelLoops(dl.ScheduleRule):
             if info.is_injective() and spatial >= 2:
                 inner = loops[spatial - 1]
                 extent = sch.get(inner).extent
-                if isinstance(extent, tirx.IntImm) and extent.value % lanes == 0 and lanes > 1:
-                    sch.vectorize(sch.split(inner, [None, lanes])[1])
+                width = next((w for w in (lanes, lanes // 2, 4) if w > 1 and
+                              isinstance(extent, tirx.IntImm) and extent.value % w == 0), None)
+                if width is not None:
+                    sch.vectorize(sch.split(inner, [None, width])[1])
                 outer = loops[: spatial - 1]
             if outer:
                 sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
         return sch
 
 
+class Guarded(dl.ScheduleRule):
+    """A rule whose failure on some function leaves that function unscheduled (still correct).
+
+    DLight's rules raise on shapes they do not expect (e.g. ``Reduction`` on an average pool
+    whose result is an output block); one such function must not fail the whole model.
+    """
+
+    def __init__(self, rule: dl.ScheduleRule) -> None:
+        self.rule = rule
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        try:
+            return self.rule.apply(func, target, tunable)
+        except s_tir.ScheduleError:
+            return None
+
+
 def fallback_schedules() -> tvm.transform.Pass:
     """DLight CPU rules, then :class:`ParallelLoops` for the rest."""
-    return dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelLoops())
+    rules = (dl.cpu.GEMV(), dl.cpu.Reduction(), ParallelLoops())
+    return dl.ApplyDefaultSchedule(*(Guarded(rule) for rule in rules))

@@ -21,6 +21,7 @@ from tvm.target import Target
 
 from schedules.tuner import Tuner
 
+from .batch_matmul import rewrite_batch_matmul
 from .conv import fold_batchnorm, rewrite_conv
 from .dense import Offload, rewrite_dense
 from .fallback import fallback_schedules
@@ -63,6 +64,9 @@ def tpp_pipeline(
         found = report if report is not None else []
         mod = rewrite_dense(mod, target, found, tuner)
         mod = rewrite_conv(mod, target, found)
+        mod = rewrite_batch_matmul(mod, target, found)  # what dense left: both operands vary
+        # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
+        mod = relax.transform.RemoveRedundantReshape()(mod)
         with target:
             return tvm.transform.Sequential(
                 cpu.library_dispatch_passes(target)

@@ -259,12 +259,16 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
 
     Raises
     ------
+    TypeError
+        ``problem`` or ``config`` is not of its class.
     ValueError
         Block sizes do not tile the problem.
     """
     from tvm import s_tir
 
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
+    if not isinstance(problem, BatchGemmProblem):
+        raise TypeError(f"problem must be a BatchGemmProblem, got {type(problem).__name__}")
     if not isinstance(config, BatchGemmConfig):
         raise TypeError(f"config must be a BatchGemmConfig, got {type(config).__name__}")
     config.check(problem)
@@ -278,8 +282,8 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     ko, ki = sch.split(kk, [1, None])  # a one-trip K loop: where C is zeroed
     sch.reorder(o, h, jo, io, ko, ii, ji, ki)
     task = sch.fuse(o, h, jo, io) if config.parallel_rows else sch.fuse(o, h, jo)
-    # The panel under the task loop: TVM compacts Bp (and C) to one task's region, a
-    # per-thread buffer that stays in cache for all of the task's M blocks.
+    # The panel under the task loop: TVM compacts Bp (and the C of an epilogue) to one task's
+    # region, a per-thread buffer that stays in cache for all of the task's M blocks.
     pack = sch.get_sblock("Bp")
     sch.compute_at(pack, task)
     sch.vectorize(sch.get_loops(pack)[-1])

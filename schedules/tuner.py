@@ -155,8 +155,9 @@ def _blockings(problem: GemmProblem, isa: _isa.Isa, caches, threads: int) -> lis
 
 
 def measure(problem: GemmProblem, config: GemmConfig, target: Target, isa: str,
-            repeat: int = 5, min_repeat_ms: int = 20) -> float:
-    """Median seconds of one run of the scheduled GEMM, built for ``target``."""
+            repeat: int = 15, min_repeat_ms: int = 5) -> float:
+    """Seconds of one run of the scheduled GEMM built for ``target``: the fastest of many
+    short samples, which other load on a shared machine can only slow down."""
     import numpy as np
     import tvm
 
@@ -171,7 +172,7 @@ def measure(problem: GemmProblem, config: GemmConfig, target: Target, isa: str,
     args.append(tvm.runtime.empty((problem.m, problem.n), "float32"))
     timer = func.mod.time_evaluator(func.mod.entry_name, tvm.cpu(), number=1, repeat=repeat,
                                     min_repeat_ms=min_repeat_ms)
-    return float(np.median(timer(*args).results))
+    return float(np.min(timer(*args).results))
 
 
 def tune_gemm(

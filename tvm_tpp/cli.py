@@ -9,6 +9,7 @@ Examples
 $ tvm-tpp info
 $ tvm-tpp run resnet50 --check onnxruntime
 $ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
+$ tvm-tpp bench mlp bert --impls tpp,tvm-default,onnxruntime --json bench.json
 """
 
 from __future__ import annotations
@@ -192,6 +193,12 @@ def _explain(console, tuned) -> None:
                       f"in the model's top 5: {verdict}")
 
 
+def cmd_bench_gemm(args: argparse.Namespace) -> int:
+    from .bench_gemm import run
+
+    return run(args)
+
+
 def cmd_bench_kernel(args: argparse.Namespace) -> int:
     from .bench_kernel import bench_kernel, format_bench_kernel
 
@@ -201,6 +208,35 @@ def cmd_bench_kernel(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from microkernels import isa
+
+    from .bench import BenchConfig, default_work_dir, plot, print_report, run_bench, write_json
+
+    try:
+        batches = tuple(int(b) for b in args.batch.split(","))
+    except ValueError:
+        raise UsageError(f"--batch takes sizes like 1,8, got {args.batch!r}") from None
+    config = BenchConfig(
+        models=tuple(args.model), batches=batches, threads=args.threads or isa.num_cores(),
+        repeat=args.repeat, impls=tuple(i.strip() for i in args.impls.split(",") if i.strip()),
+        ms_trials=args.ms_trials, work_dir=Path(args.work_dir or default_work_dir()),
+        seed=args.seed, timeout=args.timeout,
+    )
+    start = time.perf_counter()
+    rows = run_bench(config, progress=not args.quiet)
+    wall = time.perf_counter() - start
+    print_report(rows, config, wall)
+    if args.json:
+        print(f"wrote {write_json(args.json, rows, config, wall)}")
+    if args.plot:
+        print(f"wrote {plot(rows, args.plot)}")
+    return 1 if any(r.status in ("WRONG", "error") for r in rows) else 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -247,10 +283,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--explain", action="store_true",
                    help="show the cost model's ranking next to the measurements")
 
+    p = add("bench-gemm", cmd_bench_gemm,
+            "fp32 GEMM GFLOPS: tpp, tuned tpp, numpy, TVM default, MetaSchedule")
+    from .bench_gemm import add_arguments
+
+    add_arguments(p)
+
     p = add("bench-kernel", cmd_bench_kernel, "BRGEMM GFLOPS and fraction of this core's peak")
     p.add_argument("--dtype", choices=("float32", "int8", "bfloat16"), default="float32")
     p.add_argument("--isa", help="ISA to benchmark (default: the host's)")
     p.add_argument("--json", help="write the result as JSON")
+
+    p = add("bench", cmd_bench, "compare with TVM, MetaSchedule and ONNX Runtime (fair timing)")
+    p.add_argument("model", nargs="+", help="bundled model names or ONNX files")
+    p.add_argument("--batch", default="1", help="batch sizes of bundled models, e.g. 1,8")
+    p.add_argument("--threads", type=int, help="threads of every implementation (default: all)")
+    p.add_argument("--repeat", type=int, default=10, help="timed samples per implementation")
+    p.add_argument("--impls", default="tpp,tpp-tuned,tvm-default,metaschedule,onnxruntime",
+                   help="comma-separated implementations to compare")
+    p.add_argument("--ms-trials", type=int, default=64, help="MetaSchedule's total trials")
+    p.add_argument("--work-dir", help="models, logs and tuning databases "
+                   "(default: ~/.cache/tvm-tpp/bench; reused by later runs)")
+    p.add_argument("--json", help="write rows, host and command line as JSON")
+    p.add_argument("--plot", help="write speedup and build-cost charts (PNG)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and tuning")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds one implementation may spend building and tuning")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     return parser
 
 
