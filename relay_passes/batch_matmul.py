@@ -39,7 +39,7 @@ from microkernels import isa as _isa
 from microkernels.epilogue import Epilogue, EpilogueOp
 from schedules.batch_gemm import BatchGemmProblem, default_config, schedule
 
-from .dense import Offload, _static
+from .dense import Offload, static_shape
 
 __all__ = ["rewrite_batch_matmul"]
 
@@ -165,7 +165,7 @@ def _static_f32(expr) -> tuple[int, ...] | None:
     ty = expr.ty
     if not isinstance(ty, relax.TensorType) or ty.dtype != "float32":
         return None
-    return _static(ty.shape)
+    return static_shape(ty.shape)
 
 
 def _unsupported(call: relax.Call) -> str | None:
@@ -199,8 +199,8 @@ def _rewrite(orig, matches, pattern: _Pattern, bindings, builder, isa, threads, 
     call = matches[pattern.matmul]
     if _unsupported(call) is not None:
         return orig
-    xs = _static(call.args[0].ty.shape)
-    lead, (m, k), n = xs[:-2], xs[-2:], _static(call.args[1].ty.shape)[-1]
+    xs = static_shape(call.args[0].ty.shape)
+    lead, (m, k), n = xs[:-2], xs[-2:], static_shape(call.args[1].ty.shape)[-1]
     batch = int(np.prod(lead, dtype=np.int64))
     x_src, x_inter, _ = _operand(call.args[0], bindings, transposable=False)
     b_src, b_inter, transposed = _operand(call.args[1], bindings, transposable=True)
@@ -241,7 +241,7 @@ def _rewrite(orig, matches, pattern: _Pattern, bindings, builder, isa, threads, 
     out = relax.call_tir(gv, args, relax.TensorType(problem.y_shape, "float32"))
     op = "+".join(["batch_matmul", *(o.tag for o in ops)])
     report.append(Offload(op, (batch, m, n, k), kernel=name))
-    shape = _static(orig.ty.shape)
+    shape = static_shape(orig.ty.shape)
     return out if shape == problem.y_shape else relax.op.reshape(out, shape)
 
 
@@ -272,7 +272,7 @@ def _addend(expr, out_shape: tuple[int, ...], rows: int, n: int, heads: int):
 
 
 def _view(expr, shape: tuple[int, ...]):
-    return expr if _static(expr.ty.shape) == tuple(shape) else relax.op.reshape(expr, shape)
+    return expr if static_shape(expr.ty.shape) == tuple(shape) else relax.op.reshape(expr, shape)
 
 
 def _report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
@@ -281,7 +281,7 @@ def _report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
                 and expr.op.name == "relax.matmul"
                 and not isinstance(expr.args[1], tvm.ir.expr.Constant)):
             reason = _unsupported(expr) or "pattern not matched"
-            report.append(Offload("matmul", _static(expr.ty.shape) or (), reason=reason))
+            report.append(Offload("matmul", static_shape(expr.ty.shape) or (), reason=reason))
 
     for func in mod.functions.values():
         if isinstance(func, relax.Function):

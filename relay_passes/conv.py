@@ -47,7 +47,7 @@ from schedules.conv import (
     unfold_weight,
 )
 
-from .dense import Offload
+from .dense import Offload, static_shape
 
 __all__ = ["rewrite_conv", "fold_batchnorm", "simplify_layouts", "sum_to_add"]
 
@@ -62,13 +62,6 @@ _TO_NHWC = (0, 2, 3, 1)
 _TO_NCHW = (0, 3, 1, 2)
 #: Convs with fewer input channels than this get their width taps unfolded into channels.
 _UNFOLD_BELOW = 16
-
-
-def _static(shape) -> tuple[int, ...] | None:
-    try:
-        return tuple(int(d) for d in shape)
-    except (TypeError, ValueError):
-        return None
 
 
 @dataclass(frozen=True)
@@ -139,7 +132,7 @@ def _unsupported(call: relax.Call) -> str | None:
     layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
     if layouts != ("NCHW", "OIHW", "NCHW"):
         return f"layouts {'/'.join(layouts)}: only NCHW/OIHW/NCHW is routed to TPP"
-    shape = _static(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
+    shape = static_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
     if shape is None or len(shape) != 4:
         return "input shape is symbolic or not 4-D"
     out_dtype = str(attrs.out_dtype or "")
@@ -163,7 +156,7 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, report):
         return orig
     x = matches[pattern.x]
     weight = matches[pattern.w].value.numpy()
-    n, c, h, w = _static(x.ty.shape)
+    n, c, h, w = static_shape(x.ty.shape)
     k, _, r, s = weight.shape
     attrs = call.attrs
     problem_args = dict(n=n, c=c, h=h, w=w, k=k, r=r, s=s,
@@ -175,11 +168,11 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, report):
         if bias is None:
             return orig
     residual = matches[pattern.residual] if pattern.residual is not None else None
-    out_shape = _static(call.ty.shape)
+    out_shape = static_shape(call.ty.shape)
     if residual is not None and (
         isinstance(residual, tvm.ir.expr.Constant)
         or not isinstance(residual.ty, relax.TensorType)
-        or _static(residual.ty.shape) != out_shape
+        or static_shape(residual.ty.shape) != out_shape
         or residual.ty.dtype != "float32"
     ):
         return orig
@@ -257,7 +250,7 @@ def _report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
         if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) \
                 and expr.op.name == "relax.nn.conv2d":
             reason = _unsupported(expr) or "pattern not matched"
-            report.append(Offload("conv2d", _static(expr.ty.shape) or (), reason=reason))
+            report.append(Offload("conv2d", static_shape(expr.ty.shape) or (), reason=reason))
 
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
@@ -304,8 +297,8 @@ class _Layouts(relax.PyExprMutator):
             return relax.op.permute_dims(inner.args[0], composed)
         if name == "relax.reshape":
             source = inner.args[0] if _is_op(inner, "relax.reshape") else call.args[0]
-            target = _static(call.ty.shape)
-            if target is not None and _static(source.ty.shape) == target:
+            target = static_shape(call.ty.shape)
+            if target is not None and static_shape(source.ty.shape) == target:
                 return source
             return call if source is call.args[0] else relax.op.reshape(source, call.args[1])
         if not (_is_op(inner, "relax.permute_dims") and _axes(inner) == _TO_NCHW):
@@ -411,8 +404,9 @@ class _SumToAdd(relax.PyExprMutator):
             if not _is_op(value, "relax.broadcast_to"):
                 return call
             term = value.args[0]
-            shape = _static(call.ty.shape)
-            if shape is None or _static(term.ty.shape) != shape or term.ty.dtype != call.ty.dtype:
+            shape = static_shape(call.ty.shape)
+            if (shape is None or static_shape(term.ty.shape) != shape
+                    or term.ty.dtype != call.ty.dtype):
                 return call
             terms.append(term)
         total = terms[0]

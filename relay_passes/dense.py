@@ -35,7 +35,7 @@ from schedules.blocking import default_config
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import Tuner
 
-__all__ = ["Offload", "rewrite_dense", "report_leftovers"]
+__all__ = ["Offload", "rewrite_dense", "report_leftovers", "static_shape"]
 
 _GELU_SPELLED_OUT = "gelu_erf"
 # Activations absorbed into the epilogue: relax op -> epilogue op.
@@ -63,7 +63,8 @@ class Offload:
     reason: str | None = None
 
 
-def _static(shape) -> tuple[int, ...] | None:
+def static_shape(shape) -> tuple[int, ...] | None:
+    """A Relax shape as ints, or None when any dimension is symbolic."""
     try:
         return tuple(int(d) for d in shape)
     except (TypeError, ValueError):
@@ -141,7 +142,7 @@ def rewrite_dense(
 
 def _unsupported(x, weight: np.ndarray) -> str | None:
     """Why ``x @ weight`` cannot become a TPP kernel (None if it can)."""
-    shape = _static(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
+    shape = static_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
     if shape is None or len(shape) < 2:
         return "activation shape is symbolic or not a matrix"
     if x.ty.dtype != "float32" or weight.dtype != np.float32:
@@ -164,7 +165,7 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
         value = matches[const].value.numpy()
         if value.size != 1 or abs(float(value.reshape(-1)[0]) - want) > 1e-6 * want:
             return orig
-    x_shape = _static(x.ty.shape)
+    x_shape = static_shape(x.ty.shape)
     k, n = weight.shape
     out_shape = (*x_shape[:-1], n)
     bias = matches[pattern.bias].value.numpy() if pattern.bias is not None else None
@@ -173,7 +174,7 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
     residual = matches[pattern.residual] if pattern.residual is not None else None
     if residual is not None and (
         isinstance(residual, tvm.ir.expr.Constant)
-        or _static(residual.ty.shape) != out_shape
+        or static_shape(residual.ty.shape) != out_shape
         or residual.ty.dtype != "float32"
     ):
         return orig
@@ -220,7 +221,7 @@ def report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
         if not isinstance(w, tvm.ir.expr.Constant):
             return  # activations on both sides: relay_passes.batch_matmul reports these
         reason = _unsupported(x, w.value.numpy()) or "pattern not matched"
-        shape = _static(expr.ty.shape) or ()
+        shape = static_shape(expr.ty.shape) or ()
         report.append(Offload(name.split(".")[-1], shape, reason=reason))
 
     for func in mod.functions.values():
@@ -229,6 +230,6 @@ def report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
 
 
 def _as_matrix(expr, rows: int, cols: int):
-    shape = _static(expr.ty.shape)
+    shape = static_shape(expr.ty.shape)
     return expr if shape == (rows, cols) else relax.op.reshape(expr, (rows, cols))
 
