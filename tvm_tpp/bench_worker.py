@@ -212,12 +212,6 @@ def _build_tvm_default(job: Job, proto, specs, inputs) -> _Built:
                   "relax.get_default_pipeline: no CPU schedules (naive loops)")
 
 
-def _warm_builder() -> None:
-    # Every fresh MetaSchedule builder process imports the tensor intrinsics (~30 s); doing it
-    # in the initializer keeps it out of the per-candidate build timeout (the livelock trap).
-    import tvm.s_tir.tensor_intrin  # noqa: F401
-
-
 def _build_metaschedule(job: Job, proto, specs, inputs) -> _Built:
     import importlib.util
 
@@ -227,6 +221,10 @@ def _build_metaschedule(job: Job, proto, specs, inputs) -> _Built:
     import tvm
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
+
+    # Builds without importing tvm.s_tir.tensor_intrin: LocalBuilder starts fresh workers for
+    # every batch, and that import (30-60 s) in each would dwarf the tuning itself.
+    from schedules.ms_space import local_builder
 
     target = _host_target(job.threads)
     start = time.perf_counter()
@@ -266,7 +264,7 @@ def _build_metaschedule(job: Job, proto, specs, inputs) -> _Built:
             mod=fused, params={}, target=target, work_dir=str(db_dir),
             max_trials_global=job.ms_trials, max_trials_per_task=per_task,
             num_trials_per_iter=min(64, per_task),
-            builder=ms.builder.LocalBuilder(timeout_sec=600, initializer=_warm_builder),
+            builder=local_builder(timeout_sec=600),
             runner=ms.runner.LocalRunner(timeout_sec=120),
             cost_model="xgb", seed=job.seed,
         )
