@@ -187,9 +187,25 @@ def _lanes(dtype: str, width: int) -> str:
     return f"{dtype}x{width}" if width > 1 else dtype
 
 
+class _Rows:
+    """The accumulator tile as one buffer per row, indexed ``acc[r, cols]`` like a 2-D buffer.
+
+    TVM keeps an allocation on the stack (where LLVM promotes it to registers) only up to
+    1 KiB; a larger tile (AVX-512's 6 x 64 floats) would become a heap workspace per call.
+    """
+
+    def __init__(self, rows: list) -> None:
+        self.rows = rows
+
+    def __getitem__(self, index: tuple) -> Any:
+        return self.rows[index[0]][tuple(index[1:])]
+
+
 def _store(buf: Any, indices: list, value: Any) -> None:
     from tvm.script.ir_builder import tirx as T
 
+    if isinstance(buf, _Rows):
+        buf, indices = buf.rows[indices[0]], indices[1:]
     T.buffer_store(buf, value, indices)
 
 
@@ -238,7 +254,8 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
     def one_tile(A, B, C, row0, rows, col0, nvec, tail_w):
         # "global" scope on purpose: TVM puts small global allocations on the stack, where
         # LLVM promotes them to registers; "local" ones become heap workspaces.
-        acc = IRBuilder.name("acc", T.alloc_buffer((rows, nvec * lanes + tail_w), tc))
+        acc = _Rows([IRBuilder.name(f"acc{r}", T.alloc_buffer((nvec * lanes + tail_w,), tc))
+                     for r in range(rows)])
         vectors = [(v * lanes, lanes) for v in range(nvec)] + (
             [(nvec * lanes, tail_w)] if tail_w else [])
 

@@ -306,6 +306,15 @@ def test_accumulators_stay_in_registers():
     assert not re.search(r"vmovups\s+%ymm\d+, ", body)
 
 
+def test_large_accumulator_tile_needs_no_heap_workspace():
+    """AVX-512's 6x64 fp32 tile (1.5 KiB) is split by rows: no per-call workspace allocation."""
+    shape = _shape(24, 128, 32, 4, "avx512")
+    sch = s_tir.Schedule(desc_func(shape, as_workload=True))
+    sch.tensorize(sch.get_loops(sch.get_sblock("brgemm"))[0], dispatch(shape))
+    ex = tvm.compile(sch.mod, target=tvm.target.Target({"kind": "llvm", "mcpu": "cascadelake"}))
+    assert "TVMBackendAllocWorkspace" not in ex.mod.inspect_source("ll")
+
+
 # ---------------------------------------------------------------- tiles, registry, dispatch
 
 
