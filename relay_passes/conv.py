@@ -47,7 +47,7 @@ from schedules.conv import (
     unfold_weight,
 )
 
-from .dense import Offload, static_shape
+from .dense import Offload, add_patterns, static_shape
 
 __all__ = ["rewrite_conv", "fold_batchnorm", "simplify_layouts", "sum_to_add"]
 
@@ -83,13 +83,7 @@ def _patterns() -> list[_Pattern]:
             for with_bias in (True, False):
                 x, w = wildcard(), is_const()
                 conv = is_op("relax.nn.conv2d")(x, w)
-                node, bias, residual = conv, None, None
-                if with_bias:
-                    bias = is_const()
-                    node = is_op("relax.add")(node, bias) | is_op("relax.add")(bias, node)
-                if with_residual:
-                    residual = wildcard()
-                    node = is_op("relax.add")(node, residual) | is_op("relax.add")(residual, node)
+                node, bias, residual = add_patterns(conv, with_bias, with_residual)
                 if activation:
                     node = is_op(activation)(node)
                 out.append(_Pattern(node, conv, x, w, bias, residual, activation))

@@ -35,7 +35,7 @@ from schedules.blocking import default_config
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import Tuner
 
-__all__ = ["Offload", "rewrite_dense", "report_leftovers", "static_shape"]
+__all__ = ["Offload", "rewrite_dense", "report_leftovers", "static_shape", "add_patterns"]
 
 _GELU_SPELLED_OUT = "gelu_erf"
 # Activations absorbed into the epilogue: relax op -> epilogue op.
@@ -92,6 +92,19 @@ def _gelu_spelled_out(node):
     return gelu, (div, one, half)
 
 
+def add_patterns(node, with_bias: bool, with_residual: bool) -> tuple:
+    """``node``, then optionally ``+ constant bias``, then optionally ``+ residual`` tensor
+    (either operand order): returns the pattern and the bias and residual sub-patterns."""
+    bias = residual = None
+    if with_bias:
+        bias = is_const()
+        node = is_op("relax.add")(node, bias) | is_op("relax.add")(bias, node)
+    if with_residual:
+        residual = wildcard()
+        node = is_op("relax.add")(node, residual) | is_op("relax.add")(residual, node)
+    return node, bias, residual
+
+
 def _patterns() -> list[_Pattern]:
     """Every chain, longest first so the whole epilogue is taken before its prefixes."""
     out = []
@@ -101,13 +114,7 @@ def _patterns() -> list[_Pattern]:
                 x, w = wildcard(), is_const()
                 wt = is_op("relax.permute_dims")(w)
                 mm = is_op("relax.matmul")(x, w) | is_op("relax.matmul")(x, wt)
-                node, bias, residual = mm, None, None
-                if with_bias:
-                    bias = is_const()
-                    node = is_op("relax.add")(node, bias) | is_op("relax.add")(bias, node)
-                if with_residual:
-                    residual = wildcard()
-                    node = is_op("relax.add")(node, residual) | is_op("relax.add")(residual, node)
+                node, bias, residual = add_patterns(mm, with_bias, with_residual)
                 constants = ()
                 if activation == _GELU_SPELLED_OUT:
                     node, constants = _gelu_spelled_out(node)

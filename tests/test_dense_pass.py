@@ -106,32 +106,26 @@ def test_kernels_for_each_x86_isa_build(isa):
         assert rel <= 1e-5
 
 
-def test_spelled_out_erf_gelu_is_fused():
-    """x * (1 + erf(x / sqrt 2)) * 0.5 after a dense layer becomes its gelu epilogue."""
+def _dense_gelu_model(divisor: float):
+    """Dense + bias, then x * (1 + erf(x / divisor)) * 0.5 spelled out as ONNX exports it."""
     w = _weights(W=(32, 48), b=(48,))
-    w.update({"s2": np.array(np.sqrt(2.0), "float32"), "one": np.array(1.0, "float32"),
+    w.update({"div": np.array(divisor, "float32"), "one": np.array(1.0, "float32"),
               "half": np.array(0.5, "float32")})
     nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]),
              helper.make_node("Add", ["mm", "b"], ["h"]),
-             helper.make_node("Div", ["h", "s2"], ["d"]),
+             helper.make_node("Div", ["h", "div"], ["d"]),
              helper.make_node("Erf", ["d"], ["e"]),
              helper.make_node("Add", ["e", "one"], ["a"]),
              helper.make_node("Mul", ["h", "a"], ["m"]),
              helper.make_node("Mul", ["m", "half"], ["y"])]
-    report = _compile_and_check(_model(nodes, [("x", [9, 32])], [("y", [9, 48])], w))
+    return _model(nodes, [("x", [9, 32])], [("y", [9, 48])], w)
+
+
+def test_spelled_out_erf_gelu_is_fused():
+    report = _compile_and_check(_dense_gelu_model(float(np.sqrt(2.0))))
     assert [r.op for r in report if r.kernel] == ["matmul+bias+gelu_erf"]
 
 
 def test_other_constants_are_not_mistaken_for_gelu():
-    w = _weights(W=(32, 48), b=(48,))
-    w.update({"s2": np.array(3.0, "float32"), "one": np.array(1.0, "float32"),
-              "half": np.array(0.5, "float32")})
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]),
-             helper.make_node("Add", ["mm", "b"], ["h"]),
-             helper.make_node("Div", ["h", "s2"], ["d"]),
-             helper.make_node("Erf", ["d"], ["e"]),
-             helper.make_node("Add", ["e", "one"], ["a"]),
-             helper.make_node("Mul", ["h", "a"], ["m"]),
-             helper.make_node("Mul", ["m", "half"], ["y"])]
-    report = _compile_and_check(_model(nodes, [("x", [9, 32])], [("y", [9, 48])], w))
+    report = _compile_and_check(_dense_gelu_model(3.0))
     assert [r.op for r in report if r.kernel] == ["matmul+bias"]
