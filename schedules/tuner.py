@@ -203,18 +203,19 @@ def tune_gemm(
     threads = int(target.attrs.get("num-cores", 1))
     caches = _isa.caches()
     ranked: list[tuple[float, GemmConfig]] = []
-    for blocking in _blockings(problem, isa, caches, threads):
+    blockings = _blockings(problem, isa, caches, threads)
+    # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
+    peak = 2 * 2 * isa.lanes("float32")
+    for blocking in blockings:
         blocked = blocking.blocked(problem)
         candidates = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
                               require_parallel=threads > 1, max_candidates=max_candidates)
-        # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
-        peak = 2 * 2 * isa.lanes("float32")
         for cycles, candidate in rank(candidates, blocked, caches, threads,
                                       peak_flops_per_cycle=peak):
             ranked.append((cycles, GemmConfig(blocking.bm, blocking.bn, blocking.bk, candidate)))
     ranked.sort(key=lambda pair: pair[0])
     chosen = [(n, cycles, cfg) for n, (cycles, cfg) in enumerate(ranked[:top_k])]
-    default = _blockings(problem, isa, caches, threads)[0]
+    default = blockings[0]
     if all(cfg != default for _, _, cfg in chosen):
         chosen.append((None, None, default))
 
