@@ -21,7 +21,13 @@ flat       ``[m, K]`` rows at stride ``sa``   ``[K, n]`` rows at stride ``sb``
 blocked    ``[batch, m, k]`` (stride ``sab``) ``[batch, k, n]`` (stride ``sbb``)
 vnni2      ``[m, K]``                         ``[K/2, n, 2]`` (bf16 pairs along K)
 vnni4      ``[m, K]``                         ``[K/4, n, 4]`` (int8 quads along K)
+vnni4_w7   ``[m, K]`` (uint8)                 as vnni4, every weight in [-64, 63]
 =========  =================================  =====================================
+
+``vnni4_w7`` is a contract on B's values, not only on its arrangement: with 7-bit weights
+the pair sums of ``vpmaddubsw`` (``2 * 255 * 64``) cannot saturate int16, so CPUs without VNNI
+run int8 at twice the exact kernel's rate.  oneDNN quantizes weights this way on such CPUs
+(its weight scale adjustment of 0.5); :func:`check_operands` and ``pack`` enforce the range.
 
 Examples
 --------
@@ -55,6 +61,8 @@ __all__ = [
     "implementations",
     "desc_func",
     "reference",
+    "B_RANGES",
+    "check_operands",
 ]
 
 #: (dtype of A, dtype of the accumulator) -> dtype of B.
@@ -71,7 +79,11 @@ LAYOUTS: dict[str, tuple[int, frozenset[str]]] = {
     "blocked": (1, frozenset({"float32", "bfloat16", "uint8", "int8"})),
     "vnni2": (2, frozenset({"bfloat16"})),
     "vnni4": (4, frozenset({"uint8", "int8"})),
+    "vnni4_w7": (4, frozenset({"uint8"})),
 }
+
+#: layout -> inclusive range every B value must lie in (layouts that restrict B's values).
+B_RANGES: dict[str, tuple[int, int]] = {"vnni4_w7": (-64, 63)}
 
 
 @dataclass(frozen=True)
@@ -349,13 +361,33 @@ def dispatch(shape: BrgemmShape) -> str:
     return shape.name
 
 
+def check_operands(shape: BrgemmShape, b: np.ndarray) -> None:
+    """ValueError unless B's values are within what ``shape``'s layout admits.
+
+    >>> import numpy as np
+    >>> check_operands(BrgemmShape(6, 16, 8, 1, "uint8", "int32", "vnni4_w7"),
+    ...                np.full((2, 16, 4), 100, "int8"))
+    Traceback (most recent call last):
+    ...
+    ValueError: layout 'vnni4_w7' needs B in [-64, 63]; got values in [100, 100]
+    """
+    if shape.layout in B_RANGES and b.size:
+        lo, hi = B_RANGES[shape.layout]
+        b_min, b_max = int(b.min()), int(b.max())
+        if b_min < lo or b_max > hi:
+            raise ValueError(f"layout {shape.layout!r} needs B in [{lo}, {hi}]; "
+                             f"got values in [{b_min}, {b_max}]")
+
+
 def reference(shape: BrgemmShape, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """numpy result of ``c + BRGEMM(a, b)`` with operands in ``shape``'s layout.
 
-    bfloat16 operands are passed as their uint16 bit patterns.
+    bfloat16 operands are passed as their uint16 bit patterns.  B outside the range its layout
+    admits (:data:`B_RANGES`) is a ValueError: the kernels' results are undefined there.
     """
     import numpy as np
 
+    check_operands(shape, b)
     if shape.layout in _LAYOUT_FNS:
         return _LAYOUT_FNS[shape.layout][1](shape, a, b, c)
 

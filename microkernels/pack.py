@@ -32,10 +32,12 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .brgemm import B_RANGES, LAYOUTS
 
 if TYPE_CHECKING:
     from tvm import te
@@ -77,6 +79,9 @@ class Packing:
         ``"r"``/``"c"`` iff their block is larger than 1.
     name
         Label used in messages.
+    value_range
+        Inclusive bounds every value must lie in (a layout's contract on its values, e.g. the
+        7-bit weights of ``vnni4_w7``); :meth:`pack` refuses others.
 
     Examples
     --------
@@ -91,10 +96,13 @@ class Packing:
     col_block: int
     order: tuple[str, ...]
     name: str = "packing"
+    value_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _positive(self.row_block, "row_block")
         _positive(self.col_block, "col_block")
+        if self.value_range is not None and self.value_range[0] > self.value_range[1]:
+            raise ValueError(f"{self.name}: empty value range {self.value_range}")
         wanted = {"R", "C"} | ({"r"} if self.row_block > 1 else set()) | (
             {"c"} if self.col_block > 1 else set())
         if sorted(self.order) != sorted(wanted):
@@ -123,6 +131,21 @@ class Packing:
     def vnni_b(cls, alpha: int) -> Packing:
         """``B[K, N] -> Bp[K/alpha][N][alpha]``: ``alpha`` consecutive K values per column."""
         return cls._of(alpha, 1, "RCr", f"vnni_b({alpha})")
+
+    @classmethod
+    def for_layout(cls, layout: str) -> Packing:
+        """The packing of a BRGEMM B operand in ``layout`` (``vnni2``, ``vnni4``,
+        ``vnni4_w7``), with the layout's value range.
+
+        >>> w7 = Packing.for_layout("vnni4_w7")
+        >>> w7.pack(np.full((4, 2), 64, "int8"))
+        Traceback (most recent call last):
+        ...
+        ValueError: vnni_b(4): values must lie in [-64, 63], got [64, 64]
+        """
+        if layout not in LAYOUTS or LAYOUTS[layout][0] == 1:
+            raise ValueError(f"{layout!r} is not a VNNI layout of B")
+        return replace(cls.vnni_b(LAYOUTS[layout][0]), value_range=B_RANGES.get(layout))
 
     @classmethod
     def vnni_blocked_b(cls, alpha: int, bn: int) -> Packing:
@@ -156,6 +179,11 @@ class Packing:
         x = np.asarray(x)
         if x.ndim != 2 or 0 in x.shape:
             raise ValueError(f"{self.name}: expected a non-empty 2-D array, got shape {x.shape}")
+        if self.value_range is not None:
+            lo, hi = self.value_range
+            if x.min() < lo or x.max() > hi:
+                raise ValueError(f"{self.name}: values must lie in [{lo}, {hi}], "
+                                 f"got [{x.min()}, {x.max()}]")
         rows, cols = x.shape
         pr, pc = self.padded_shape(rows, cols)
         full = np.zeros((pr, pc), dtype=x.dtype)

@@ -7,9 +7,10 @@ For each GEMM the tuner
    (the whole K in one BRGEMM call, or one K block per call so the K loop is tunable too),
 2. generates PARLOOPER's candidates for each (:func:`schedules.space.generate`),
 3. ranks them all with the cache-trace model (:func:`schedules.cost_model.rank`),
-4. builds and times the model's ``top_k`` plus the untuned default with TVM's
-   ``time_evaluator``, and
-5. keeps the fastest in a JSON database keyed by (op, shape, dtype, epilogue, target), so the
+4. builds the untuned default and the model's ``top_k``, a few per LLVM module, and times
+   them interleaved (each batch next to the best so far, which a newcomer must beat by
+   :data:`MARGIN`), within an optional time budget, and
+5. keeps the winner in a JSON database keyed by (op, shape, dtype, epilogue, target), so the
    same GEMM costs nothing the second time.
 
 Examples
@@ -27,7 +28,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,8 @@ from .space import Candidate, generate
 if TYPE_CHECKING:
     from tvm.target import Target
 
-__all__ = ["TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune_gemm", "measure"]
+__all__ = ["TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune_gemm", "measure",
+           "build", "time_interleaved", "BATCH", "MARGIN"]
 
 
 @dataclass(frozen=True)
@@ -154,25 +156,105 @@ def _blockings(problem: GemmProblem, isa: _isa.Isa, caches, threads: int) -> lis
     return out
 
 
-def measure(problem: GemmProblem, config: GemmConfig, target: Target, isa: str,
-            repeat: int = 15, min_repeat_ms: int = 5) -> float:
-    """Seconds of one run of the scheduled GEMM built for ``target``: the fastest of many
-    short samples, which other load on a shared machine can only slow down."""
+#: Candidates compiled per module: one LLVM invocation for several, and a budgeted tuner
+#: checks its clock between modules.
+BATCH = 5
+#: A candidate replaces the incumbent only if it is this much faster: timings of equal
+#: programs differ by about this much on a shared machine.
+MARGIN = 0.02
+#: Seconds of samples per candidate per round (at least one run each).
+_ROUND_SECONDS = 0.05
+_ROUNDS = 3
+
+
+def _operands(problem: GemmProblem, bns: set[int]) -> tuple[list, dict[int, object]]:
+    """Shared arguments (X first, then epilogue operands and Y) and the packed W per ``bn``."""
     import numpy as np
     import tvm
 
-    func = tvm.compile(schedule(problem, config, isa).mod, target=target)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((problem.m, problem.k)).astype("float32")
     w = rng.standard_normal((problem.k, problem.n)).astype("float32")
-    args = [tvm.runtime.tensor(x), tvm.runtime.tensor(pack_weight(w, config.bn))]
-    args += [tvm.runtime.tensor(rng.standard_normal(op.shape(problem.m, problem.n))
-                                .astype("float32"))
-             for op in problem.epilogue.inputs("float32")]
-    args.append(tvm.runtime.empty((problem.m, problem.n), "float32"))
-    timer = func.mod.time_evaluator(func.mod.entry_name, tvm.cpu(), number=1, repeat=repeat,
-                                    min_repeat_ms=min_repeat_ms)
-    return float(np.min(timer(*args).results))
+    rest = [tvm.runtime.tensor(rng.standard_normal(op.shape(problem.m, problem.n))
+                               .astype("float32"))
+            for op in problem.epilogue.inputs("float32")]
+    rest.append(tvm.runtime.empty((problem.m, problem.n), "float32"))
+    return [tvm.runtime.tensor(x), *rest], {bn: tvm.runtime.tensor(pack_weight(w, bn))
+                                            for bn in bns}
+
+
+def build(problem: GemmProblem, configs: list[GemmConfig], target: Target, isa: str
+          ) -> list[Callable[..., object] | str]:
+    """Schedule ``configs`` and compile them as one module: per config its function, or the
+    error that kept it from being built."""
+    import tvm
+
+    out: list[Callable[..., object] | str] = []
+    funcs = {}
+    for i, config in enumerate(configs):
+        try:
+            funcs[i] = schedule(problem, config, isa).mod["main"].with_attr(
+                "global_symbol", f"candidate{i}")
+            out.append("")
+        except Exception as err:  # a candidate that cannot be scheduled is recorded, skipped
+            out.append(f"{type(err).__name__}: {err}"[:200])
+    if not funcs:
+        return out
+    try:
+        ex = tvm.compile(tvm.IRModule({f"candidate{i}": f for i, f in funcs.items()}),
+                         target=target)
+        for i in funcs:
+            out[i] = ex.mod[f"candidate{i}"]
+    except Exception:  # one bad function fails the module: find which, one by one
+        for i, func in funcs.items():
+            try:
+                out[i] = tvm.compile(tvm.IRModule({f"candidate{i}": func}),
+                                     target=target).mod[f"candidate{i}"]
+            except Exception as err:
+                out[i] = f"{type(err).__name__}: {err}"[:200]
+    return out
+
+
+def time_interleaved(runs: list[Callable[[], None]], rounds: int = _ROUNDS,
+                     round_seconds: float = _ROUND_SECONDS) -> list[float]:
+    """Seconds of one call of each function: the fastest of samples taken in ``rounds``
+    interleaved rounds, so drift of the machine's load hits every candidate alike and the
+    minimum is a run that went undisturbed."""
+    import time as _time
+
+    best = [float("inf")] * len(runs)
+    for i, run in enumerate(runs):  # warm-up, and a first estimate
+        start = _time.perf_counter()
+        run()
+        best[i] = _time.perf_counter() - start
+    for _ in range(rounds):
+        for i, run in enumerate(runs):
+            for _ in range(max(1, min(20, int(round_seconds / best[i])))):
+                start = _time.perf_counter()
+                run()
+                best[i] = min(best[i], _time.perf_counter() - start)
+    return best
+
+
+def measure(problem: GemmProblem, configs: list[GemmConfig], target: Target, isa: str
+            ) -> list[float | str]:
+    """Build ``configs`` together and time them interleaved: seconds of one run, or the
+    error of a candidate that could not be built."""
+    built = build(problem, configs, target, isa)
+    timed = [i for i, b in enumerate(built) if not isinstance(b, str)]
+    if not timed:
+        return list(built)  # type: ignore[arg-type]
+    inputs, weights = _operands(problem, {configs[i].bn for i in timed})
+
+    def runner(i: int) -> Callable[[], None]:
+        args = [inputs[0], weights[configs[i].bn], *inputs[1:]]
+        return lambda: built[i](*args)  # type: ignore[operator]
+
+    seconds = time_interleaved([runner(i) for i in timed])
+    out: list[float | str] = list(built)  # type: ignore[arg-type]
+    for i, t in zip(timed, seconds, strict=True):
+        out[i] = t
+    return out
 
 
 def tune_gemm(
@@ -182,19 +264,30 @@ def tune_gemm(
     database: Database | None = None,
     top_k: int = 8,
     max_candidates: int = 400,
+    budget_seconds: float | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> TuneResult:
     """The fastest configuration for ``problem`` on ``target`` (from the database if known).
 
+    The default configuration and the model's best candidates are built :data:`BATCH` at a
+    time and timed interleaved with the best so far; a candidate replaces it only when
+    :data:`MARGIN` faster, so tuning never keeps a configuration that merely measured lucky
+    over the default.
+
     Parameters
     ----------
     top_k
-        How many of the model's best candidates are built and timed (plus the default).
+        How many of the model's best candidates may be built and timed (plus the default).
     max_candidates
         Cap on generated candidates per block-size choice.
+    budget_seconds
+        Stop starting new batches once this much time is spent or the next batch would
+        exceed it (the first batch, with the default, always runs).
     progress
-        Called with (done, total) after each measurement.
+        Called with (done, total) after each batch.
     """
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
     key = TuningKey.of(problem, target)
     if database is not None and (known := database.get(key)) is not None:
         return TuneResult(known, cached=True, tune_seconds=0.0)
@@ -214,31 +307,46 @@ def tune_gemm(
                                       peak_flops_per_cycle=peak):
             ranked.append((cycles, GemmConfig(blocking.bm, blocking.bn, blocking.bk, candidate)))
     ranked.sort(key=lambda pair: pair[0])
-    chosen = [(n, cycles, cfg) for n, (cycles, cfg) in enumerate(ranked[:top_k])]
     default = blockings[0]
-    if all(cfg != default for _, _, cfg in chosen):
-        chosen.append((None, None, default))
+    chosen: list[tuple[int | None, float | None, GemmConfig]] = [(None, None, default)]
+    chosen += [(n, cycles, cfg) for n, (cycles, cfg) in enumerate(ranked)
+               if cfg != default][:top_k]
 
-    measurements = []
-    for done, (model_rank, cycles, config) in enumerate(chosen, 1):
-        try:
-            seconds = measure(problem, config, target, isa.name)
-            measurements.append(Measurement(config, model_rank, cycles, seconds))
-        except Exception as err:  # a candidate TVM cannot build is skipped, and recorded
-            measurements.append(Measurement(config, model_rank, cycles, error=str(err)[:200]))
+    measurements: list[Measurement] = []
+    incumbent: Measurement | None = None
+    for first in range(0, len(chosen), BATCH):
+        batch = chosen[first:first + BATCH]
+        spent = time.perf_counter() - start
+        if budget_seconds is not None and first and spent * (first + len(batch)) / first > \
+                budget_seconds:
+            break
+        configs = [cfg for _, _, cfg in batch]
+        if incumbent is not None:  # re-timed next to the newcomers
+            configs.append(incumbent.config)
+        results = measure(problem, configs, target, isa.name)
+        if incumbent is not None:
+            again = results.pop()
+            if isinstance(again, float):
+                incumbent = replace(incumbent, seconds=min(incumbent.seconds, again))
+        for (model_rank, cycles, config), result in zip(batch, results, strict=True):
+            m = (Measurement(config, model_rank, cycles, seconds=result)
+                 if isinstance(result, float)
+                 else Measurement(config, model_rank, cycles, error=result))
+            measurements.append(m)
+            if m.seconds is not None and (incumbent is None
+                                          or m.seconds < incumbent.seconds * (1 - MARGIN)):
+                incumbent = m
         if progress is not None:
-            progress(done, len(chosen))
-    timed = [m for m in measurements if m.seconds is not None]
-    if not timed:
+            progress(min(first + BATCH, len(chosen)), len(chosen))
+    if incumbent is None:
         raise RuntimeError(f"no candidate could be built for {key.text()}: "
                            f"{measurements[0].error}")
-    best = min(timed, key=lambda m: m.seconds)
     seconds = time.perf_counter() - start
     if database is not None:
-        database.put(key, best.config, gflops=best.gflops(problem), tune_seconds=seconds,
-                     candidates=len(ranked),
+        database.put(key, incumbent.config, gflops=incumbent.gflops(problem),
+                     tune_seconds=seconds, candidates=len(ranked),
                      measured=[m.to_json() for m in measurements])
-    return TuneResult(best.config, cached=False, tune_seconds=seconds,
+    return TuneResult(incumbent.config, cached=False, tune_seconds=seconds,
                       measurements=tuple(measurements), candidates=len(ranked))
 
 
@@ -252,6 +360,8 @@ class Tuner:
         Where results persist.
     top_k
         Candidates measured per GEMM.
+    budget_seconds
+        Time budget per GEMM (see :func:`tune_gemm`).
     tune_missing
         Tune GEMMs the database does not know; otherwise :meth:`config` returns None for them.
     on_result
@@ -260,13 +370,15 @@ class Tuner:
 
     database: Database
     top_k: int = 8
+    budget_seconds: float | None = None
     tune_missing: bool = True
     on_result: Callable[[GemmProblem, TuneResult], None] | None = None
 
     def config(self, problem: GemmProblem, target: Target) -> GemmConfig | None:
         if not self.tune_missing and self.database.get(TuningKey.of(problem, target)) is None:
             return None
-        result = tune_gemm(problem, target, database=self.database, top_k=self.top_k)
+        result = tune_gemm(problem, target, database=self.database, top_k=self.top_k,
+                           budget_seconds=self.budget_seconds)
         if self.on_result is not None:
             self.on_result(problem, result)
         return result.best

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from schedules.tuner import MARGIN
 from tvm_tpp.bench_gemm import ROW_KEYS, add_arguments, parse_shapes, run, summary
 
 SHAPES = [(64, 64, 64), (48, 80, 32)]
@@ -49,10 +50,13 @@ def test_explain_relates_model_ranks_to_measurements(bench):
     for r in tuned:
         ex = r["explain"]
         ranks = [m["model_rank"] for m in ex["measured"]]
-        assert ranks[:2] == [1, 2] and len(ranks) <= 3  # top-2, plus the default if outside
+        # The default first, then the model's top 2 other than the default.
+        assert ranks[0] is None and len(ranks) == 3 and ranks[1] < ranks[2] <= 3
         best = max((m for m in ex["measured"] if m["gflops"]), key=lambda m: m["gflops"])
         assert ex["best_model_rank"] == best["model_rank"]
         assert ex["best_in_model_top5"] == (best["model_rank"] is not None)
+        top5 = [m["gflops"] for m in ex["measured"] if m["model_rank"] and m["gflops"]]
+        assert ex["top5_within_margin"] == (max(top5) >= best["gflops"] * (1 - MARGIN))
     assert all("explain" not in r for r in rows if r["impl"] != "tpp-tuned")
 
 

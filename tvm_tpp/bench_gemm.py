@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from schedules.tuner import MARGIN
+
 __all__ = [
     "IMPLS",
     "BASELINES",
@@ -136,8 +138,11 @@ class Job:
     explain: bool = False
     seed: int = 0
     tvm_default_limit: float = TVM_DEFAULT_LIMIT
+    tune_budget: float | None = None
 
     def __post_init__(self) -> None:
+        if self.tune_budget is not None and not self.tune_budget > 0:
+            raise ValueError(f"tune_budget must be > 0 seconds, got {self.tune_budget}")
         if self.impl not in (*IMPLS, PEAK):
             raise ValueError(f"unknown implementation {self.impl!r}; known: {', '.join(IMPLS)}")
         for name in ("threads", "repeat", "top_k", "ms_trials"):
@@ -275,8 +280,12 @@ def _explain(measured: Sequence[dict], flops: int) -> dict:
     timed = [r for r in rows if r["gflops"]]
     best = max(timed, key=lambda r: r["gflops"]) if timed else None
     rank = best["model_rank"] if best else None
+    top5 = [r["gflops"] for r in timed if r["model_rank"] is not None and r["model_rank"] <= 5]
+    # Candidates within the tuner's MARGIN of each other are equal as far as timing can tell.
     return {"measured": rows, "best_model_rank": rank,
-            "best_in_model_top5": rank is not None and rank <= 5}
+            "best_in_model_top5": rank is not None and rank <= 5,
+            "top5_within_margin": bool(best and top5
+                                       and max(top5) >= best["gflops"] * (1 - MARGIN))}
 
 
 def _prepare_tpp_tuned(job: Job, m: int, n: int, k: int, x, w, send) -> _Prepared:
@@ -292,13 +301,17 @@ def _prepare_tpp_tuned(job: Job, m: int, n: int, k: int, x, w, send) -> _Prepare
     def progress(done: int, total: int) -> None:
         send({"step": f"tuning {done}/{total}", "shape": [m, n, k]})
 
-    result = tune_gemm(problem, tgt, database=database, top_k=job.top_k, progress=progress)
+    result = tune_gemm(problem, tgt, database=database, top_k=job.top_k,
+                       budget_seconds=job.tune_budget, progress=progress)
     record = database.record(TuningKey.of(problem, tgt)) or {}
     if result.cached:
         tune_seconds = record.get("tune_seconds")
         note = "database hit (tuning seconds as recorded)"
     else:
-        tune_seconds, note = result.tune_seconds, f"tuned top-{job.top_k} + default"
+        measured = len(result.measurements) - 1
+        tune_seconds, note = result.tune_seconds, f"tuned: default + model top-{measured}"
+        if job.tune_budget is not None:
+            note += f" (budget {job.tune_budget:g} s)"
     explain = _explain(record.get("measured", []), problem.flops) if job.explain else None
     return _tpp_build(m, n, k, result.best, tgt, x, w, tune_seconds=tune_seconds, note=note,
                       explain=explain)
@@ -502,6 +515,7 @@ class BenchConfig:
     explain: bool = False
     seed: int = 0
     tvm_default_limit: float = TVM_DEFAULT_LIMIT
+    tune_budget: float | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.impls) - set(IMPLS)
@@ -511,7 +525,7 @@ class BenchConfig:
         if not self.threads:
             raise ValueError("no thread counts given")
         Job("tpp", min(self.threads), [], "", self.repeat, self.top_k, self.ms_trials,
-            tvm_default_limit=self.tvm_default_limit)
+            tvm_default_limit=self.tvm_default_limit, tune_budget=self.tune_budget)
 
 
 def _worker(job: Job, log: Path, on_message: Callable[[dict], None]) -> None:
@@ -581,7 +595,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> BenchResult:
             for impl in config.impls:
                 job = Job(impl, threads, [list(s) for s in config.shapes], str(config.work_dir),
                           config.repeat, config.top_k, config.ms_trials, config.explain,
-                          config.seed, config.tvm_default_limit)
+                          config.seed, config.tvm_default_limit, config.tune_budget)
                 pending = list(config.shapes)
 
                 def on_message(message: dict, impl=impl, threads=threads,
@@ -708,7 +722,9 @@ def print_report(result: BenchResult, explain: bool = False) -> None:
             console.print(detail)
             best = ex["best_model_rank"]
             console.print(f"measured best is model rank {_fmt(best, 'd', 'default')}; in the "
-                          f"model's top 5: {'yes' if ex['best_in_model_top5'] else 'no'}")
+                          f"model's top 5: {'yes' if ex['best_in_model_top5'] else 'no'}; "
+                          f"top 5 within {100 * MARGIN:g} % of it: "
+                          f"{'yes' if ex.get('top5_within_margin') else 'no'}")
     walls = ", ".join(f"{key} {seconds:.0f} s" for key, seconds in result.wall_seconds.items())
     console.print(f"worker wall times: {walls}")
     if result.load_average is not None:
@@ -762,6 +778,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ",".join(BASELINES) + "; or 'none'")
     parser.add_argument("--ms-trials", type=int, default=64, help="MetaSchedule's trials")
     parser.add_argument("--top-k", type=int, default=8, help="candidates the tuner measures")
+    parser.add_argument("--tune-budget", type=float,
+                        help="seconds the tuner may spend per GEMM (default: no limit)")
     parser.add_argument("--tvm-default-limit", type=float, default=TVM_DEFAULT_LIMIT,
                         help="skip tvm-default where one run would take longer (seconds)")
     parser.add_argument("--work-dir", default="tvm_tpp_work",
@@ -787,7 +805,7 @@ def run(args: argparse.Namespace) -> int:
         impls=tuple(i for i in IMPLS if i in ("tpp", "tpp-tuned") or i in against),
         work_dir=Path(args.work_dir), repeat=args.repeat, top_k=args.top_k,
         ms_trials=args.ms_trials, explain=args.explain, seed=args.seed,
-        tvm_default_limit=args.tvm_default_limit,
+        tvm_default_limit=args.tvm_default_limit, tune_budget=args.tune_budget,
     )
     result = run_bench(config, progress=not args.quiet)
     print_report(result, config.explain)

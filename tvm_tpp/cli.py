@@ -156,7 +156,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         console.print(f"[bold]{name}[/bold]: tuning each GEMM's loop_spec space")
         with console.status("tuning", spinner="dots"):
             compiler.compile(_model(name, args.batch), target=args.target, tune=True,
-                             work_dir=args.work_dir, on_tuned=on_tuned)
+                             tune_budget=args.budget, work_dir=args.work_dir,
+                             on_tuned=on_tuned)
     if args.explain:
         _explain(console, tuned)
     return 0
@@ -176,7 +177,7 @@ def _explain(console, tuned) -> None:
                        "GFLOPS"):
             table.add_column(column, justify="right")
         timed = sorted(result.measurements, key=lambda m: (m.model_rank is None, m.model_rank))
-        best = min((m for m in timed if m.seconds), key=lambda m: m.seconds)
+        fastest = min((m for m in timed if m.seconds), key=lambda m: m.seconds)
         for m in timed:
             table.add_row(
                 "default" if m.model_rank is None else str(m.model_rank + 1),
@@ -184,13 +185,14 @@ def _explain(console, tuned) -> None:
                 str(m.config.k_step),
                 f"{m.predicted_cycles / 1e6:.2f}" if m.predicted_cycles else "-",
                 (f"{m.gflops(problem):.1f}" if m.seconds else m.error or "-")
-                + (" *" if m is best else ""),
+                + (" *" if m.config == result.best else ""),
             )
         console.print(table)
-        rank = best.model_rank
+        rank = fastest.model_rank
         verdict = "yes" if rank is not None and rank < 5 else "no"
-        console.print(f"measured best is model rank {rank + 1 if rank is not None else '-'}: "
-                      f"in the model's top 5: {verdict}")
+        console.print(f"fastest measured is model rank {rank + 1 if rank is not None else '-'}"
+                      f" (in the model's top 5: {verdict}); * = kept, which must beat the "
+                      "default by the tuner's margin")
 
 
 def cmd_bench_gemm(args: argparse.Namespace) -> int:
@@ -281,6 +283,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="tpp", help='"tpp" (host) or "tpp -num-cores=N"')
     p.add_argument("--batch", type=int, help="batch size of bundled models")
     p.add_argument("--work-dir", default="tvm_tpp_work", help="where the database lives")
+    p.add_argument("--budget", type=float, help="seconds of tuning per GEMM (default: no limit)")
     p.add_argument("--explain", action="store_true",
                    help="show the cost model's ranking next to the measurements")
 

@@ -215,6 +215,7 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     *,
     tune: bool = False,
+    tune_budget: float | None = None,
     work_dir: str | os.PathLike | None = None,
     on_tuned: Callable | None = None,
 ) -> CompiledModel:
@@ -233,6 +234,8 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     tune
         Tune each GEMM's loop_spec space (seconds per GEMM; needs a target this CPU runs).
         Results persist in ``work_dir/tuning.json`` and are reused by later compiles.
+    tune_budget
+        Seconds the tuner may spend per GEMM (default: measure all its candidates).
     work_dir
         Where the tuning database lives (default ``./tvm_tpp_work``); read even without
         ``tune`` when it holds the database, so tuned models rebuild tuned.
@@ -258,7 +261,8 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         if on_tuned is not None:
             on_tuned(problem, result)
 
-    tuner = Tuner(Database(db_path), tune_missing=tune, on_result=record) if use_db else None
+    tuner = Tuner(Database(db_path), budget_seconds=tune_budget, tune_missing=tune,
+                  on_result=record) if use_db else None
     start = time.perf_counter()
     mod, specs = import_model(model, input_shapes)
     report: list[Offload] = []
