@@ -297,13 +297,18 @@ def test_asm_bf16_avx2_emulation():
     assert "dpbf16" not in asm and "zmm" not in asm
 
 
-def test_accumulators_stay_in_registers():
-    """The k loop of a 6x16 fp32 kernel: FMAs on registers, no stores (C stored once)."""
-    asm = _asm(_shape(6, 16, 64, 2, "avx2"))
+@pytest.mark.parametrize("isa,n,reg,accumulators", [("avx2", 16, "ymm", 12),
+                                                    ("avx512", 64, "zmm", 24)])
+def test_accumulators_stay_in_registers(isa, n, reg, accumulators):
+    """The k loop of a 6-row fp32 tile: every accumulator is a register that FMAs update in
+    place, with no vector stores and no stack traffic (C is loaded and stored once per tile)."""
+    asm = _asm(_shape(6, n, 64, 2, isa))
     loops = re.findall(r"^(\.LBB\d+_\d+):\n(.*?)^\s*j\w+\s+\1$", asm, re.MULTILINE | re.DOTALL)
     body = max((b for _, b in loops), key=lambda b: _count(r"vfmadd", b))
-    assert _count(r"vfmadd231ps\s+%ymm\d+, %ymm\d+, %ymm\d+", body) >= 12
-    assert not re.search(r"vmovups\s+%ymm\d+, ", body)
+    fmas = re.findall(rf"vfmadd231ps\s+%{reg}\d+, %{reg}\d+, (%{reg}\d+)", body)
+    assert len(set(fmas)) == accumulators and len(fmas) >= accumulators
+    assert not re.search(rf"vmovups\s+%{reg}\d+, ", body)
+    assert "(%rsp)" not in body and "(%rbp)" not in body
 
 
 def test_large_accumulator_tile_needs_no_heap_workspace():
@@ -423,6 +428,18 @@ def test_peak_formula_and_validation():
             measure_peak("amx")
     p = measure_peak("avx2", repeat=3)
     assert p.lanes == 8 and p.fma_units == 2 and p.peak_gflops == pytest.approx(32 * p.clock_ghz)
+
+
+def test_bench_kernel_default_block_is_l1_resident():
+    """Whole register tiles, and A, B and C within L1d (else the benchmark times L2)."""
+    from tvm_tpp.bench_kernel import _default_shape
+
+    for isa_name in ("avx2", "avx512"):
+        m, n, k, batch = _default_shape(_isa.from_name(isa_name))
+        tile = x86.register_tile(_shape(64, 64, 8, 1, isa_name), x86.FP32)
+        assert m % tile.rows == 0 and n % (tile.vectors * tile.lanes) == 0
+        assert 4 * (m * k * batch + k * batch * n + m * n) <= _isa.caches().l1d
+    assert _default_shape(_isa.from_name("avx2")) == (24, 32, 32, 4)
 
 
 def test_bench_kernel_result():

@@ -2,7 +2,7 @@
 
 The kernel of one :class:`~microkernels.brgemm.BrgemmShape` is tensorized into its own
 semantics (``desc_func(shape, as_workload=True)``) wrapped in a loop that calls it ``reps``
-times on the same L1/L2-resident operands, so the time is the kernel's, not call overhead or
+times on the same L1-resident operands, so the time is the kernel's, not call overhead or
 DRAM.  The result is compared with the core's fp32 FMA peak (:mod:`microkernels.peak`).
 
 Low-precision kernels are reported in GOPS (2 ops per multiply-add) next to the fp32 kernel on
@@ -61,12 +61,23 @@ def repeated_workload(shape: BrgemmShape, reps: int) -> PrimFunc:
 
 
 def _default_shape(isa: _isa.Isa) -> tuple[int, int, int, int]:
-    """Four fp32 register tiles down, two across; K = 128 as 4 batch blocks of 32.
+    """Four fp32 register tiles down, up to two across, K = 128 as 4 batch blocks: L1-resident.
 
-    A typical BRGEMM call of a blocked GEMM: on AVX2 (24 x 32) its A and B fit L1 together.
+    The kernel keeps a B micro-panel in L1 while its row tiles stream A; in a block whose
+    panel and A do not fit, every row tile re-streams the panel from L2, and the benchmark
+    times L2 streaming (which degrades under load) rather than the kernel.  The block
+    therefore narrows to one column tile, then halves K, until A, B and C fit the L1d:
+    24 x 32 x 128 (31 KiB) on AVX2, 24 x 64 x 64 (28 KiB) on AVX-512, where 24 x 128 x 128
+    would take 88 KiB.  Columns go first: C is loaded and stored once per call, so a
+    shorter K costs more C traffic per flop.
     """
     tile = x86.register_tile(BrgemmShape(m=64, n=64, k=64, isa=isa.name), x86.FP32)
-    return 4 * tile.rows, 2 * tile.vectors * tile.lanes, 32, 4
+    m, width = 4 * tile.rows, tile.vectors * tile.lanes
+    l1d = _isa.caches().l1d
+    for n, k in ((2 * width, 128), (width, 128), (width, 64), (width, 32)):
+        if 4 * (m * k + k * n + m * n) <= l1d:
+            break
+    return m, n, k // 4, 4
 
 
 def _operands(shape: BrgemmShape) -> list[np.ndarray]:
@@ -128,7 +139,8 @@ def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None =
     isa
         ISA name (:data:`microkernels.isa.KNOWN`); must run on this host.
     m, n, k, batch
-        Kernel shape; defaults: 4 x 2 fp32 register tiles, K = 4 x 32.
+        Kernel shape; defaults: the L1-resident block of :func:`_default_shape`
+        (24 x 32 x 32 x 4 on AVX2, 24 x 64 x 16 x 4 on AVX-512).
 
     Returns
     -------
