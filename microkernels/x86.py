@@ -14,8 +14,10 @@ dtype of A   layout  ISAs                inner step per register ``(row, vector)
 float32      flat,   avx2, avx512        broadcast A, load B, ``vfmadd231ps``
              blocked
 uint8/int8   vnni4   avx2, avx512        exact: ``vpmaddwd`` on 16-bit halves
-uint8        vnni4   avx_vnni,           ``vpdpbusd`` (VEX 256-bit / EVEX 512-bit)
-                     avx512_vnni
+uint8        vnni4_  avx2, avx512        ``vpmaddubsw`` + ``vpmaddwd(1)``: 7-bit weights
+             w7                          keep the int16 pair sums from saturating
+uint8        vnni4,  avx_vnni,           ``vpdpbusd`` (VEX 256-bit / EVEX 512-bit)
+             vnni4_w7 avx512_vnni
 bfloat16     vnni2   avx2, avx512        exact emulation: bf16 -> fp32 by shifting, FMA
 bfloat16     vnni2   avx512_bf16         ``vdpbf16ps``
 ===========  ======  ==================  ============================================
@@ -25,12 +27,11 @@ Tails: rows are split into near-equal register tiles (``m = 7`` on AVX2 runs til
 (``n % lanes`` lanes, never touching memory past the block).  Dot-product instructions have
 no narrow form, so their tail columns use plain widening arithmetic.
 
-The registered int8 kernel without VNNI does *not* use ``vpmaddubsw``: that instruction
-saturates its 16-bit pair sums (``255 * -128 * 2 < -32768``), which silently corrupts results
-for full-range operands.  The exact ``vpmaddwd`` sequence runs at about the fp32 rate
-(0.9x on Cascade Lake AVX2); :func:`int8_saturating_impl` keeps the ``vpmaddubsw`` sequence
-(about 1.6x fp32) unregistered, for benchmarks and for callers that guarantee weights in
-[-64, 63] (or activations below 128), where it is exact.
+Without VNNI, full-range int8 (``vnni4``) cannot use ``vpmaddubsw``: that instruction
+saturates its 16-bit pair sums (``255 * -128 * 2 < -32768``), which silently corrupts results.
+The exact ``vpmaddwd`` sequence runs at about the fp32 rate (0.9x on Cascade Lake AVX2).
+Weights quantized to 7 bits (layout ``vnni4_w7``, values in [-64, 63], as oneDNN quantizes
+them for CPUs without VNNI) make ``vpmaddubsw`` exact, and it runs at about 1.6x fp32.
 
 Examples
 --------
@@ -71,7 +72,7 @@ __all__ = [
     "fp32_impl",
     "int8_exact_impl",
     "int8_dot_impl",
-    "int8_saturating_impl",
+    "int8_w7_impl",
     "bf16_emulated_impl",
     "bf16_dot_impl",
 ]
@@ -577,15 +578,18 @@ def int8_exact_impl(shape: BrgemmShape) -> PrimFunc:
 
 
 @register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4")
+@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4_w7")
 def int8_dot_impl(shape: BrgemmShape) -> PrimFunc:
     """u8 x s8 VNNI kernel (``vpdpbusd``, VEX ymm on avx_vnni, EVEX zmm on avx512_vnni)."""
     return _impl(shape, INT8_DOT, _int8_dot_steps)
 
 
-def int8_saturating_impl(shape: BrgemmShape) -> PrimFunc:
-    """u8 x s8 kernel with ``vpmaddubsw``; NOT registered: its int16 pair sums saturate."""
-    if shape.dtype_a != "uint8" or shape.layout != "vnni4":
-        raise ValueError(f"the vpmaddubsw kernel takes uint8 A in vnni4 layout, not {shape}")
+@register_impl(("avx2", "avx512"), "uint8", "vnni4_w7")
+def int8_w7_impl(shape: BrgemmShape) -> PrimFunc:
+    """u8 x s7 kernel with ``vpmaddubsw``: exact because B's layout bounds it to [-64, 63]
+    (``vnni4_w7``); on full-range weights its int16 pair sums would saturate."""
+    if shape.dtype_a != "uint8" or shape.layout not in ("vnni4", "vnni4_w7"):
+        raise ValueError(f"the vpmaddubsw kernel takes uint8 A in a vnni4 layout, not {shape}")
     return _impl(shape, INT8_SATURATING, _int8_saturating_steps)
 
 

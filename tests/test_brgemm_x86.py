@@ -21,6 +21,7 @@ from tvm import s_tir, te
 from microkernels import isa as _isa
 from microkernels import x86
 from microkernels.brgemm import (
+    B_RANGES,
     BrgemmShape,
     desc_func,
     dispatch,
@@ -81,7 +82,7 @@ def _operands(shape, rng, a_range=None, b_range=None):
             return a, b, c, a.view(np.uint16), b.view(np.uint16)
         return a, b, c, a, b
     lo, hi = a_range or ((0, 255) if shape.dtype_a == "uint8" else (-128, 127))
-    blo, bhi = b_range or (-128, 127)
+    blo, bhi = b_range or B_RANGES.get(shape.layout, (-128, 127))
     a = rng.integers(lo, hi, shape.a_shape(), endpoint=True).astype(shape.dtype_a)
     b = rng.integers(blo, bhi, shape.b_shape(), endpoint=True).astype("int8")
     c = rng.integers(-1000, 1000, (shape.m, shape.n)).astype("int32")
@@ -151,14 +152,35 @@ def test_int8_avx2_exact_where_vpmaddubsw_saturates():
     np.testing.assert_array_equal(got, expected)
 
 
-def test_int8_saturating_kernel_is_exact_for_7bit_weights_only():
-    """The opt-in vpmaddubsw kernel: exact with B in [-64, 63], wrong on full-range data."""
+@pytest.mark.parametrize("m,n,k,batch", VNNI_SHAPES)
+def test_int8_w7_avx2(m, n, k, batch):
+    """The dispatched vnni4_w7 kernel is exact on 7-bit weights, extremes included."""
+    shape = _shape(m, n, k, batch, "avx2", "uint8", "vnni4_w7")
+    assert find_impl(shape)[0] == "avx2"
+    _check(shape)
+    for a, b in (((255, 255), (-64, -64)), ((255, 255), (63, 63))):
+        got, expected = _run(shape, a_range=a, b_range=b)
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_vpmaddubsw_saturates_on_full_range_weights():
+    """Why the layout bounds B: on 8-bit weights the same kernel clips its pair sums."""
     shape = _shape(6, 16, 8, 2, "avx2", "uint8")
-    got, expected = _run(shape, x86.int8_saturating_impl, b_range=(-64, 63))
-    np.testing.assert_array_equal(got, expected)
-    got, expected = _run(shape, x86.int8_saturating_impl, a_range=(255, 255),
-                         b_range=(-128, -128))
+    got, expected = _run(shape, x86.int8_w7_impl, a_range=(255, 255), b_range=(-128, -128))
     assert not np.array_equal(got, expected)
+
+
+def test_w7_layout_rejects_8bit_weights():
+    from microkernels.pack import Packing
+
+    shape = _shape(6, 16, 8, 1, "avx2", "uint8", "vnni4_w7")
+    b = np.full(shape.b_shape(), -65, "int8")
+    with pytest.raises(ValueError, match=r"\[-64, 63\]"):
+        reference(shape, np.zeros(shape.a_shape(), "uint8"), b, np.zeros((6, 16), "int32"))
+    with pytest.raises(ValueError, match="values must lie in"):
+        Packing.for_layout("vnni4_w7").pack(np.full((8, 16), 64, "int8"))
+    with pytest.raises(ValueError, match="not a VNNI layout"):
+        Packing.for_layout("flat")
 
 
 @pytest.mark.parametrize("m,n,k,batch", VNNI_SHAPES[:2])
@@ -280,8 +302,8 @@ def test_asm_int8_avx2_exact_uses_vpmaddwd_not_vpmaddubsw():
     assert _count(r"vpmaddwd\s+.*%ymm", asm) >= 4 and "vpmaddubsw" not in asm
 
 
-def test_asm_int8_saturating_avx2():
-    asm = _asm(_shape(6, 16, 8, 2, "avx2", "uint8"), impl=x86.int8_saturating_impl)
+def test_asm_int8_w7_avx2():
+    asm = _asm(_shape(6, 16, 8, 2, "avx2", "uint8", "vnni4_w7"))
     assert _count(r"vpmaddubsw\s+.*%ymm", asm) >= 4 and _count(r"vpmaddwd\s+", asm) >= 4
 
 
@@ -351,8 +373,8 @@ def test_invalid_arguments():
         x86.row_tiles(0, 6)
     with pytest.raises(ValueError, match="positive"):
         x86.RegisterTile(0, 1, 8)
-    with pytest.raises(ValueError, match="uint8 A in vnni4"):
-        x86.int8_saturating_impl(_shape(6, 16, 8, 1, "avx2"))
+    with pytest.raises(ValueError, match="uint8 A in a vnni4"):
+        x86.int8_w7_impl(_shape(6, 16, 8, 1, "avx2"))
     with pytest.raises(ValueError):
         BrgemmShape(0, 16, 8)
     with pytest.raises(ValueError, match="divisible"):
@@ -370,6 +392,9 @@ def test_invalid_arguments():
     ("avx512_vnni", "bfloat16", "vnni2", "avx512"),   # no vdpbf16ps: exact emulation
     ("avx512_bf16", "bfloat16", "vnni2", "avx512_bf16"),
     ("avx2", "uint8", "flat", "generic"),
+    ("avx512", "uint8", "vnni4_w7", "avx512"),             # vpmaddubsw, zmm
+    ("avx512_vnni", "uint8", "vnni4_w7", "avx512_vnni"),   # a subset of vpdpbusd's range
+    ("amx", "uint8", "vnni4_w7", "avx512_vnni"),
 ])
 def test_find_impl_walks_the_isa_lineage(isa, dtype, layout, expected):
     acc = LAYOUT[dtype][0]
@@ -450,9 +475,9 @@ def test_bench_kernel_result():
         "avx2", "int8", [6, 16, 8, 2], "vnni4", "avx2")
     assert r["fraction_of_peak"] == pytest.approx(r["gflops"] / r["peak_gflops"], rel=1e-2)
     assert r["ratio_to_fp32"] == pytest.approx(r["gflops"] / r["fp32_gflops"], rel=1e-2)
-    assert r["saturating_gflops"] > 0
+    assert r["w7_gflops"] > 0
     text = format_bench_kernel(r)
-    assert "GOPS" in text and "vpmaddubsw" in text
+    assert "GOPS" in text and "vnni4_w7" in text
     with pytest.raises(ValueError, match="unknown dtype"):
         bench_kernel("float16")
     with pytest.raises(ValueError, match="not x86"):
