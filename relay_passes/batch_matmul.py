@@ -35,9 +35,9 @@ from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 from tvm.target import Target
 
-from microkernels import isa as _isa
 from microkernels.epilogue import Epilogue, EpilogueOp
-from schedules.batch_gemm import BatchGemmProblem, default_config, schedule
+from schedules.batch_gemm import BatchGemmProblem, schedule
+from schedules.tuner import Tuner, config_for
 
 from .dense import Offload, static_shape
 
@@ -78,23 +78,24 @@ def _patterns() -> list[_Pattern]:
     return out
 
 
-def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload]
-                         ) -> tvm.IRModule:
+def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload],
+                         tuner: Tuner | None = None) -> tvm.IRModule:
     """Replace every float32 matmul of two activations (and its epilogue) by a TPP kernel call.
 
     Appends one :class:`~relay_passes.dense.Offload` per such matmul to ``report``: the kernel
     (``shape`` is ``(batch, m, n, k)``) or why it stayed with TVM (``shape`` is its output's).
+    With a ``tuner`` each kernel gets its tuned configuration (tuned now if its database does
+    not know it yet); without one, the default heuristic's.
     """
     builder = relax.BlockBuilder(mod)
-    isa = _isa.from_name(str(target.attrs["model"]))
-    threads = int(target.attrs.get("num-cores", 1))
     functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     for pattern in _patterns():
         for gv, func in functions.items():
             bindings = _bindings(func)
 
             def rewriter(orig, matches, pattern=pattern, bindings=bindings):
-                return _rewrite(orig, matches, pattern, bindings, builder, isa, threads, report)
+                return _rewrite(orig, matches, pattern, bindings, builder, target, tuner,
+                                report)
 
             functions[gv] = rewrite_call(pattern.root, rewriter, func)
     new_mod = builder.get()
@@ -193,7 +194,7 @@ def _scalar(const) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _rewrite(orig, matches, pattern: _Pattern, bindings, builder, isa, threads, report):
+def _rewrite(orig, matches, pattern: _Pattern, bindings, builder, target, tuner, report):
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, by _report_leftovers().
     call = matches[pattern.matmul]
@@ -229,8 +230,8 @@ def _rewrite(orig, matches, pattern: _Pattern, bindings, builder, isa, threads, 
     problem = BatchGemmProblem(batch, m, n, k, transposed, Epilogue(tuple(ops)), heads=heads,
                                x_interleaved=x_inter, b_interleaved=b_inter,
                                y_interleaved=y_inter)
-    config = default_config(problem, isa, threads)
-    func = schedule(problem, config, isa).mod["main"]
+    config = config_for(problem, target, tuner)
+    func = schedule(problem, config, str(target.attrs["model"])).mod["main"]
     # kOpaque keeps FuseOps from fusing neighbours into the kernel; is_scheduled keeps the
     # fallback schedules off it.
     func = func.without_attr("global_symbol").with_attrs(

@@ -38,14 +38,8 @@ from tvm.target import Target
 
 from microkernels import isa as _isa
 from microkernels.epilogue import Epilogue, EpilogueOp
-from schedules.conv import (
-    ConvConfig,
-    ConvProblem,
-    default_config,
-    pack_weight,
-    schedule,
-    unfold_weight,
-)
+from schedules.conv import ConvConfig, ConvProblem, pack_weight, schedule, unfold_weight
+from schedules.tuner import Tuner, config_for
 
 from .dense import Offload, add_patterns, static_shape
 
@@ -90,18 +84,21 @@ def _patterns() -> list[_Pattern]:
     return out
 
 
-def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload]) -> tvm.IRModule:
+def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
+                 tuner: Tuner | None = None) -> tvm.IRModule:
     """Replace every supported conv2d chain with a constant weight by a TPP kernel call.
 
     Appends one :class:`~relay_passes.dense.Offload` per conv2d to ``report``: the kernel it
-    became, or why it stayed with TVM.
+    became, or why it stayed with TVM.  With a ``tuner`` each kernel gets its tuned
+    configuration (tuned now if its database does not know it yet); without one, the
+    default heuristic's.
     """
     mod = sum_to_add(mod)
     builder = relax.BlockBuilder(mod)
     functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     for pattern in _patterns():
         def rewriter(orig, matches, pattern=pattern):
-            return _rewrite(orig, matches, pattern, builder, target, report)
+            return _rewrite(orig, matches, pattern, builder, target, tuner, report)
 
         functions = {gv: rewrite_call(pattern.root, rewriter, f) for gv, f in functions.items()}
     new_mod = builder.get()
@@ -142,7 +139,7 @@ def _channel_vector(bias: np.ndarray, k: int) -> np.ndarray | None:
     return bias.reshape(k).astype(np.float32)
 
 
-def _rewrite(orig, matches, pattern: _Pattern, builder, target, report):
+def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, by _report_leftovers().
     call = matches[pattern.conv]
@@ -181,8 +178,7 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, report):
     unfold = problem.c < _UNFOLD_BELOW and problem.s > 1
     kernel_problem = problem.unfold_width() if unfold else problem
     isa = _isa.from_name(str(target.attrs["model"]))
-    threads = int(target.attrs.get("num-cores", 1))
-    config = default_config(kernel_problem, isa, _isa.caches(), threads)
+    config = config_for(kernel_problem, target, tuner)  # the problem the kernel computes
     sh, sw = problem.stride
     name = (f"tpp_conv2d_{n}x{c}x{h}x{w}_{k}x{r}x{s}_s{sh}x{sw}"
             + (f"_{problem.epilogue.name}" if ops else ""))

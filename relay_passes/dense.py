@@ -31,9 +31,8 @@ from tvm.target import Target
 
 from microkernels import isa as _isa
 from microkernels.epilogue import Epilogue, EpilogueOp
-from schedules.blocking import default_config
 from schedules.gemm import GemmProblem, pack_weight, schedule
-from schedules.tuner import Tuner
+from schedules.tuner import Tuner, config_for
 
 __all__ = ["Offload", "rewrite_dense", "report_leftovers", "static_shape", "add_patterns"]
 
@@ -193,10 +192,7 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
         ops.append(_ACTIVATIONS[pattern.activation])
     problem = GemmProblem(m, n, k, epilogue=Epilogue(tuple(ops)))
     isa = _isa.from_name(str(target.attrs["model"]))
-    config = tuner.config(problem, target) if tuner is not None else None
-    if config is None:
-        threads = int(target.attrs.get("num-cores", 1))
-        config = default_config(m, n, k, isa, _isa.caches(), threads)
+    config = config_for(problem, target, tuner)
     func = schedule(problem, config, isa).mod["main"]
     # kOpaque keeps FuseOps from fusing neighbours into the kernel; is_scheduled keeps the
     # fallback schedules off it.

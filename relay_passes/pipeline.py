@@ -52,8 +52,9 @@ def tpp_pipeline(
     """Prepare, rewrite to TPP kernels when ``target`` is a tpp target, then lower.
 
     ``report`` (if given) receives one :class:`~relay_passes.dense.Offload` per matched
-    operator: the kernel it became or why it stayed with TVM.  ``tuner`` picks each GEMM's
-    configuration from its database, tuning the ones it does not know.
+    operator: the kernel it became or why it stayed with TVM.  ``tuner`` picks the
+    configuration of each dense GEMM, convolution and batch GEMM from its database, tuning
+    the ones it does not know.
     """
 
     @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
@@ -63,8 +64,9 @@ def tpp_pipeline(
             return relax.get_default_pipeline(target)(mod)
         found = report if report is not None else []
         mod = rewrite_dense(mod, target, found, tuner)
-        mod = rewrite_conv(mod, target, found)
-        mod = rewrite_batch_matmul(mod, target, found)  # what dense left: both operands vary
+        mod = rewrite_conv(mod, target, found, tuner)
+        # What dense left: matmuls whose operands both vary.
+        mod = rewrite_batch_matmul(mod, target, found, tuner)
         # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
         mod = relax.transform.RemoveRedundantReshape()(mod)
         with target:

@@ -50,22 +50,22 @@ Examples
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 
-from .blocking import divisors
+from .blocking import divisors, near_divisors
 
 if TYPE_CHECKING:
     import numpy as np
     from tvm import s_tir
     from tvm.tirx import PrimFunc
 
-__all__ = ["BatchGemmProblem", "BatchGemmConfig", "default_config", "workload", "schedule",
-           "reference"]
+__all__ = ["BatchGemmProblem", "BatchGemmConfig", "default_config", "candidates", "workload",
+           "schedule", "reference"]
 
 
 def _positive(value: object, what: str) -> None:
@@ -148,14 +148,25 @@ class BatchGemmProblem:
         return 2 * self.batch * self.m * self.n * self.k
 
     @property
-    def name(self) -> str:
-        """A short unique name: sizes, layout letters (t: B^T; x/b/y: interleaved), epilogue."""
+    def layout(self) -> str:
+        """Layout letters (t: B^T; x/b/y: interleaved) and the heads, "" for plain operands.
+
+        Examples
+        --------
+        >>> BatchGemmProblem(12, 8, 8, 8, True, heads=12, x_interleaved=True).layout
+        'tx12'
+        """
         tags = "".join(t for t, on in (("t", self.b_transposed), ("x", self.x_interleaved),
                                        ("b", self.b_interleaved), ("y", self.y_interleaved))
                        if on)
+        return tags + (str(self.heads) if self.heads > 1 else "")
+
+    @property
+    def name(self) -> str:
+        """A short unique name: sizes, :attr:`layout`, epilogue."""
         name = f"{self.batch}x{self.m}x{self.n}x{self.k}"
-        if tags:
-            name += f"_{tags}" + (str(self.heads) if self.heads > 1 else "")
+        if self.layout:
+            name += f"_{self.layout}"
         return name + (f"_{self.epilogue.name}" if self.epilogue.ops else "")
 
 
@@ -212,6 +223,45 @@ def default_config(problem: BatchGemmProblem, isa: str | _isa.Isa, threads: int
     bk = _block(problem.k, 512)
     tasks = problem.batch * (n // bn)
     return BatchGemmConfig(bm, bn, bk, parallel_rows=tasks < 2 * threads and problem.m > bm)
+
+
+def candidates(problem: BatchGemmProblem, isa: str | _isa.Isa, threads: int
+               ) -> list[BatchGemmConfig]:
+    """A short list of configurations worth measuring, :func:`default_config`'s first.
+
+    Measurement only: no cost model ranks these; the tuner times them all, so the list stays
+    short.  After the default come the default's blocks with the M blocks' parallelism
+    flipped, then, each with both parallelisms, the two nearest other ``bm`` (divisors of M
+    from 8 to 128 rows), the nearest other ``bn`` (a vector multiple up to 64 where N has
+    one) and the nearest other ``bk`` (a divisor of K up to 512), neither of these two
+    narrower than a vector.  Parallel M blocks are only tried when M has more than one
+    block.  That makes ten configurations at most.
+
+    Examples
+    --------
+    >>> p = BatchGemmProblem(batch=12, m=128, n=128, k=64, b_transposed=True)
+    >>> found = candidates(p, "avx2", threads=2)
+    >>> found[0] == default_config(p, "avx2", threads=2)
+    True
+    >>> [(c.bm, c.bn, c.bk, c.parallel_rows) for c in found[:3]]
+    [(64, 64, 64, False), (64, 64, 64, True), (32, 64, 64, False)]
+    """
+    base = default_config(problem, isa, threads)
+    lanes = (isa if isinstance(isa, _isa.Isa) else _isa.from_name(isa)).lanes("float32")
+    p = problem
+    blocks = [replace(base, bm=bm) for bm in near_divisors(p.m, base.bm, 2, lo=min(8, p.m),
+                                                           hi=128)]
+    blocks += [replace(base, bn=bn) for bn in near_divisors(
+        p.n, base.bn, 1, lo=min(lanes, p.n), hi=64, multiple=lanes if p.n % lanes == 0 else 1)]
+    blocks += [replace(base, bk=bk) for bk in near_divisors(p.k, base.bk, 1,
+                                                           lo=min(lanes, p.k), hi=512)]
+    found = []
+    for config in (base, *blocks):
+        for parallel_rows in (config.parallel_rows, not config.parallel_rows):
+            flipped = replace(config, parallel_rows=parallel_rows and p.m > config.bm)
+            if flipped not in found:
+                found.append(flipped)
+    return found
 
 
 def workload(problem: BatchGemmProblem, bn: int) -> PrimFunc:

@@ -26,7 +26,7 @@ from microkernels.isa import Caches, Isa
 from .gemm import GemmConfig
 from .space import heuristic
 
-__all__ = ["default_config", "divisors", "pick_divisor"]
+__all__ = ["default_config", "divisors", "pick_divisor", "near_divisors"]
 
 
 def divisors(n: int) -> list[int]:
@@ -40,6 +40,25 @@ def pick_divisor(n: int, limit: int, multiple: int = 1) -> int:
     fitting = [d for d in divisors(n) if d <= limit]
     aligned = [d for d in fitting if d % multiple == 0]
     return max(aligned or fitting)
+
+
+def near_divisors(n: int, current: int, count: int, lo: int = 1, hi: int | None = None,
+                  multiple: int = 1) -> list[int]:
+    """Up to ``count`` divisors of ``n`` other than ``current``, nearest to it by ratio.
+
+    Only multiples of ``multiple`` within ``[lo, hi]`` count: the tuners' block-size
+    alternatives around a default block.
+
+    Examples
+    --------
+    >>> near_divisors(56, 28, 2, lo=7, hi=64)
+    [14, 56]
+    >>> near_divisors(64, 64, 1, multiple=8)
+    [32]
+    """
+    options = [d for d in divisors(n) if d != current and d % multiple == 0
+               and lo <= d <= (n if hi is None else hi)]
+    return sorted(options, key=lambda d: (max(d, current) / min(d, current), d))[:count]
 
 
 def default_config(m: int, n: int, k: int, isa: Isa, caches: Caches, threads: int) -> GemmConfig:

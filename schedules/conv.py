@@ -49,8 +49,9 @@ Examples
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -60,8 +61,8 @@ from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 
-from .blocking import divisors, pick_divisor
-from .loop_spec import LoopDecl, LoopSpec, parse
+from .blocking import divisors, near_divisors, pick_divisor
+from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
 from .nest import check_exact, finish_nest, nest_loops
 
 if TYPE_CHECKING:
@@ -75,6 +76,8 @@ __all__ = [
     "workload",
     "schedule",
     "default_config",
+    "candidates",
+    "ORDERS",
     "pack_input",
     "pack_weight",
     "unfold_input",
@@ -415,6 +418,64 @@ def default_config(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, thr
     tasks = problem.n * (problem.k // bk)
     spec = "ACbfgde" if tasks >= 2 * threads and plane <= caches.l2 // 2 else "ACDebfg"
     return ConvConfig(bq=bq, bc=bc, bk=bk, spec=spec)
+
+
+#: Loop orders :func:`candidates` tries: :func:`default_config`'s two; the taps outside the
+#: column blocks (a row's accumulators stay hot while each weight panel sweeps the row); and
+#: the K blocks innermost of the spatial loops (each input tile reused by every K block).
+ORDERS = ("ACDebfg", "ACbfgde", "ACDbfge", "ADEcbfg")
+
+
+def candidates(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int
+               ) -> list[ConvConfig]:
+    """A short list of configurations worth measuring, :func:`default_config`'s first.
+
+    Measurement only: no cost model ranks these (the cache-trace model covers GEMMs); the
+    tuner times them all, so the list stays short.  After the default come
+
+    * the default blocks in each order of :data:`ORDERS`,
+    * then, each in the default's order and in the other of :func:`default_config`'s two,
+      the nearest other ``bk`` (a vector multiple up to 64), the two nearest other ``bq``
+      (divisors of Q from 7 to 64 rows), and, when C spans several channel blocks,
+      ``c_step`` reducing all of them in one BRGEMM call.
+
+    Configurations whose parallel loop has fewer iterations than ``threads`` are left out
+    (the default excepted), as are duplicates: twelve configurations at most.
+
+    Examples
+    --------
+    >>> from microkernels import isa
+    >>> p = ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1)
+    >>> found = candidates(p, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+    >>> found[0] == default_config(p, isa.from_name("avx2"), isa.DEFAULT_CACHES, 2)
+    True
+    >>> [(c.bq, c.bk, c.spec) for c in found[:4]]  # one K block: ACbfgde has one task
+    [(28, 64, 'ACDebfg'), (28, 64, 'ACDbfge'), (28, 64, 'ADEcbfg'), (28, 32, 'ACDebfg')]
+    """
+    base = default_config(problem, isa, caches, threads)
+    blocks = [replace(base, bk=bk) for bk in near_divisors(
+        problem.k, base.bk, 1, hi=64, multiple=isa.lanes("float32"))]
+    blocks += [replace(base, bq=bq) for bq in near_divisors(
+        problem.q, base.bq, 2, lo=min(7, problem.q), hi=64)]
+    channel_blocks = problem.c // base.bc
+    if channel_blocks > 1:
+        blocks.append(replace(base, c_step=channel_blocks))
+    other = ORDERS[1] if base.spec == ORDERS[0] else ORDERS[0]
+    found = [base]
+    for config in [replace(base, spec=spec) for spec in ORDERS] + [
+            replace(block, spec=spec) for spec in (base.spec, other) for block in blocks]:
+        if config not in found and _parallel_tasks(problem, config) >= threads:
+            found.append(config)
+    return found
+
+
+def _parallel_tasks(problem: ConvProblem, config: ConvConfig) -> int:
+    """Iterations of the parallel loop of ``config`` (0 if its spec does not fit)."""
+    try:
+        spec = config.parse(problem)
+    except LoopSpecError:
+        return 0
+    return math.prod(o.trips for o in spec.occurrences if o.parallel)
 
 
 # --------------------------------------------------------------------------------------------

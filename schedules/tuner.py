@@ -1,85 +1,287 @@
-"""A seconds-long tuner over PARLOOPER's outer-loop space, with a persistent database.
+"""A seconds-long tuner over the outer-loop spaces of the GEMM, conv and batch-GEMM templates.
 
 The microkernel is fixed; only block sizes, loop order, blocking and parallel loops vary.
-For each GEMM the tuner
+For each operator the tuner
 
-1. takes a few block-size choices around :func:`schedules.blocking.default_config`
-   (the whole K in one BRGEMM call, or one K block per call so the K loop is tunable too),
-2. generates PARLOOPER's candidates for each (:func:`schedules.space.generate`),
-3. ranks them all with the cache-trace model (:func:`schedules.cost_model.rank`),
-4. builds the untuned default and the model's ``top_k``, a few per LLVM module, and times
-   them interleaved (each batch next to the best so far, which a newcomer must beat by
+1. lists candidates, the untuned default first:
+
+   * a dense GEMM takes a few block-size choices around
+     :func:`schedules.blocking.default_config` (the whole K in one BRGEMM call, or one K
+     block per call so the K loop is tunable too), PARLOOPER's candidates for each
+     (:func:`schedules.space.generate`), ranked with the cache-trace model
+     (:func:`schedules.cost_model.rank`);
+   * a convolution or a batch GEMM takes the short list of its template
+     (:func:`schedules.conv.candidates`, :func:`schedules.batch_gemm.candidates`), which
+     no model ranks: measurement decides;
+
+2. builds the default and the next ``top_k``, a few per LLVM module, and times them
+   interleaved (each batch next to the best so far, which a newcomer must beat by
    :data:`MARGIN`), within an optional time budget, and
-5. keeps the winner in a JSON database keyed by (op, shape, dtype, epilogue, target), so the
-   same GEMM costs nothing the second time.
+3. keeps the winner in a JSON database keyed by (op, shape, dtype, epilogue, target), so the
+   same operator costs nothing the second time.
+
+Each kind of operator is one :class:`Op` (its key, candidates, schedule and config JSON);
+:func:`tune` is the same loop for all of them.
 
 Examples
 --------
 >>> from schedules.gemm import GemmProblem
->>> db = Database("tuning.json")                                         # doctest: +SKIP
->>> result = tune_gemm(GemmProblem(128, 768, 768), target, database=db)  # doctest: +SKIP
->>> result.best.spec, result.cached                                       # doctest: +SKIP
+>>> db = Database("tuning.json")                                    # doctest: +SKIP
+>>> result = tune(GemmProblem(128, 768, 768), target, database=db)  # doctest: +SKIP
+>>> result.best.spec, result.cached                                  # doctest: +SKIP
 ('cBCa', False)
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from microkernels import isa as _isa
 
+from . import batch_gemm, conv
+from .batch_gemm import BatchGemmConfig, BatchGemmProblem
 from .blocking import default_config
+from .conv import ConvConfig, ConvProblem
 from .cost_model import rank
-from .gemm import GemmConfig, GemmProblem, pack_weight, schedule
+from .gemm import GemmConfig, GemmProblem
+from .gemm import schedule as gemm_schedule
 from .space import Candidate, generate
 
 if TYPE_CHECKING:
+    from tvm import s_tir
     from tvm.target import Target
+    from tvm.tirx import PrimFunc
 
-__all__ = ["TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune_gemm", "measure",
-           "build", "time_interleaved", "BATCH", "MARGIN"]
+__all__ = ["Op", "OPS", "TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune",
+           "tune_gemm", "config_for", "problem_text", "config_text", "measure", "build",
+           "time_interleaved", "BATCH", "MARGIN"]
+
+Problem = GemmProblem | ConvProblem | BatchGemmProblem
+Config = GemmConfig | ConvConfig | BatchGemmConfig
+#: A candidate to measure: (cost-model rank, predicted cycles, config); None, None unranked.
+Choice = tuple[int | None, float | None, Config]
 
 
 @dataclass(frozen=True)
-class TuningKey:
-    """What a tuning result is valid for."""
+class Op:
+    """What the tuner needs to know of one kind of operator.
 
-    op: str
-    m: int
-    n: int
-    k: int
-    dtype: str
-    epilogue: str
-    target: str
+    Parameters
+    ----------
+    name
+        The key's op (``"dense"``, ``"conv2d"``, ``"batch_gemm"``).
+    problem, config
+        Its problem and configuration classes.
+    key
+        ``problem -> (shape, layout, dtype)`` for the :class:`TuningKey`.
+    default
+        ``(problem, isa, caches, threads) -> config``: the untuned heuristic.
+    choices
+        ``(problem, isa, caches, threads, max_candidates) -> (choices, generated)``: the
+        candidates in measuring order, the default first, and how many were considered.
+    schedule
+        ``(problem, config, isa) -> Schedule``.
+    to_json, from_json
+        A config to and from its database record.
+    text
+        A config as one short line.
 
-    @classmethod
-    def of(cls, problem: GemmProblem, target: Target) -> TuningKey:
-        attrs = target.attrs
-        where = f"{attrs.get('model', '')}/{attrs.get('mcpu', '')}/{attrs.get('num-cores', 1)}t"
-        return cls("dense", problem.m, problem.n, problem.k, problem.dtype,
-                   problem.epilogue.name, where)
+    Examples
+    --------
+    >>> OPS["conv2d"].text(ConvConfig(bq=28, bc=64, bk=64))
+    'ACDebfg bq=28 bc=64 bk=64 c_step=1'
+    """
 
-    def text(self) -> str:
-        return f"{self.op}|{self.m}x{self.n}x{self.k}|{self.dtype}|{self.epilogue}|{self.target}"
+    name: str
+    problem: type
+    config: type
+    key: Callable[[Any], tuple[tuple[int, ...], str, str]]
+    default: Callable[[Any, _isa.Isa, _isa.Caches, int], Any]
+    choices: Callable[[Any, _isa.Isa, _isa.Caches, int, int], tuple[list[Choice], int]]
+    schedule: Callable[[Any, Any, str], s_tir.Schedule]
+    to_json: Callable[[Any], dict]
+    from_json: Callable[[dict], Any]
+    text: Callable[[Any], str]
 
 
-def _config_to_json(config: GemmConfig) -> dict:
+def _dense_default(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int
+                   ) -> GemmConfig:
+    return default_config(problem.m, problem.n, problem.k, isa, caches, threads)
+
+
+def _blockings(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int
+               ) -> list[GemmConfig]:
+    base = _dense_default(problem, isa, caches, threads)
+    k_blocks = problem.k // base.bk
+    out = [base]
+    if k_blocks > 1:
+        out.append(GemmConfig(base.bm, base.bn, base.bk, Candidate("BCa")))
+    return out
+
+
+def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int,
+                   max_candidates: int) -> tuple[list[Choice], int]:
+    ranked: list[tuple[float, GemmConfig]] = []
+    blockings = _blockings(problem, isa, caches, threads)
+    # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
+    peak = 2 * 2 * isa.lanes("float32")
+    for blocking in blockings:
+        blocked = blocking.blocked(problem)
+        candidates = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
+                              require_parallel=threads > 1, max_candidates=max_candidates)
+        for cycles, candidate in rank(candidates, blocked, caches, threads,
+                                      peak_flops_per_cycle=peak):
+            ranked.append((cycles, GemmConfig(blocking.bm, blocking.bn, blocking.bk, candidate)))
+    ranked.sort(key=lambda pair: pair[0])
+    default = blockings[0]
+    choices: list[Choice] = [(None, None, default)]
+    choices += [(n, cycles, cfg) for n, (cycles, cfg) in enumerate(ranked) if cfg != default]
+    return choices, len(ranked)
+
+
+def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:
+    return [(None, None, config) for config in configs], len(configs)
+
+
+def _dense_to_json(config: GemmConfig) -> dict:
     c = config.candidate
     return {"bm": config.bm, "bn": config.bn, "bk": config.bk, "spec": c.spec,
             "block_steps": {k: list(v) for k, v in c.block_steps.items()},
             "steps": dict(c.steps)}
 
 
-def _config_from_json(data: dict) -> GemmConfig:
+def _dense_from_json(data: dict) -> GemmConfig:
     candidate = Candidate(data["spec"], {k: tuple(v) for k, v in data["block_steps"].items()},
                           data["steps"])
     return GemmConfig(data["bm"], data["bn"], data["bk"], candidate)
+
+
+def _fields_to_json(config: ConvConfig | BatchGemmConfig) -> dict:
+    """A flat config's fields (block steps as a plain dict): ``type(config)(**json)`` again."""
+    values = {f.name: getattr(config, f.name) for f in fields(config)}
+    return {name: dict(v) if isinstance(v, Mapping) else v for name, v in values.items()}
+
+
+def _steps_text(block_steps: Mapping[str, tuple[int, ...]]) -> str:
+    return f" {dict(block_steps)}" if block_steps else ""
+
+
+def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:
+    (sh, sw), pads = p.stride, "x".join(map(str, p.padding))
+    return (p.n, p.c, p.h, p.w, p.k, p.r, p.s), f"s{sh}x{sw}p{pads}", p.dtype
+
+
+#: The operators the tuner handles, by the key's op name.
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("dense", GemmProblem, GemmConfig,
+       key=lambda p: ((p.m, p.n, p.k), "", p.dtype),
+       default=_dense_default,
+       choices=_dense_choices,
+       schedule=gemm_schedule,
+       to_json=_dense_to_json,
+       from_json=_dense_from_json,
+       text=lambda c: (f"{c.spec} bm={c.bm} bn={c.bn} bk={c.bk} k_step={c.k_step}"
+                       + _steps_text(c.candidate.block_steps))),
+    Op("conv2d", ConvProblem, ConvConfig,
+       key=_conv_key,
+       default=conv.default_config,
+       choices=lambda p, isa, caches, threads, _: _unranked(
+           conv.candidates(p, isa, caches, threads)),
+       schedule=conv.schedule,
+       to_json=_fields_to_json,
+       from_json=lambda data: ConvConfig(**data),
+       text=lambda c: (f"{c.spec} bq={c.bq} bc={c.bc} bk={c.bk} c_step={c.c_step}"
+                       + _steps_text(c.block_steps))),
+    Op("batch_gemm", BatchGemmProblem, BatchGemmConfig,
+       key=lambda p: ((p.batch, p.m, p.n, p.k), p.layout, "float32"),
+       default=lambda p, isa, _caches, threads: batch_gemm.default_config(p, isa, threads),
+       choices=lambda p, isa, _caches, threads, _: _unranked(
+           batch_gemm.candidates(p, isa, threads)),
+       schedule=batch_gemm.schedule,
+       to_json=_fields_to_json,
+       from_json=lambda data: BatchGemmConfig(**data),
+       text=lambda c: (f"bm={c.bm} bn={c.bn} bk={c.bk}"
+                       + (" parallel rows" if c.parallel_rows else ""))),
+)}
+
+
+def _op(obj: Problem | Config) -> Op:
+    """The :class:`Op` of a problem or a config."""
+    for op in OPS.values():
+        if isinstance(obj, (op.problem, op.config)):
+            return op
+    raise TypeError(f"the tuner handles GEMM, conv and batch GEMM problems, not "
+                    f"{type(obj).__name__}")
+
+
+def _shape_text(shape: tuple[int, ...], layout: str) -> str:
+    return "x".join(map(str, shape)) + (f"/{layout}" if layout else "")
+
+
+def problem_text(problem: Problem) -> str:
+    """One line naming ``problem`` for people: op, shape/layout and epilogue.
+
+    Examples
+    --------
+    >>> problem_text(ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3))
+    'conv2d 1x3x224x224x64x7x7/s2x2p3x3x3x3 -'
+    """
+    op = _op(problem)
+    shape, layout, _ = op.key(problem)
+    return f"{op.name} {_shape_text(shape, layout)} {problem.epilogue.name or '-'}"
+
+
+def config_text(config: Config) -> str:
+    """One line describing ``config`` (loop_spec and blocks)."""
+    return _op(config).text(config)
+
+
+def _machine(target: Target) -> tuple[_isa.Isa, _isa.Caches, int]:
+    """The ISA, caches and thread count a tpp ``target`` schedules for."""
+    return (_isa.from_name(str(target.attrs["model"])), _isa.caches(),
+            int(target.attrs.get("num-cores", 1)))
+
+
+@dataclass(frozen=True)
+class TuningKey:
+    """What a tuning result is valid for.
+
+    ``shape`` holds the operator's sizes (dense ``m, n, k``; conv ``n, c, h, w, k, r, s``;
+    batch GEMM ``batch, m, n, k``) and ``layout`` whatever else sets two problems of those
+    sizes apart (conv strides and padding, batch-GEMM operand layouts, "" for dense), so
+    dense keys read as they always did.
+
+    Examples
+    --------
+    >>> TuningKey("dense", (48, 64, 96), "", "float32", "bias", "avx2/haswell/1t").text()
+    'dense|48x64x96|float32|bias|avx2/haswell/1t'
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    layout: str
+    dtype: str
+    epilogue: str
+    target: str
+
+    @classmethod
+    def of(cls, problem: Problem, target: Target) -> TuningKey:
+        op = _op(problem)
+        shape, layout, dtype = op.key(problem)
+        attrs = target.attrs
+        where = f"{attrs.get('model', '')}/{attrs.get('mcpu', '')}/{attrs.get('num-cores', 1)}t"
+        return cls(op.name, shape, layout, dtype, problem.epilogue.name, where)
+
+    def text(self) -> str:
+        return (f"{self.op}|{_shape_text(self.shape, self.layout)}|{self.dtype}|"
+                f"{self.epilogue}|{self.target}")
 
 
 class Database:
@@ -103,16 +305,16 @@ class Database:
     def __len__(self) -> int:
         return len(self._records)
 
-    def get(self, key: TuningKey) -> GemmConfig | None:
+    def get(self, key: TuningKey) -> Config | None:
         record = self._records.get(key.text())
-        return _config_from_json(record["config"]) if record else None
+        return OPS[key.op].from_json(record["config"]) if record else None
 
     def record(self, key: TuningKey) -> dict | None:
         """The stored record (config, measured GFLOPS, tuning seconds, measurements)."""
         return self._records.get(key.text())
 
-    def put(self, key: TuningKey, config: GemmConfig, **details: object) -> None:
-        self._records[key.text()] = {"config": _config_to_json(config), **details}
+    def put(self, key: TuningKey, config: Config, **details: object) -> None:
+        self._records[key.text()] = {"config": OPS[key.op].to_json(config), **details}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(self.path.suffix + ".tmp")
         tmp.write_text(json.dumps(self._records, indent=1, sort_keys=True))
@@ -121,39 +323,33 @@ class Database:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One candidate: the model's rank and prediction, and what it measured."""
+    """One candidate: the model's rank and prediction (None when unranked), what it measured."""
 
-    config: GemmConfig
+    config: Config
     model_rank: int | None
     predicted_cycles: float | None
     seconds: float | None = None
     error: str | None = None
 
-    def gflops(self, problem: GemmProblem) -> float | None:
+    def gflops(self, problem: Problem) -> float | None:
         return problem.flops / self.seconds / 1e9 if self.seconds else None
 
     def to_json(self) -> dict:
-        return {"config": _config_to_json(self.config), "model_rank": self.model_rank,
+        return {"config": _op(self.config).to_json(self.config), "model_rank": self.model_rank,
                 "predicted_cycles": self.predicted_cycles, "seconds": self.seconds,
                 "error": self.error}
 
 
 @dataclass(frozen=True)
 class TuneResult:
-    best: GemmConfig
+    """The kept config; when tuned now, what was measured (the default first) and how many
+    candidates were considered."""
+
+    best: Config
     cached: bool
     tune_seconds: float
     measurements: tuple[Measurement, ...] = field(default=())
     candidates: int = 0
-
-
-def _blockings(problem: GemmProblem, isa: _isa.Isa, caches, threads: int) -> list[GemmConfig]:
-    base = default_config(problem.m, problem.n, problem.k, isa, caches, threads)
-    k_blocks = problem.k // base.bk
-    out = [base]
-    if k_blocks > 1:
-        out.append(GemmConfig(base.bm, base.bn, base.bk, Candidate("BCa")))
-    return out
 
 
 #: Candidates compiled per module: one LLVM invocation for several, and a budgeted tuner
@@ -167,37 +363,29 @@ _ROUND_SECONDS = 0.05
 _ROUNDS = 3
 
 
-def _operands(problem: GemmProblem, bns: set[int]) -> tuple[list, dict[int, object]]:
-    """Shared arguments (X first, then epilogue operands and Y) and the packed W per ``bn``."""
-    import numpy as np
-    import tvm
-
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((problem.m, problem.k)).astype("float32")
-    w = rng.standard_normal((problem.k, problem.n)).astype("float32")
-    rest = [tvm.runtime.tensor(rng.standard_normal(op.shape(problem.m, problem.n))
-                               .astype("float32"))
-            for op in problem.epilogue.inputs("float32")]
-    rest.append(tvm.runtime.empty((problem.m, problem.n), "float32"))
-    return [tvm.runtime.tensor(x), *rest], {bn: tvm.runtime.tensor(pack_weight(w, bn))
-                                            for bn in bns}
+def _error(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}"[:200]
 
 
-def build(problem: GemmProblem, configs: list[GemmConfig], target: Target, isa: str
-          ) -> list[Callable[..., object] | str]:
-    """Schedule ``configs`` and compile them as one module: per config its function, or the
-    error that kept it from being built."""
-    import tvm
-
-    out: list[Callable[..., object] | str] = []
-    funcs = {}
+def _scheduled(problem: Problem, configs: list[Config], isa: str) -> list[PrimFunc | str]:
+    """Per config its scheduled PrimFunc, named ``candidate<i>``, or why it has none."""
+    schedule = _op(problem).schedule
+    out: list[PrimFunc | str] = []
     for i, config in enumerate(configs):
         try:
-            funcs[i] = schedule(problem, config, isa).mod["main"].with_attr(
-                "global_symbol", f"candidate{i}")
-            out.append("")
+            out.append(schedule(problem, config, isa).mod["main"].with_attr(
+                "global_symbol", f"candidate{i}"))
         except Exception as err:  # a candidate that cannot be scheduled is recorded, skipped
-            out.append(f"{type(err).__name__}: {err}"[:200])
+            out.append(_error(err))
+    return out
+
+
+def _compile(scheduled: list[PrimFunc | str], target: Target) -> list[Callable[..., object] | str]:
+    """Compile the PrimFuncs of ``scheduled`` as one module; errors pass through."""
+    import tvm
+
+    out: list[Callable[..., object] | str] = list(scheduled)  # type: ignore[arg-type]
+    funcs = {i: f for i, f in enumerate(scheduled) if not isinstance(f, str)}
     if not funcs:
         return out
     try:
@@ -211,7 +399,38 @@ def build(problem: GemmProblem, configs: list[GemmConfig], target: Target, isa: 
                 out[i] = tvm.compile(tvm.IRModule({f"candidate{i}": func}),
                                      target=target).mod[f"candidate{i}"]
             except Exception as err:
-                out[i] = f"{type(err).__name__}: {err}"[:200]
+                out[i] = _error(err)
+    return out
+
+
+def build(problem: Problem, configs: list[Config], target: Target, isa: str
+          ) -> list[Callable[..., object] | str]:
+    """Schedule ``configs`` and compile them as one module: per config its function, or the
+    error that kept it from being built."""
+    return _compile(_scheduled(problem, configs, isa), target)
+
+
+def _arguments(funcs: list[PrimFunc]) -> list[list[object]]:
+    """Arguments for each of ``funcs``: random inputs and an output, both shared by every
+    function with a parameter of the same shape and dtype (a config's packed weights are
+    just another shape).  Values do not matter for timing: no packing, no padding zeros."""
+    import numpy as np
+    import tvm
+
+    rng = np.random.default_rng(0)
+    made: dict[tuple[tuple[int, ...], str, bool], object] = {}
+    out = []
+    for func in funcs:
+        args = []
+        for i, param in enumerate(func.params):
+            shape, dtype = tuple(int(d) for d in param.ty.shape), str(param.ty.dtype)
+            output = i == len(func.params) - 1  # every template's PrimFunc ends with Y
+            if (shape, dtype, output) not in made:
+                made[(shape, dtype, output)] = (
+                    tvm.runtime.empty(shape, dtype) if output
+                    else tvm.runtime.tensor(rng.standard_normal(shape).astype(dtype)))
+            args.append(made[(shape, dtype, output)])
+        out.append(args)
     return out
 
 
@@ -220,45 +439,40 @@ def time_interleaved(runs: list[Callable[[], None]], rounds: int = _ROUNDS,
     """Seconds of one call of each function: the fastest of samples taken in ``rounds``
     interleaved rounds, so drift of the machine's load hits every candidate alike and the
     minimum is a run that went undisturbed."""
-    import time as _time
-
     best = [float("inf")] * len(runs)
     for i, run in enumerate(runs):  # warm-up, and a first estimate
-        start = _time.perf_counter()
+        start = time.perf_counter()
         run()
-        best[i] = _time.perf_counter() - start
+        best[i] = time.perf_counter() - start
     for _ in range(rounds):
         for i, run in enumerate(runs):
             for _ in range(max(1, min(20, int(round_seconds / best[i])))):
-                start = _time.perf_counter()
+                start = time.perf_counter()
                 run()
-                best[i] = min(best[i], _time.perf_counter() - start)
+                best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
-def measure(problem: GemmProblem, configs: list[GemmConfig], target: Target, isa: str
+def measure(problem: Problem, configs: list[Config], target: Target, isa: str
             ) -> list[float | str]:
     """Build ``configs`` together and time them interleaved: seconds of one run, or the
     error of a candidate that could not be built."""
-    built = build(problem, configs, target, isa)
+    scheduled = _scheduled(problem, configs, isa)
+    built = _compile(scheduled, target)
+    out: list[float | str] = list(built)  # type: ignore[arg-type]
     timed = [i for i, b in enumerate(built) if not isinstance(b, str)]
     if not timed:
-        return list(built)  # type: ignore[arg-type]
-    inputs, weights = _operands(problem, {configs[i].bn for i in timed})
-
-    def runner(i: int) -> Callable[[], None]:
-        args = [inputs[0], weights[configs[i].bn], *inputs[1:]]
-        return lambda: built[i](*args)  # type: ignore[operator]
-
-    seconds = time_interleaved([runner(i) for i in timed])
-    out: list[float | str] = list(built)  # type: ignore[arg-type]
+        return out
+    arguments = _arguments([scheduled[i] for i in timed])  # type: ignore[misc]
+    seconds = time_interleaved([functools.partial(built[i], *args)  # type: ignore[arg-type]
+                                for i, args in zip(timed, arguments, strict=True)])
     for i, t in zip(timed, seconds, strict=True):
         out[i] = t
     return out
 
 
-def tune_gemm(
-    problem: GemmProblem,
+def tune(
+    problem: Problem,
     target: Target,
     *,
     database: Database | None = None,
@@ -269,48 +483,44 @@ def tune_gemm(
 ) -> TuneResult:
     """The fastest configuration for ``problem`` on ``target`` (from the database if known).
 
-    The default configuration and the model's best candidates are built :data:`BATCH` at a
-    time and timed interleaved with the best so far; a candidate replaces it only when
-    :data:`MARGIN` faster, so tuning never keeps a configuration that merely measured lucky
-    over the default.
+    The default configuration and the next candidates (the model's best for a dense GEMM,
+    the template's list for a conv or batch GEMM) are built :data:`BATCH` at a time and timed
+    interleaved with the best so far; a candidate replaces it only when :data:`MARGIN`
+    faster, so tuning never keeps a configuration that merely measured lucky over the
+    default.
 
     Parameters
     ----------
+    problem
+        A :class:`~schedules.gemm.GemmProblem`, :class:`~schedules.conv.ConvProblem` or
+        :class:`~schedules.batch_gemm.BatchGemmProblem`.
     top_k
-        How many of the model's best candidates may be built and timed (plus the default).
+        How many candidates besides the default may be built and timed.
     max_candidates
-        Cap on generated candidates per block-size choice.
+        Cap on generated candidates per block-size choice of a dense GEMM (the others come
+        as a list of a dozen at most).
     budget_seconds
         Stop starting new batches once this much time is spent or the next batch would
         exceed it (the first batch, with the default, always runs).
     progress
         Called with (done, total) after each batch.
+
+    Examples
+    --------
+    >>> p = ConvProblem(1, 16, 14, 14, 32, 3, 3, padding=1)
+    >>> tune(p, target, top_k=4).best                       # doctest: +SKIP
+    ConvConfig(bq=14, bc=16, bk=32, spec='ACDbfge', c_step=1, block_steps=mappingproxy({}))
     """
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {top_k}")
+    op = _op(problem)
     key = TuningKey.of(problem, target)
     if database is not None and (known := database.get(key)) is not None:
         return TuneResult(known, cached=True, tune_seconds=0.0)
     start = time.perf_counter()
-    isa = _isa.from_name(str(target.attrs["model"]))
-    threads = int(target.attrs.get("num-cores", 1))
-    caches = _isa.caches()
-    ranked: list[tuple[float, GemmConfig]] = []
-    blockings = _blockings(problem, isa, caches, threads)
-    # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
-    peak = 2 * 2 * isa.lanes("float32")
-    for blocking in blockings:
-        blocked = blocking.blocked(problem)
-        candidates = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
-                              require_parallel=threads > 1, max_candidates=max_candidates)
-        for cycles, candidate in rank(candidates, blocked, caches, threads,
-                                      peak_flops_per_cycle=peak):
-            ranked.append((cycles, GemmConfig(blocking.bm, blocking.bn, blocking.bk, candidate)))
-    ranked.sort(key=lambda pair: pair[0])
-    default = blockings[0]
-    chosen: list[tuple[int | None, float | None, GemmConfig]] = [(None, None, default)]
-    chosen += [(n, cycles, cfg) for n, (cycles, cfg) in enumerate(ranked)
-               if cfg != default][:top_k]
+    isa, caches, threads = _machine(target)
+    choices, generated = op.choices(problem, isa, caches, threads, max_candidates)
+    chosen = choices[:1 + top_k]
 
     measurements: list[Measurement] = []
     incumbent: Measurement | None = None
@@ -344,41 +554,70 @@ def tune_gemm(
     seconds = time.perf_counter() - start
     if database is not None:
         database.put(key, incumbent.config, gflops=incumbent.gflops(problem),
-                     tune_seconds=seconds, candidates=len(ranked),
+                     tune_seconds=seconds, candidates=generated,
                      measured=[m.to_json() for m in measurements])
     return TuneResult(incumbent.config, cached=False, tune_seconds=seconds,
-                      measurements=tuple(measurements), candidates=len(ranked))
+                      measurements=tuple(measurements), candidates=generated)
+
+
+#: :func:`tune`, under the name the GEMM benchmarks know it by.
+tune_gemm = tune
 
 
 @dataclass
 class Tuner:
-    """What the graph passes call for each GEMM: tune it (or look it up) and remember it.
+    """What the graph passes call for each operator: tune it (or look it up), remember it.
 
     Parameters
     ----------
     database
         Where results persist.
     top_k
-        Candidates measured per GEMM.
+        Candidates measured per operator besides its default.
     budget_seconds
-        Time budget per GEMM (see :func:`tune_gemm`).
+        Time budget per operator (see :func:`tune`).
     tune_missing
-        Tune GEMMs the database does not know; otherwise :meth:`config` returns None for them.
+        Tune operators the database does not know; otherwise :meth:`config` returns None
+        for them.
     on_result
-        Called with ``(problem, result)`` after each GEMM, e.g. to print progress.
+        Called with ``(problem, result)`` after each operator, e.g. to print progress.
+
+    Examples
+    --------
+    >>> tuner = Tuner(Database("tuning.json"), top_k=4)             # doctest: +SKIP
+    >>> tuner.config(ConvProblem(1, 16, 14, 14, 32, 3, 3), target)  # doctest: +SKIP
+    ConvConfig(bq=12, bc=16, bk=32, spec='ACDebfg', c_step=1, block_steps=mappingproxy({}))
     """
 
     database: Database
     top_k: int = 8
     budget_seconds: float | None = None
     tune_missing: bool = True
-    on_result: Callable[[GemmProblem, TuneResult], None] | None = None
+    on_result: Callable[[Problem, TuneResult], None] | None = None
 
-    def config(self, problem: GemmProblem, target: Target) -> GemmConfig | None:
+    def config(self, problem: Problem, target: Target) -> Config | None:
+        """``problem``'s tuned configuration (a GEMM, conv or batch GEMM problem), tuned now
+        if the database lacks it, or None then if the tuner only looks up."""
         if not self.tune_missing and self.database.get(TuningKey.of(problem, target)) is None:
             return None
-        result = tune_gemm(problem, target, database=self.database, top_k=self.top_k,
-                           budget_seconds=self.budget_seconds)
+        result = tune(problem, target, database=self.database, top_k=self.top_k,
+                      budget_seconds=self.budget_seconds)
         if self.on_result is not None:
             self.on_result(problem, result)
         return result.best
+
+
+def config_for(problem: Problem, target: Target, tuner: Tuner | None = None) -> Config:
+    """The configuration a graph pass schedules ``problem`` with: the ``tuner``'s when it has
+    (or tunes) one, else the operator's untuned default.
+
+    Examples
+    --------
+    >>> p = ConvProblem(1, 512, 7, 7, 512, 3, 3, padding=1)
+    >>> config_for(p, target).spec           # doctest: +SKIP
+    'ACbfgde'
+    """
+    config = tuner.config(problem, target) if tuner is not None else None
+    if config is None:
+        config = _op(problem).default(problem, *_machine(target))
+    return config

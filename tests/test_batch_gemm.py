@@ -18,10 +18,12 @@ from relay_passes.pipeline import prepare
 from schedules.batch_gemm import (
     BatchGemmConfig,
     BatchGemmProblem,
+    candidates,
     default_config,
     reference,
     schedule,
 )
+from schedules.tuner import Database, Tuner, TuningKey, build
 from tvm_tpp import models
 from tvm_tpp.compiler import import_model
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
@@ -32,14 +34,15 @@ SCALE = Epilogue((EpilogueOp("scale", value=0.125),))
 SCALE_BIAS = Epilogue((EpilogueOp("scale", value=1 / math.sqrt(7)), EpilogueOp("bias")))
 
 
-def _run(problem, config=None, isa="avx2", target=HASWELL, seed=0):
+def _run(problem, config=None, isa="avx2", target=HASWELL, seed=0, func=None):
+    """Run ``problem`` (``func`` when already built) and compare with numpy."""
     config = config or default_config(problem, isa, threads=2)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(problem.x_shape).astype("float32")
     b = rng.standard_normal(problem.b_shape).astype("float32")
     extra = {op.name: rng.standard_normal(op.shape(*problem.y_shape)).astype("float32")
              for op in problem.epilogue.inputs("float32")}
-    func = tvm.compile(schedule(problem, config, isa).mod, target=target)
+    func = func or tvm.compile(schedule(problem, config, isa).mod, target=target)
     y = tvm.runtime.empty(problem.y_shape, "float32")
     func(tvm.runtime.tensor(x), tvm.runtime.tensor(b),
          *[tvm.runtime.tensor(v) for v in extra.values()], y)
@@ -78,6 +81,20 @@ def test_parallel_rows_when_few_tasks():
     assert config.parallel_rows and config.bm < problem.m
     _run(problem, config)
     _run(problem, BatchGemmConfig(8, 16, 8, parallel_rows=False))
+
+
+@pytest.mark.parametrize("problem", [
+    BatchGemmProblem(2, 24, 40, 16, b_transposed=True, epilogue=SCALE),
+    BatchGemmProblem(6, 16, 24, 12, False, SCALE_BIAS, heads=3, x_interleaved=True,
+                     y_interleaved=True),
+], ids=lambda p: p.name)
+def test_candidates_are_correct(problem):
+    """Every configuration the tuner may pick computes the batch GEMM (one module for all)."""
+    found = candidates(problem, "avx2", threads=1)
+    assert found[0] == default_config(problem, "avx2", threads=1)
+    assert len(set(found)) == len(found) <= 12 and any(c.parallel_rows for c in found)
+    for config, func in zip(found, build(problem, found, HASWELL, "avx2"), strict=True):
+        _run(problem, config, func=func)
 
 
 def test_avx512_kernel():
@@ -129,8 +146,9 @@ def test_config_and_operand_errors():
 TARGET = tpp_target("tpp -isa=avx2 -num-cores=2")
 
 
-def _compile(model):
-    """The tpp pipeline's rewrites plus the batch matmul one, then TVM's default lowering.
+def _compile(model, tuner=None):
+    """The tpp pipeline's rewrites plus the batch matmul one (with ``tuner``), then TVM's
+    default lowering.
 
     Returns the executable, the input specs, the report and the ops left after the rewrites.
     """
@@ -143,7 +161,7 @@ def _compile(model):
     @tvm.transform.module_pass(opt_level=0, name="WithBatchMatmul")
     def pipeline(mod, _ctx):
         mod = rewrite_dense(prepare()(mod), TARGET, report)
-        mod = rewrite_batch_matmul(mod, TARGET, report)
+        mod = rewrite_batch_matmul(mod, TARGET, report, tuner)
         mod = relax.transform.RemoveRedundantReshape()(mod)
         relax.analysis.post_order_visit(mod["main"], visit)
         return relax.get_default_pipeline(TARGET)(mod)
@@ -153,9 +171,9 @@ def _compile(model):
     return executable, specs, report, left
 
 
-def _check(model, rtol):
+def _check(model, rtol, tuner=None):
     """Run against ONNX Runtime; returns the report and the Relax ops left to TVM."""
-    executable, specs, report, left = _compile(model)
+    executable, specs, report, left = _compile(model, tuner)
     inputs = random_inputs(specs, seed=1)
     vm = relax.VirtualMachine(executable, tvm.cpu())
     out = vm["main"](*[tvm.runtime.tensor(inputs[s.name]) for s in specs])
@@ -178,11 +196,8 @@ def _kernels(report):
     return sorted((r.op, r.shape, r.kernel) for r in report if r.kernel and "batch" in r.op)
 
 
-def test_attention_heads_interleaved():
-    """BERT's layout: [1, S, H*D] projections split into heads by Reshape + Transpose, the
-    context merged back: every Transpose is absorbed into the kernels, and so is the mask add
-    (a [1, 1, 1, S] mask is one value per column of the scores: a bias)."""
-    s, h, d = 13, 3, 8
+def _attention(s, h, d):
+    """BERT's attention on [1, S, H*D] projections Q, K, V, with a [1, 1, 1, S] mask."""
     f32 = np.float32
     consts = {"heads": np.array([1, s, h, d], np.int64), "merged": np.array([1, s, h * d]),
               "sqrt_d": f32(math.sqrt(d))}
@@ -201,13 +216,37 @@ def test_attention_heads_interleaved():
         helper.make_node("Reshape", ["ctx_t", "merged"], ["y"]),
     ]
     inputs = [(f"x{t}", [1, s, h * d]) for t in "qkv"] + [("mask", [1, 1, 1, s])]
-    report, left = _check(_model(nodes, inputs, ("y", [1, s, h * d]), consts), 1e-5)
+    return _model(nodes, inputs, ("y", [1, s, h * d]), consts)
+
+
+def test_attention_heads_interleaved():
+    """BERT's layout: [1, S, H*D] projections split into heads by Reshape + Transpose, the
+    context merged back: every Transpose is absorbed into the kernels, and so is the mask add
+    (a [1, 1, 1, S] mask is one value per column of the scores: a bias)."""
+    report, left = _check(_attention(13, 3, 8), 1e-5)
     assert _kernels(report) == [
         ("batch_matmul", (3, 13, 8, 13), "tpp_batch_matmul_3x13x8x13_by3"),
         ("batch_matmul+scale+bias", (3, 13, 13, 8),
          "tpp_batch_matmul_3x13x13x8_txb3_scale_bias"),
     ]
     assert left == {"relax.nn.softmax", "relax.reshape", "relax.call_tir"}
+
+
+def test_attention_tuned(tmp_path):
+    """With a tuner, each batch GEMM is tuned once (keyed by its interleaved layout), the
+    result still matches ONNX Runtime, and a second build only looks the configs up."""
+    model = _attention(11, 2, 8)
+    results = []
+    tuner = Tuner(Database(tmp_path / "t.json"), top_k=2,
+                  on_result=lambda problem, result: results.append((problem, result)))
+    _check(model, 1e-5, tuner)
+    assert sorted(TuningKey.of(p, TARGET).text().split("|")[1] for p, _ in results) == [
+        "2x11x11x8/txb2", "2x11x8x11/by2"]
+    assert not any(r.cached for _, r in results) and len(tuner.database) == 2
+    lookup = Tuner(Database(tmp_path / "t.json"), tune_missing=False, on_result=tuner.on_result)
+    _check(model, 1e-5, lookup)
+    assert [r.cached for _, r in results[2:]] == [True, True]
+    assert [r.best for _, r in results[2:]] == [r.best for _, r in results[:2]]
 
 
 def test_attention_plain_layout_multiply_and_bias():

@@ -15,6 +15,7 @@ from microkernels.epilogue import reference as epilogue_reference
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
+    candidates,
     default_config,
     pack_input,
     pack_weight,
@@ -24,6 +25,7 @@ from schedules.conv import (
     unfold_weight,
 )
 from schedules.loop_spec import LoopSpecError
+from schedules.tuner import build
 
 TARGETS = {"avx2": {"kind": "llvm", "mcpu": "haswell"},
            "avx512": {"kind": "llvm", "mcpu": "skylake-avx512"}}
@@ -31,8 +33,9 @@ BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
 BIAS_RES_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("residual"), EpilogueOp("relu")))
 
 
-def _run(problem, config, isa_name="avx2", seed=0, unfold=False):
-    """Run ``problem`` (through its width-unfolded form if asked) and compare with numpy."""
+def _run(problem, config, isa_name="avx2", seed=0, unfold=False, func=None):
+    """Run ``problem`` (through its width-unfolded form if asked) and compare with numpy;
+    ``func`` is the kernel when already built."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((problem.n, problem.c, problem.h, problem.w)).astype("float32")
     w = rng.standard_normal((problem.k, problem.c, problem.r, problem.s)).astype("float32")
@@ -42,8 +45,8 @@ def _run(problem, config, isa_name="avx2", seed=0, unfold=False):
     packed_x = unfold_input(x, problem) if unfold else pack_input(x, problem)
     packed_w = pack_weight(unfold_weight(w) if unfold else w, config.bk)
     assert packed_x.shape == kernel.input_shape
-    func = tvm.compile(schedule(kernel, config, isa_name).mod,
-                       target=tvm.target.Target(TARGETS[isa_name]))
+    func = func or tvm.compile(schedule(kernel, config, isa_name).mod,
+                               target=tvm.target.Target(TARGETS[isa_name]))
     y = tvm.runtime.empty((problem.rows, problem.k), "float32")
     func(tvm.runtime.tensor(packed_x), tvm.runtime.tensor(packed_w),
          *[tvm.runtime.tensor(v) for v in extra.values()], y)
@@ -106,6 +109,25 @@ def test_loop_specs(spec, c_step, block_steps):
     problem = ConvProblem(2, 32, 10, 10, 64, 3, 3, padding=1, epilogue=BIAS_RES_RELU)
     _run(problem, ConvConfig(bq=5, bc=8, bk=16, spec=spec, c_step=c_step,
                              block_steps=block_steps))
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [
+        ConvProblem(2, 6, 9, 14, 16, 3, 3, padding=1, epilogue=BIAS_RES_RELU),
+        # two channel blocks of 512 (a c_step candidate), stride 2 along the width
+        ConvProblem(1, 1024, 3, 5, 24, 1, 1, stride=(1, 2), epilogue=BIAS_RELU),
+    ],
+    ids=["odd-plane", "two-channel-blocks"],
+)
+def test_candidates_are_correct(problem):
+    """Every configuration the tuner may pick computes the conv (all built in one module)."""
+    found = candidates(problem, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+    assert found[0] == _default(problem) and len(set(found)) == len(found) <= 12
+    assert len({c.spec for c in found}) > 1 and len({(c.bq, c.bk, c.c_step) for c in found}) > 1
+    funcs = build(problem, found, tvm.target.Target(TARGETS["avx2"]), "avx2")
+    for config, func in zip(found, funcs, strict=True):
+        _run(problem, config, func=func)
 
 
 def test_avx512_kernel():

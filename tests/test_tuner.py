@@ -1,20 +1,40 @@
-"""The loop_spec tuner: measures the model's top candidates, persists, reuses, and its CLI."""
+"""The loop_spec tuner: measures the model's top candidates (or a conv's / batch GEMM's
+short list), persists, reuses, and its CLI."""
 
 import json
 
 import numpy as np
+import onnx
 import pytest
 import tvm
+from onnx import TensorProto, helper, numpy_helper
 
 import tvm_tpp
 from microkernels import isa
+from microkernels.epilogue import Epilogue, EpilogueOp
+from schedules import batch_gemm, conv
 from schedules import tuner as tuner_module
 from schedules.blocking import default_config
 from schedules.gemm import GemmConfig, GemmProblem, pack_weight, schedule
-from schedules.tuner import MARGIN, Database, Tuner, TuningKey, build, time_interleaved, tune_gemm
+from schedules.tuner import (
+    MARGIN,
+    Database,
+    Tuner,
+    TuningKey,
+    build,
+    config_for,
+    time_interleaved,
+    tune,
+    tune_gemm,
+)
+from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
 TARGET = tvm_tpp.target("tpp -isa=avx2 -mcpu=haswell -num-cores=1")
 PROBLEM = GemmProblem(48, 64, 96)
+BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
+CONV = conv.ConvProblem(2, 6, 9, 14, 16, 3, 3, padding=1, epilogue=BIAS_RELU)
+BATCH_GEMM = batch_gemm.BatchGemmProblem(2, 24, 40, 16, b_transposed=True,
+                                         epilogue=Epilogue((EpilogueOp("scale", value=0.5),)))
 
 
 def test_tune_persists_and_second_call_is_free(tmp_path):
@@ -127,3 +147,89 @@ def test_time_interleaved_runs_every_function_each_round():
     seconds = time_interleaved([run(0), run(1)], rounds=2, round_seconds=0.0)
     assert len(seconds) == 2 and all(s >= 0 for s in seconds)
     assert counts == [3, 3]  # a warm-up and one sample per round
+
+
+def test_keys_name_op_shape_and_layout():
+    where = "avx2/haswell/1t"
+    assert TuningKey.of(GemmProblem(48, 64, 96, epilogue=BIAS_RELU), TARGET).text() == \
+        f"dense|48x64x96|float32|bias_relu|{where}"  # as before: old databases still hit
+    strided = conv.ConvProblem(1, 3, 8, 8, 16, 3, 3, stride=2, padding=(1, 1, 0, 0))
+    assert TuningKey.of(strided, TARGET).text() == \
+        f"conv2d|1x3x8x8x16x3x3/s2x2p1x1x0x0|float32||{where}"
+    heads = batch_gemm.BatchGemmProblem(4, 8, 8, 8, True, heads=2, x_interleaved=True)
+    assert TuningKey.of(heads, TARGET).text() == f"batch_gemm|4x8x8x8/tx2|float32||{where}"
+    with pytest.raises(TypeError, match="GEMM, conv and batch GEMM"):
+        TuningKey.of((48, 64, 96), TARGET)
+
+
+@pytest.mark.parametrize("problem", [CONV, BATCH_GEMM], ids=["conv", "batch_gemm"])
+def test_conv_and_batch_gemm_tune_persist_and_reuse(tmp_path, problem):
+    """Measured from the template's list, default first; kept in the database; looked up."""
+    path = tmp_path / "tuning.json"
+    assert Tuner(Database(path), tune_missing=False).config(problem, TARGET) is None
+    result = tune(problem, TARGET, database=Database(path), top_k=2)
+    default = config_for(problem, TARGET)
+    listed = (conv.candidates(problem, isa.from_name("avx2"), isa.caches(), threads=1)
+              if isinstance(problem, conv.ConvProblem)
+              else batch_gemm.candidates(problem, "avx2", threads=1))
+    assert [m.config for m in result.measurements] == listed[:3] and listed[0] == default
+    assert not result.cached and result.best in listed[:3]
+    assert all(m.seconds and m.model_rank is None for m in result.measurements)
+    record = json.loads(path.read_text())[TuningKey.of(problem, TARGET).text()]
+    assert record["gflops"] > 0 and record["candidates"] == len(listed)
+
+    again = tune(problem, TARGET, database=Database(path))
+    assert again.cached and again.tune_seconds == 0 and again.best == result.best
+    lookup = Tuner(Database(path), tune_missing=False)
+    assert lookup.config(problem, TARGET) == config_for(problem, TARGET, lookup) == result.best
+
+
+def _conv_net() -> onnx.ModelProto:
+    """An RGB stem (3 channels: its taps unfolded) and a 3x3 conv, each with bias and ReLU."""
+    rng = np.random.default_rng(0)
+    weights = {"w0": rng.standard_normal((16, 3, 3, 3)) / 5, "b0": rng.standard_normal(16),
+               "w1": rng.standard_normal((16, 16, 3, 3)) / 12, "b1": rng.standard_normal(16)}
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], pads=[1] * 4, strides=[2, 2]),
+             helper.make_node("Relu", ["c0"], ["r0"]),
+             helper.make_node("Conv", ["r0", "w1", "b1"], ["c1"], pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 13, 13])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 7, 7])],
+        [numpy_helper.from_array(v.astype("float32"), k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_compile_tunes_convs(tmp_path):
+    """compile(tune=True) tunes each conv kernel (the stem as it runs: unfolded), the tuned
+    model matches ONNX Runtime, and a rebuild from the work dir only looks them up."""
+    model, seen = _conv_net(), []
+    tuned = tvm_tpp.compile(model, target=TARGET, tune=True, tune_budget=0.1,
+                            work_dir=tmp_path, on_tuned=lambda p, r: seen.append((p, r)))
+    inputs = random_inputs(tuned.inputs, seed=2)
+    expected = run_onnxruntime(model, inputs)
+    assert max_errors(tuned.run(**inputs), expected)[1] <= 1e-5
+    keys = sorted(json.loads((tmp_path / "tuning.json").read_text()))
+    assert [k.split("|")[:2] for k in keys] == [
+        ["conv2d", "1x16x7x7x16x3x3/s1x1p1x1x1x1"],
+        ["conv2d", "1x9x13x7x16x3x1/s2x1p1x0x1x0"]]  # the stem: 3 taps x 3 channels, 1 wide
+    assert not any(r.cached for _, r in seen) and len(seen) == 2
+
+    rebuilt = tvm_tpp.compile(model, target=TARGET, work_dir=tmp_path,
+                              on_tuned=lambda p, r: seen.append((p, r)))
+    assert [r.cached for _, r in seen[2:]] == [True, True]
+    assert max_errors(rebuilt.run(**inputs), expected)[1] <= 1e-5
+
+
+def test_tune_cli_explains_convs(tmp_path, capsys):
+    from tvm_tpp.cli import main
+
+    path = tmp_path / "convs.onnx"
+    onnx.save(_conv_net(), str(path))
+    args = ["tune", str(path), "--target", "tpp -num-cores=1", "--work-dir", str(tmp_path),
+            "--budget", "0.1", "--explain"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "conv2d 1x16x7x7x16x3x3/s1x1p1x1x1x1 bias_relu -> " in out
+    assert "measured," in out and "model rank" not in out and "* = kept" in out
+    assert main(args[:-1]) == 0 and "(database)" in capsys.readouterr().out

@@ -140,6 +140,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from schedules.tuner import config_text, problem_text
+
     from . import compiler
 
     console = Console()
@@ -147,13 +149,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     def on_tuned(problem, result) -> None:
         how = "database" if result.cached else f"{result.tune_seconds:.1f} s"
-        console.print(f"  {problem.m}x{problem.n}x{problem.k} {problem.epilogue.name or '-':22s}"
-                      f" -> {result.best.spec:12s} bm={result.best.bm} bn={result.best.bn} "
-                      f"bk={result.best.bk} k_step={result.best.k_step} ({how})")
+        console.print(f"  {problem_text(problem)} -> {config_text(result.best)} ({how})")
         tuned.append((problem, result))
 
     for name in args.model:
-        console.print(f"[bold]{name}[/bold]: tuning each GEMM's loop_spec space")
+        console.print(f"[bold]{name}[/bold]: tuning each GEMM, conv and batch GEMM")
         with console.status("tuning", spinner="dots"):
             compiler.compile(_model(name, args.batch), target=args.target, tune=True,
                              tune_budget=args.budget, work_dir=args.work_dir,
@@ -164,35 +164,44 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _explain(console, tuned) -> None:
+    """Per tuned operator, its measurements: next to the cost model's ranking for GEMMs, in
+    measuring order (the default first) for the operators no model ranks."""
     from rich.table import Table
 
+    from schedules.tuner import config_text, problem_text
+
     for problem, result in tuned:
+        what = problem_text(problem)
         if result.cached:
-            console.print(f"{problem.m}x{problem.n}x{problem.k}: from the database (no new "
-                          "measurements); delete the work dir to re-measure")
+            console.print(f"{what}: from the database (no new measurements); delete the work "
+                          "dir to re-measure")
             continue
-        table = Table(title=f"{problem.m}x{problem.n}x{problem.k} {problem.epilogue.name}: "
-                            f"model ranking vs measurement ({result.candidates} candidates)")
-        for column in ("model rank", "loop_spec", "blocks", "k_step", "predicted Mcycles",
-                       "GFLOPS"):
+        ranked = any(m.predicted_cycles is not None for m in result.measurements)
+        if ranked:
+            rows = sorted(result.measurements, key=lambda m: (m.model_rank is None, m.model_rank))
+            labels = ["default" if m.model_rank is None else str(m.model_rank + 1) for m in rows]
+            title, columns = "model ranking vs measurement", ("model rank", "config",
+                                                              "predicted Mcycles", "GFLOPS")
+        else:  # convs and batch GEMMs: measured in the order of their template's list
+            rows = list(result.measurements)
+            labels = ["default", *map(str, range(1, len(rows)))]
+            title, columns = "measured, default first, no cost model", ("#", "config", "GFLOPS")
+        table = Table(title=f"{what}: {title} ({result.candidates} candidates)")
+        for column in columns:
             table.add_column(column, justify="right")
-        timed = sorted(result.measurements, key=lambda m: (m.model_rank is None, m.model_rank))
-        fastest = min((m for m in timed if m.seconds), key=lambda m: m.seconds)
-        for m in timed:
-            table.add_row(
-                "default" if m.model_rank is None else str(m.model_rank + 1),
-                m.config.spec, str(dict(m.config.candidate.block_steps) or ""),
-                str(m.config.k_step),
-                f"{m.predicted_cycles / 1e6:.2f}" if m.predicted_cycles else "-",
-                (f"{m.gflops(problem):.1f}" if m.seconds else m.error or "-")
-                + (" *" if m.config == result.best else ""),
-            )
+        for label, m in zip(labels, rows, strict=True):
+            predicted = f"{m.predicted_cycles / 1e6:.2f}" if m.predicted_cycles else "-"
+            gflops = (f"{m.gflops(problem):.1f}" if m.seconds else m.error or "-") + (
+                " *" if m.config == result.best else "")
+            table.add_row(label, config_text(m.config), *([predicted] if ranked else []), gflops)
         console.print(table)
-        rank = fastest.model_rank
-        verdict = "yes" if rank is not None and rank < 5 else "no"
-        console.print(f"fastest measured is model rank {rank + 1 if rank is not None else '-'}"
-                      f" (in the model's top 5: {verdict}); * = kept, which must beat the "
-                      "default by the tuner's margin")
+        kept = "* = kept, which must beat the default by the tuner's margin"
+        if ranked:
+            rank = min((m for m in rows if m.seconds), key=lambda m: m.seconds).model_rank
+            verdict = "yes" if rank is not None and rank < 5 else "no"
+            kept = (f"fastest measured is model rank {rank + 1 if rank is not None else '-'} "
+                    f"(in the model's top 5: {verdict}); {kept}")
+        console.print(kept)
 
 
 def cmd_bench_gemm(args: argparse.Namespace) -> int:
@@ -278,14 +287,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--number", type=int, default=1, help="runs per timed sample")
     p.add_argument("--seed", type=int, default=0)
 
-    p = add("tune", cmd_tune, "tune every GEMM of the models over the loop_spec space")
+    p = add("tune", cmd_tune, "tune every GEMM, conv and batch GEMM of the models over their "
+            "loop_spec spaces")
     p.add_argument("model", nargs="+", help="ONNX files or bundled model names")
     p.add_argument("--target", default="tpp", help='"tpp" (host) or "tpp -num-cores=N"')
     p.add_argument("--batch", type=int, help="batch size of bundled models")
     p.add_argument("--work-dir", default="tvm_tpp_work", help="where the database lives")
-    p.add_argument("--budget", type=float, help="seconds of tuning per GEMM (default: no limit)")
+    p.add_argument("--budget", type=float,
+                   help="seconds of tuning per operator (default: no limit)")
     p.add_argument("--explain", action="store_true",
-                   help="show the cost model's ranking next to the measurements")
+                   help="show the measurements (next to the cost model's ranking for GEMMs)")
 
     p = add("bench-gemm", cmd_bench_gemm,
             "fp32 GEMM GFLOPS: tpp, tuned tpp, numpy, TVM default, MetaSchedule")
@@ -294,7 +305,9 @@ def _parser() -> argparse.ArgumentParser:
     add_arguments(p)
 
     p = add("bench-kernel", cmd_bench_kernel, "BRGEMM GFLOPS and fraction of this core's peak")
-    p.add_argument("--dtype", choices=("float32", "int8", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "int8", "int8_w7", "bfloat16"),
+                   default="float32",
+                   help="int8: full-range u8 x s8; int8_w7: weights in [-64, 63] (vnni4_w7)")
     p.add_argument("--isa", help="ISA to benchmark (default: the host's)")
     p.add_argument("--json", help="write the result as JSON")
 

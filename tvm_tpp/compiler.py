@@ -232,15 +232,17 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     input_shapes
         Shapes by input name, for inputs with symbolic dimensions.
     tune
-        Tune each GEMM's loop_spec space (seconds per GEMM; needs a target this CPU runs).
-        Results persist in ``work_dir/tuning.json`` and are reused by later compiles.
+        Tune the loop_spec space of each GEMM, conv and batch GEMM (seconds each; needs a
+        target this CPU runs).  Results persist in ``work_dir/tuning.json`` and are reused
+        by later compiles.
     tune_budget
-        Seconds the tuner may spend per GEMM (default: measure all its candidates).
+        Seconds the tuner may spend per operator (default: measure all its candidates).
     work_dir
         Where the tuning database lives (default ``./tvm_tpp_work``); read even without
         ``tune`` when it holds the database, so tuned models rebuild tuned.
     on_tuned
-        Called with ``(GemmProblem, TuneResult)`` after each GEMM is tuned or looked up.
+        Called with ``(problem, TuneResult)`` after each operator is tuned or looked up
+        (a GemmProblem, ConvProblem or BatchGemmProblem).
 
     Raises
     ------
