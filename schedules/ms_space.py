@@ -1,6 +1,6 @@
 """The loop_spec space as a MetaSchedule design space, so MetaSchedule can measure it.
 
-:func:`schedules.tuner.tune_gemm` times its candidates in-process.  This module hands the same
+:func:`schedules.tuner.tune` times its candidates in-process.  This module hands the same
 candidates to MetaSchedule instead, which brings its builders and runners (local or RPC, e.g.
 a board on the network), its JSON database and its task scheduler:
 
@@ -80,7 +80,7 @@ def space_configs(problem: GemmProblem, target: Target, top_n: int = 8,
 
     The ``top_n`` best of :func:`~schedules.space.generate` under
     :func:`~schedules.cost_model.rank`, plus the untuned default configuration when it is not
-    among them (as :func:`~schedules.tuner.tune_gemm` does).
+    among them (as :func:`~schedules.tuner.tune` does).
 
     Examples
     --------

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
 
 __all__ = ["Op", "OPS", "TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune",
-           "tune_gemm", "config_for", "problem_text", "config_text", "measure", "build",
+           "config_for", "problem_text", "config_text", "measure", "build",
            "time_interleaved", "BATCH", "MARGIN"]
 
 Problem = GemmProblem | ConvProblem | BatchGemmProblem
@@ -500,8 +500,8 @@ def tune(
         Cap on generated candidates per block-size choice of a dense GEMM (the others come
         as a list of a dozen at most).
     budget_seconds
-        Stop starting new batches once this much time is spent or the next batch would
-        exceed it (the first batch, with the default, always runs).
+        Stop starting new batches once the next one would exceed this much time at the cost
+        per candidate so far; the first batch (the default and one candidate) always runs.
     progress
         Called with (done, total) after each batch.
 
@@ -524,8 +524,13 @@ def tune(
 
     measurements: list[Measurement] = []
     incumbent: Measurement | None = None
-    for first in range(0, len(chosen), BATCH):
-        batch = chosen[first:first + BATCH]
+    # Budgeted, a first batch of two (the default and one candidate) prices a candidate
+    # before larger batches are committed to.
+    starts = [0] + ([2] if budget_seconds is not None else [])
+    starts = [s for s in [*starts, *range(starts[-1] + BATCH, len(chosen), BATCH)]
+              if s < len(chosen)]
+    for first, end in zip(starts, [*starts[1:], len(chosen)], strict=True):
+        batch = chosen[first:end]
         spent = time.perf_counter() - start
         if budget_seconds is not None and first and spent * (first + len(batch)) / first > \
                 budget_seconds:
@@ -547,7 +552,7 @@ def tune(
                                           or m.seconds < incumbent.seconds * (1 - MARGIN)):
                 incumbent = m
         if progress is not None:
-            progress(min(first + BATCH, len(chosen)), len(chosen))
+            progress(end, len(chosen))
     if incumbent is None:
         raise RuntimeError(f"no candidate could be built for {key.text()}: "
                            f"{measurements[0].error}")
@@ -558,10 +563,6 @@ def tune(
                      measured=[m.to_json() for m in measurements])
     return TuneResult(incumbent.config, cached=False, tune_seconds=seconds,
                       measurements=tuple(measurements), candidates=generated)
-
-
-#: :func:`tune`, under the name the GEMM benchmarks know it by.
-tune_gemm = tune
 
 
 @dataclass

@@ -25,7 +25,6 @@ from schedules.tuner import (
     config_for,
     time_interleaved,
     tune,
-    tune_gemm,
 )
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
@@ -39,7 +38,7 @@ BATCH_GEMM = batch_gemm.BatchGemmProblem(2, 24, 40, 16, b_transposed=True,
 
 def test_tune_persists_and_second_call_is_free(tmp_path):
     db = Database(tmp_path / "tuning.json")
-    result = tune_gemm(PROBLEM, TARGET, database=db, top_k=2)
+    result = tune(PROBLEM, TARGET, database=db, top_k=2)
     assert not result.cached and result.candidates > 2
     assert result.best in [m.config for m in result.measurements if m.seconds]
     default = default_config(48, 64, 96, isa.from_name("avx2"), isa.caches(), threads=1)
@@ -48,12 +47,12 @@ def test_tune_persists_and_second_call_is_free(tmp_path):
     record = json.loads((tmp_path / "tuning.json").read_text())[key]
     assert record["config"]["spec"] == result.best.spec and record["gflops"] > 0
 
-    again = tune_gemm(PROBLEM, TARGET, database=Database(tmp_path / "tuning.json"))
+    again = tune(PROBLEM, TARGET, database=Database(tmp_path / "tuning.json"))
     assert again.cached and again.tune_seconds == 0 and again.best == result.best
 
 
 def test_tuned_config_is_correct(tmp_path):
-    best = tune_gemm(PROBLEM, TARGET, database=Database(tmp_path / "t.json"), top_k=2).best
+    best = tune(PROBLEM, TARGET, database=Database(tmp_path / "t.json"), top_k=2).best
     rng = np.random.default_rng(0)
     x = rng.standard_normal((48, 96)).astype("float32")
     w = rng.standard_normal((96, 64)).astype("float32")
@@ -110,14 +109,14 @@ def test_candidate_must_beat_default_by_margin(monkeypatch, speedup, wins):
         return 1.0 - speedup if config == picked[0] else 2.0
 
     _fake_measure(monkeypatch, seconds_of)
-    result = tune_gemm(PROBLEM, TARGET, top_k=6)
+    result = tune(PROBLEM, TARGET, top_k=6)
     assert result.best == (picked[0] if wins else default)
 
 
 def test_incumbent_is_retimed_with_each_batch(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls)
-    result = tune_gemm(PROBLEM, TARGET, top_k=2 * tuner_module.BATCH)
+    result = tune(PROBLEM, TARGET, top_k=2 * tuner_module.BATCH)
     assert len(calls) >= 2 and calls[0][0] == result.best  # nothing beat the default...
     assert all(batch[-1] == result.best for batch in calls[1:])  # ...which ran in every batch
 
@@ -125,8 +124,18 @@ def test_incumbent_is_retimed_with_each_batch(monkeypatch):
 def test_budget_stops_after_the_first_batch(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls, delay=0.2)
-    result = tune_gemm(PROBLEM, TARGET, top_k=3 * tuner_module.BATCH, budget_seconds=0.1)
-    assert len(calls) == 1 and len(result.measurements) == tuner_module.BATCH
+    result = tune(PROBLEM, TARGET, top_k=3 * tuner_module.BATCH, budget_seconds=0.1)
+    assert len(calls) == 1 and len(result.measurements) == 2  # the default and one candidate
+
+
+def test_budget_admits_batches_that_fit(monkeypatch):
+    calls = []
+    _fake_measure(monkeypatch, lambda c: 1.0, calls, delay=0.05)
+    result = tune(PROBLEM, TARGET, top_k=2 * tuner_module.BATCH, budget_seconds=60)
+    # Batches of 2, BATCH and the rest of the 1 + top_k, each later one with the incumbent.
+    rest = 1 + 2 * tuner_module.BATCH - 2 - tuner_module.BATCH
+    assert [len(c) for c in calls] == [2, tuner_module.BATCH + 1, rest + 1]
+    assert len(result.measurements) == 1 + 2 * tuner_module.BATCH
 
 
 def test_build_reports_unbuildable_candidates():

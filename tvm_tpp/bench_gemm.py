@@ -4,7 +4,7 @@
 
 - ``tpp`` — the loop_spec template with the default heuristic configuration
   (:func:`schedules.blocking.default_config`);
-- ``tpp-tuned`` — the configuration :func:`schedules.tuner.tune_gemm` picks, with its JSON
+- ``tpp-tuned`` — the configuration :func:`schedules.tuner.tune` picks, with its JSON
   database in the work directory (a warm database is reused; its recorded tuning time is shown);
 - ``numpy`` — ``np.matmul`` (the BLAS numpy links, OpenBLAS for the wheels);
 - ``tvm-default`` — the plain TE matmul built by TVM without a schedule (naive loops; shapes
@@ -290,7 +290,7 @@ def _explain(measured: Sequence[dict], flops: int) -> dict:
 
 def _prepare_tpp_tuned(job: Job, m: int, n: int, k: int, x, w, send) -> _Prepared:
     from schedules.gemm import GemmProblem
-    from schedules.tuner import Database, TuningKey, tune_gemm
+    from schedules.tuner import Database, TuningKey, tune
 
     from .tpp_target import target
 
@@ -301,7 +301,7 @@ def _prepare_tpp_tuned(job: Job, m: int, n: int, k: int, x, w, send) -> _Prepare
     def progress(done: int, total: int) -> None:
         send({"step": f"tuning {done}/{total}", "shape": [m, n, k]})
 
-    result = tune_gemm(problem, tgt, database=database, top_k=job.top_k,
+    result = tune(problem, tgt, database=database, top_k=job.top_k,
                        budget_seconds=job.tune_budget, progress=progress)
     record = database.record(TuningKey.of(problem, tgt)) or {}
     if result.cached:
