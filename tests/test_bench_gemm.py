@@ -22,8 +22,9 @@ def bench(tmp_path_factory):
     """One run over two small shapes with every fast implementation, at one thread."""
     out = tmp_path_factory.mktemp("bench_gemm")
     argv = ["--shapes", "64x64x64,48x80x32", "--threads", "1", "--against", "numpy,tvm-default",
-            "--top-k", "2", "--repeat", "3", "--work-dir", str(out / "wd"), "--json",
-            str(out / "rows.json"), "--plot", str(out / "gflops.png"), "--explain", "--quiet"]
+            "--top-k", "2", "--repeat", "3", "--rounds", "2", "--work-dir", str(out / "wd"),
+            "--json", str(out / "rows.json"), "--plot", str(out / "gflops.png"), "--explain",
+            "--quiet"]
     status = run(_args(*argv))
     return status, json.loads((out / "rows.json").read_text()), out
 
@@ -40,6 +41,11 @@ def test_rows_cover_every_shape_and_implementation(bench):
         assert r["max_abs_err"] < 1e-4, r
         assert r["fraction_of_peak"] is None or r["fraction_of_peak"] > 0
         assert (r["tune_seconds"] is not None) == (r["impl"] == "tpp-tuned"), r
+        # tvm-default runs in the first round only; the row keeps the best round.
+        assert len(r["gflops_rounds"]) == (1 if r["impl"] == "tvm-default" else 2), r
+        assert r["gflops"] == max(r["gflops_rounds"])
+    tuned = [r for r in rows if r["impl"] == "tpp-tuned"]
+    assert all(r["note"].startswith("tuned") for r in tuned)  # the tuning round's note
     kernels = [r["note"] for r in rows if r["impl"] in ("tpp", "tpp-tuned")]
     assert all(" kernel, bm x bn x bk x k_step " in note for note in kernels)
 
@@ -109,6 +115,8 @@ def test_bad_options_raise_value_errors():
         run(_args("--threads", "0"))
     with pytest.raises(ValueError, match="top_k"):
         run(_args("--top-k", "0"))
+    with pytest.raises(ValueError, match="rounds"):
+        run(_args("--rounds", "0"))
 
 
 @pytest.mark.slow
