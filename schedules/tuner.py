@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -437,26 +436,21 @@ def _arguments(funcs: list[PrimFunc]) -> list[list[object]]:
 
 def time_interleaved(runs: list[Callable[[], None]], rounds: int = _ROUNDS,
                      round_seconds: float = _ROUND_SECONDS) -> list[float]:
-    """Seconds of one call of each function: the median of samples taken in ``rounds``
-    interleaved rounds, so drift of the machine's load hits every candidate alike.
-
-    The median, not the fastest sample, is what a model's latency is judged by (``tvm-tpp
-    bench``): on a shared machine a configuration with more parallel regions can have the
-    best undisturbed run and a worse typical one, since each fork/join waits for every thread.
-    """
-    samples: list[list[float]] = [[] for _ in runs]
-    first = []
-    for run in runs:  # warm-up, and an estimate that sizes the rounds
+    """Seconds of one call of each function: the fastest of samples taken in ``rounds``
+    interleaved rounds, so drift of the machine's load hits every candidate alike and the
+    minimum is a run that went undisturbed."""
+    best = [float("inf")] * len(runs)
+    for i, run in enumerate(runs):  # warm-up, and a first estimate
         start = time.perf_counter()
         run()
-        first.append(time.perf_counter() - start)
+        best[i] = time.perf_counter() - start
     for _ in range(rounds):
         for i, run in enumerate(runs):
-            for _ in range(max(1, min(20, int(round_seconds / first[i])))):
+            for _ in range(max(1, min(20, int(round_seconds / best[i])))):
                 start = time.perf_counter()
                 run()
-                samples[i].append(time.perf_counter() - start)
-    return [statistics.median(s) for s in samples]
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best
 
 
 def measure(problem: Problem, configs: list[Config], target: Target, isa: str
