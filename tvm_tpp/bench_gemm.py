@@ -52,8 +52,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from schedules.tuner import MARGIN
-
 __all__ = [
     "IMPLS",
     "BASELINES",
@@ -270,6 +268,8 @@ def _prepare_tpp(job: Job, m: int, n: int, k: int, x, w, send) -> _Prepared:
 
 def _explain(measured: Sequence[dict], flops: int) -> dict:
     """The tuner's model ranking next to what it measured (1-based ranks; None = default)."""
+    from schedules.tuner import MARGIN
+
     rows = []
     for item in measured:
         rank = item.get("model_rank")
@@ -714,6 +714,8 @@ def print_report(result: BenchResult, explain: bool = False) -> None:
     """The results table, the per-shape summary, ``--explain`` details and wall times."""
     from rich.console import Console
     from rich.table import Table
+
+    from schedules.tuner import MARGIN
 
     rows, peak = result.rows, result.peak
     # Piped output would wrap at 80 columns and fold the notes.
