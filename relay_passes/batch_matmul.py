@@ -32,14 +32,14 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+from tvm.relax.dpl import is_const, is_op, wildcard
 from tvm.target import Target
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from schedules.batch_gemm import BatchGemmProblem, schedule
 from schedules.tuner import Tuner, config_for
 
-from .dense import Offload, static_shape
+from .dense import Offload, rewrite_patterns, static_shape
 
 __all__ = ["rewrite_batch_matmul"]
 
@@ -87,20 +87,12 @@ def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload
     With a ``tuner`` each kernel gets its tuned configuration (tuned now if its database does
     not know it yet); without one, the default heuristic's.
     """
-    builder = relax.BlockBuilder(mod)
-    functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
-    for pattern in _patterns():
-        for gv, func in functions.items():
-            bindings = _bindings(func)
+    def make_rewriter(builder, pattern, func):
+        bindings = _bindings(func)
+        return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, builder, target,
+                                              tuner, report)
 
-            def rewriter(orig, matches, pattern=pattern, bindings=bindings):
-                return _rewrite(orig, matches, pattern, bindings, builder, target, tuner,
-                                report)
-
-            functions[gv] = rewrite_call(pattern.root, rewriter, func)
-    new_mod = builder.get()
-    for gv, f in functions.items():
-        new_mod[gv] = f
+    new_mod = rewrite_patterns(mod, _patterns(), make_rewriter)
     new_mod = relax.transform.DeadCodeElimination()(new_mod)
     _report_leftovers(new_mod, report)
     return new_mod

@@ -41,7 +41,7 @@ from microkernels.epilogue import Epilogue, EpilogueOp
 from schedules.conv import ConvConfig, ConvProblem, pack_weight, schedule, unfold_weight
 from schedules.tuner import Tuner, config_for
 
-from .dense import Offload, add_patterns, static_shape
+from .dense import Offload, add_patterns, rewrite_patterns, static_shape
 
 __all__ = ["rewrite_conv", "fold_batchnorm", "simplify_layouts", "sum_to_add"]
 
@@ -94,17 +94,11 @@ def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
     default heuristic's.
     """
     mod = sum_to_add(mod)
-    builder = relax.BlockBuilder(mod)
-    functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
-    for pattern in _patterns():
-        def rewriter(orig, matches, pattern=pattern):
-            return _rewrite(orig, matches, pattern, builder, target, tuner, report)
+    def make_rewriter(builder, pattern, _func):
+        return lambda orig, matches: _rewrite(orig, matches, pattern, builder, target, tuner,
+                                              report)
 
-        functions = {gv: rewrite_call(pattern.root, rewriter, f) for gv, f in functions.items()}
-    new_mod = builder.get()
-    for gv, f in functions.items():
-        new_mod[gv] = f
-    new_mod = simplify_layouts(new_mod)
+    new_mod = simplify_layouts(rewrite_patterns(mod, _patterns(), make_rewriter))
     new_mod = relax.transform.DeadCodeElimination()(new_mod)
     _report_leftovers(new_mod, report)
     return new_mod

@@ -21,7 +21,9 @@ Examples
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tvm
@@ -34,7 +36,8 @@ from microkernels.epilogue import Epilogue, EpilogueOp
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import Tuner, config_for
 
-__all__ = ["Offload", "rewrite_dense", "report_leftovers", "static_shape", "add_patterns"]
+__all__ = ["Offload", "rewrite_dense", "rewrite_patterns", "report_leftovers", "static_shape",
+           "add_patterns"]
 
 _GELU_SPELLED_OUT = "gelu_erf"
 # Activations absorbed into the epilogue: relax op -> epilogue op.
@@ -131,18 +134,36 @@ def rewrite_dense(
     With a ``tuner`` each GEMM gets its tuned configuration (tuned now if its database does
     not know it yet); without one, the default heuristic's.
     """
+    def make_rewriter(builder, pattern, _func):
+        return lambda orig, matches: _rewrite(orig, matches, pattern, builder, target, tuner,
+                                              report)
+
+    new_mod = rewrite_patterns(mod, _patterns(), make_rewriter)
+    new_mod = relax.transform.DeadCodeElimination()(new_mod)
+    report_leftovers(new_mod, report)
+    return new_mod
+
+
+def rewrite_patterns(
+    mod: tvm.IRModule,
+    patterns: Iterable[Any],
+    make_rewriter: Callable[[relax.BlockBuilder, Any, relax.Function], Callable],
+) -> tvm.IRModule:
+    """``mod`` with every Relax function rewritten by each pattern in turn (``rewrite_call``).
+
+    ``make_rewriter(builder, pattern, func)`` gives the callback for one pattern in one
+    function (as rewritten by the patterns before it); the kernels it emits through
+    ``builder`` land in the returned module.  Dead bindings are left for the caller's
+    DeadCodeElimination.
+    """
     builder = relax.BlockBuilder(mod)
     functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
-    for pattern in _patterns():
-        def rewriter(orig, matches, pattern=pattern):
-            return _rewrite(orig, matches, pattern, builder, target, tuner, report)
-
-        functions = {gv: rewrite_call(pattern.root, rewriter, f) for gv, f in functions.items()}
+    for pattern in patterns:
+        functions = {gv: rewrite_call(pattern.root, make_rewriter(builder, pattern, f), f)
+                     for gv, f in functions.items()}
     new_mod = builder.get()
     for gv, f in functions.items():
         new_mod[gv] = f
-    new_mod = relax.transform.DeadCodeElimination()(new_mod)
-    report_leftovers(new_mod, report)
     return new_mod
 
 
