@@ -396,6 +396,21 @@ def _a_group(A: Any, row: Any, kq: Any, alpha: int, w: int, dtype: str) -> Any:
     return T.Bind(tirx.reinterpret(f"{dtype}x{per_word * w}", tirx.Broadcast(word, w)))
 
 
+def _dot_step(alpha: int, lane_dtype: str, out_dtype: str, dot: Callable[..., Any]) -> Step:
+    """A dot-product instruction per register: ``acc = dot(acc, A group, B row)``, the
+    ``alpha`` A values of one VNNI group broadcast 32 bits wide as ``lane_dtype`` lanes."""
+
+    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
+        for r in range(rows):
+            a = _a_group(A, row0 + r, kq, alpha, w, lane_dtype)
+            for v in range(nvec):
+                idx = [r, _vec(acc0 + v * w, w)]
+                _store(acc, idx, dot(f"{out_dtype}x{w}", acc[tuple(idx)], a,
+                                     B.vload([kq, col0 + v * w, 0], f"{lane_dtype}x{alpha * w}")))
+
+    return step
+
+
 def _int8_dot_steps(shape: BrgemmShape) -> tuple[Step, Step]:
     """``vpdpbusd``: 4 u8 x s8 products summed into each int32 lane, A broadcast 32 bits wide."""
     from tvm import tirx
@@ -403,16 +418,10 @@ def _int8_dot_steps(shape: BrgemmShape) -> tuple[Step, Step]:
     # LLVM >= 21 types the byte operands as vXi8 (not vXi32 as TVM's own VNNI intrinsic has it).
     intrin = f"llvm.x86.avx512.vpdpbusd.{_isa.from_name(shape.isa).vector_bits}"
 
-    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
-        for r in range(rows):
-            a4 = _a_group(A, row0 + r, kq, 4, w, "int8")
-            for v in range(nvec):
-                idx = [r, _vec(acc0 + v * w, w)]
-                _store(acc, idx, tirx.call_llvm_pure_intrin(
-                    f"int32x{w}", intrin, acc[tuple(idx)], a4,
-                    B.vload([kq, col0 + v * w, 0], f"int8x{4 * w}")))
+    def dot(dtype, *args):
+        return tirx.call_llvm_pure_intrin(dtype, intrin, *args)
 
-    return step, _vnni_tail_step(shape)
+    return _dot_step(4, "int8", "int32", dot), _vnni_tail_step(shape)
 
 
 def _pmaddwd(bits: int) -> str:
@@ -544,16 +553,10 @@ def _bf16_dot_steps(shape: BrgemmShape) -> tuple[Step, Step]:
     """
     from tvm import tirx
 
-    def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
-        for r in range(rows):
-            a2 = _a_group(A, row0 + r, kq, 2, w, "uint16")
-            for v in range(nvec):
-                idx = [r, _vec(acc0 + v * w, w)]
-                _store(acc, idx, tirx.call_pure_extern(
-                    f"float32x{w}", "tpp_dpbf16ps_512", acc[tuple(idx)], a2,
-                    B.vload([kq, col0 + v * w, 0], f"uint16x{2 * w}")))
+    def dot(dtype, *args):
+        return tirx.call_pure_extern(dtype, "tpp_dpbf16ps_512", *args)
 
-    return step, _vnni_tail_step(shape)
+    return _dot_step(2, "uint16", "float32", dot), _vnni_tail_step(shape)
 
 
 def _impl(shape: BrgemmShape, family: Family, steps: Callable[[BrgemmShape], tuple[Step, Step]],
