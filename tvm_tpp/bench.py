@@ -130,7 +130,9 @@ class BenchConfig:
         Runs longer than ``slow_seconds`` get no warm-up and only about
         ``slow_budget / run`` samples (at least 3, at most ``repeat``).
     pause
-        Seconds of quiet before each sample, so spinning threads of the previous worker park.
+        Seconds of quiet before each sample, so spinning threads of the previous worker park
+        (50 ms was not enough here: whichever implementation followed a TVM worker measured
+        up to 2x slower, and identical programs differed by that much).
     worker_command
         The worker's command line; the job's JSON is appended.
 
@@ -153,7 +155,7 @@ class BenchConfig:
     sample_seconds: float = 0.05
     slow_seconds: float = 1.0
     slow_budget: float = 30.0
-    pause: float = 0.05
+    pause: float = 0.3
     worker_command: tuple[str, ...] = field(default_factory=_worker_command)
 
     def __post_init__(self) -> None:
@@ -561,9 +563,11 @@ def _time_round_robin(cfg: BenchConfig, case: _Case, live: list[_Timed],
                       progress: _Progress) -> None:
     task = progress.timing(f"{case.title}: timing", sum(t.repeats for t in live))
     for round_ in range(max((t.repeats for t in live), default=0)):
-        # Rotate who goes first so no implementation always follows the same neighbour.
+        # Rotate who goes first, and reverse every other round: a rotation alone keeps each
+        # implementation behind the same neighbour, whose threads may still be spinning.
         shift = round_ % len(live)
-        for timed in live[shift:] + live[:shift]:
+        order = live[shift:] + live[:shift]
+        for timed in (order if round_ % 2 == 0 else order[::-1]):
             if timed.failure is not None or round_ >= timed.repeats:
                 continue
             time.sleep(cfg.pause)
