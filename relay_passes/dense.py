@@ -229,7 +229,8 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
         args.append(_as_matrix(residual, m, n))
     out = relax.call_tir(gv, args, relax.TensorType((m, n), "float32"))
     op = "+".join(["matmul", *(o.tag for o in ops)])  # e.g. matmul+bias+gelu_erf
-    report.append(Offload(op, (m, n, k), kernel=f"{name} [{config.spec}]"))
+    packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
+    report.append(Offload(op, (m, n, k), kernel=f"{name} [{config.spec}{packed}]"))
     return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
 
 

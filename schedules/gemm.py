@@ -23,12 +23,19 @@ outermost, fused into one parallel loop of ``R*C*L`` tasks — each task runs th
 over its own block of iterations, as PARLOOPER's thread grid does.  TVM runs one parallel
 region at a time, so other separated parallel loops are rejected.
 
+Packing A (``GemmConfig.pack_a``): ``X`` is the network's activation, row-major with rows K
+floats apart, so a call with a short K block reads short pieces of many pages, which neither
+the prefetchers nor the TLB like.  ``pack_a=d`` copies the slice of ``X`` the loops below
+depth ``d`` read into a dense buffer under the ``d``-th loop (TVM's ``cache_read`` +
+``compute_at``), as BLAS packs A; the copy runs in parallel unless a parallel loop already
+encloses it.  B needs no packing: the weights are packed once, ahead of time.
+
 Examples
 --------
->>> from schedules.gemm import GemmProblem, GemmConfig, build
+>>> from schedules.gemm import GemmProblem, GemmConfig, schedule
 >>> p = GemmProblem(m=128, n=256, k=512)
 >>> cfg = GemmConfig.of("bCa", bm=32, bn=64, bk=128, k_step=2)
->>> func = build(p, cfg, isa="avx2")      # doctest: +SKIP
+>>> sch = schedule(p, cfg, isa="avx2")    # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -41,12 +48,14 @@ from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 
+from .loop_spec import LoopSpec, LoopSpecError
 from .nest import check_exact, finish_nest, nest_loops
 from .space import Candidate
 from .space import GemmProblem as BlockedGemm
 
 if TYPE_CHECKING:
     from tvm import s_tir
+    from tvm.s_tir import LoopRV, SBlockRV
     from tvm.tirx import PrimFunc
 
 __all__ = ["GemmProblem", "GemmConfig", "workload", "schedule", "pack_weight"]
@@ -95,6 +104,11 @@ class GemmConfig:
     candidate
         The loop_spec over ``a`` (K blocks), ``b`` (M blocks), ``c`` (N blocks) with its block
         steps; its step of ``a`` is ``k_step``, the K blocks one BRGEMM call reduces.
+    pack_a
+        None, or copy the slice of ``X`` that the loops below depth ``pack_a`` of the spec
+        read into a contiguous buffer there (0 = all of ``X`` before the loops, 1 = under
+        the outermost loop, ...), as BLAS packs A: the microkernel then reads short dense
+        rows instead of rows ``K`` floats apart, each on its own page.
 
     Examples
     --------
@@ -106,19 +120,38 @@ class GemmConfig:
     bn: int
     bk: int
     candidate: Candidate
+    pack_a: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GemmConfig.{name} must be a positive int, got {value!r}")
+        if self.pack_a is not None and (not isinstance(self.pack_a, int)
+                                        or isinstance(self.pack_a, bool) or self.pack_a < 0):
+            raise ValueError(f"GemmConfig.pack_a must be None or a loop depth >= 0, "
+                             f"got {self.pack_a!r}")
 
     @classmethod
     def of(cls, spec: str, bm: int, bn: int, bk: int, k_step: int = 1,
-           block_steps: Mapping[str, tuple[int, ...]] | None = None) -> GemmConfig:
+           block_steps: Mapping[str, tuple[int, ...]] | None = None,
+           pack_a: int | None = None) -> GemmConfig:
         """Shorthand building the :class:`~schedules.space.Candidate` too."""
         steps = {"a": k_step} if k_step != 1 else {}
-        return cls(bm, bn, bk, Candidate(spec, block_steps or {}, steps))
+        return cls(bm, bn, bk, Candidate(spec, block_steps or {}, steps), pack_a)
+
+    def with_candidate(self, candidate: Candidate) -> GemmConfig:
+        """These blocks in another loop order; if A is packed, it is packed under the new
+        order's outermost K loop.
+
+        Examples
+        --------
+        >>> cfg = GemmConfig.of("acb", 256, 64, 512, pack_a=1)
+        >>> cfg.with_candidate(Candidate("cBCa", {"c": (2,)})).pack_a
+        4
+        """
+        pack = None if self.pack_a is None else candidate.spec.lower().index("a") + 1
+        return GemmConfig(self.bm, self.bn, self.bk, candidate, pack)
 
     @property
     def spec(self) -> str:
@@ -195,8 +228,11 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
 
     order, grid_loops = nest_loops(sch, spec, {"a": k_blocks, "b": i_blocks, "c": j_blocks})
     sch.reorder(*grid_loops, *order, i_body, j_body, k_body)
+    pack = _pack_a(sch, spec, gemm, config.pack_a, order) if config.pack_a is not None else None
     epilogue = sch.get_sblock("epilogue") if problem.epilogue.ops else None
     finish_nest(sch, spec, order, grid_loops, gemm, frozenset("a"), epilogue)
+    if pack is not None:
+        _parallel_pack(sch, spec, pack, config.pack_a, bool(grid_loops))
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         layout="flat", isa=isa_name)
     # Unit loops vanish from the matched block (see the BRGEMM desc): start below them.
@@ -205,3 +241,32 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
                  if e > 1), k_body)
     sch.tensorize(body, dispatch(shape))
     return sch
+
+
+def _pack_a(sch: s_tir.Schedule, spec: LoopSpec, gemm: SBlockRV, depth: int,
+            order: list[LoopRV]) -> SBlockRV:
+    """Copy the ``X`` slice read below ``depth`` loops into a dense buffer there."""
+    if depth > len(order):
+        raise LoopSpecError(f"pack_a={depth} is deeper than the {len(order)} loops of the spec",
+                            spec.text, len(spec.text))
+    groups = spec.parallel_groups()
+    if spec.mode != "grid" and groups and depth - 1 in groups[0][:-1]:
+        # The copy would sit between loops that are fused into one parallel loop.
+        o = spec.occurrences[depth - 1]
+        raise LoopSpecError(f"pack_a={depth} splits the collapsed parallel loops", spec.text,
+                            o.position)
+    pack = sch.cache_read(gemm, 0, "global")
+    if depth:
+        sch.compute_at(pack, order[depth - 1])
+    return pack
+
+
+def _parallel_pack(sch: s_tir.Schedule, spec: LoopSpec, pack: SBlockRV, depth: int,
+                   grid: bool) -> None:
+    """Vectorize the copy along K; run its rows in parallel unless a parallel loop encloses it."""
+    rows, cols = sch.get_loops(pack)[-2:]
+    sch.vectorize(cols)
+    groups = spec.parallel_groups()
+    enclosed = depth > 0 and (grid or bool(groups) and depth - 1 >= groups[0][0])
+    if not enclosed:
+        sch.parallel(rows)

@@ -96,7 +96,7 @@ def space_configs(problem: GemmProblem, target: Target, top_n: int = 8,
     candidates = generate(*blocked.trips, steps=(base.k_step, 1, 1),
                           require_parallel=threads > 1, max_candidates=max_candidates)
     ranked = rank(candidates, blocked, caches, threads)
-    configs = [GemmConfig(base.bm, base.bn, base.bk, c) for _, c in ranked[:top_n]]
+    configs = [base.with_candidate(c) for _, c in ranked[:top_n]]
     if base not in configs:
         configs.append(base)
     return configs
@@ -113,7 +113,7 @@ def _as_configs(problem: GemmProblem, target: Target,
     configs = []
     for c in candidates:
         if isinstance(c, Candidate):
-            configs.append(GemmConfig(base.bm, base.bn, base.bk, c))
+            configs.append(base.with_candidate(c))
         elif isinstance(c, GemmConfig):
             configs.append(c)
         else:

@@ -5,11 +5,12 @@ For each operator the tuner
 
 1. lists candidates, the untuned default first:
 
-   * a dense GEMM takes a few block-size choices around
-     :func:`schedules.blocking.default_config` (the whole K in one BRGEMM call, or one K
-     block per call so the K loop is tunable too), PARLOOPER's candidates for each
-     (:func:`schedules.space.generate`), ranked with the cache-trace model
-     (:func:`schedules.cost_model.rank`);
+   * a dense GEMM takes a few blockings around :func:`schedules.blocking.default_config`
+     (the whole K in one BRGEMM call; one K block per call, so the K loop is tunable too;
+     one K block per call with A packed under the outermost K loop, as BLAS does for long
+     K), PARLOOPER's candidates for each (:func:`schedules.space.generate`), ranked
+     together with the cache-trace model (:func:`schedules.cost_model.rank`, which sees
+     loop orders and block sizes, not packing: measurement decides between the blockings);
    * a convolution or a batch GEMM takes the short list of its template
      (:func:`schedules.conv.candidates`, :func:`schedules.batch_gemm.candidates`), which
      no model ranks: measurement decides;
@@ -47,7 +48,7 @@ from microkernels import isa as _isa
 
 from . import batch_gemm, conv
 from .batch_gemm import BatchGemmConfig, BatchGemmProblem
-from .blocking import default_config
+from .blocking import default_config, long_k_config, whole_k_config
 from .conv import ConvConfig, ConvProblem
 from .cost_model import rank
 from .gemm import GemmConfig, GemmProblem
@@ -118,32 +119,47 @@ def _dense_default(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, thr
 
 def _blockings(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int
                ) -> list[GemmConfig]:
+    """The default first, then the other blockings whose loop orders are generated: when
+    K spans several blocks, the whole K per call, one K block per call, and one K block per
+    call with A packed under the outermost K loop (:func:`~schedules.blocking.long_k_config`)."""
     base = _dense_default(problem, isa, caches, threads)
-    k_blocks = problem.k // base.bk
     out = [base]
+    k_blocks = problem.k // base.bk
     if k_blocks > 1:
-        out.append(GemmConfig(base.bm, base.bn, base.bk, Candidate("BCa")))
+        whole = whole_k_config(problem.m, problem.n, problem.k, isa, caches, threads)
+        packed = long_k_config(problem.m, base.bn, base.bk, threads)
+        split = GemmConfig(whole.bm, whole.bn, whole.bk, Candidate("BCa"))
+        out += [c for c in (whole, split, packed) if c != base]
     return out
 
 
 def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int,
                    max_candidates: int) -> tuple[list[Choice], int]:
-    ranked: list[tuple[float, GemmConfig]] = []
-    blockings = _blockings(problem, isa, caches, threads)
+    """The default, then the model's best loop orders of every blocking in turn.
+
+    The model ranks the loop orders of one blocking; it does not see packing, so it cannot
+    rank blockings against each other: each gets its share of the measurements, and a
+    candidate's ``model_rank`` is its rank within its blocking.  A packed candidate is kept
+    only if an N loop runs under its packing, i.e. the packed A is reused.
+    """
+    families: list[list[tuple[float, GemmConfig]]] = []
     # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
     peak = 2 * 2 * isa.lanes("float32")
+    blockings = _blockings(problem, isa, caches, threads)
     for blocking in blockings:
         blocked = blocking.blocked(problem)
         candidates = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
                               require_parallel=threads > 1, max_candidates=max_candidates)
-        for cycles, candidate in rank(candidates, blocked, caches, threads,
-                                      peak_flops_per_cycle=peak):
-            ranked.append((cycles, GemmConfig(blocking.bm, blocking.bn, blocking.bk, candidate)))
-    ranked.sort(key=lambda pair: pair[0])
+        ranked = [(cycles, blocking.with_candidate(candidate)) for cycles, candidate in
+                  rank(candidates, blocked, caches, threads, peak_flops_per_cycle=peak)]
+        families.append([(cycles, cfg) for cycles, cfg in ranked if cfg.pack_a is None
+                         or "c" in cfg.spec.lower()[cfg.pack_a:]])
     default = blockings[0]
     choices: list[Choice] = [(None, None, default)]
-    choices += [(n, cycles, cfg) for n, (cycles, cfg) in enumerate(ranked) if cfg != default]
-    return choices, len(ranked)
+    for n in range(max(map(len, families))):
+        choices += [(n, family[n][0], family[n][1]) for family in families
+                    if n < len(family) and family[n][1] != default]
+    return choices, sum(map(len, families))
 
 
 def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:
@@ -154,13 +170,13 @@ def _dense_to_json(config: GemmConfig) -> dict:
     c = config.candidate
     return {"bm": config.bm, "bn": config.bn, "bk": config.bk, "spec": c.spec,
             "block_steps": {k: list(v) for k, v in c.block_steps.items()},
-            "steps": dict(c.steps)}
+            "steps": dict(c.steps), "pack_a": config.pack_a}
 
 
 def _dense_from_json(data: dict) -> GemmConfig:
     candidate = Candidate(data["spec"], {k: tuple(v) for k, v in data["block_steps"].items()},
                           data["steps"])
-    return GemmConfig(data["bm"], data["bn"], data["bk"], candidate)
+    return GemmConfig(data["bm"], data["bn"], data["bk"], candidate, data.get("pack_a"))
 
 
 def _fields_to_json(config: ConvConfig | BatchGemmConfig) -> dict:
@@ -188,7 +204,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
        to_json=_dense_to_json,
        from_json=_dense_from_json,
        text=lambda c: (f"{c.spec} bm={c.bm} bn={c.bn} bk={c.bk} k_step={c.k_step}"
-                       + _steps_text(c.candidate.block_steps))),
+                       + _steps_text(c.candidate.block_steps)
+                       + ("" if c.pack_a is None else f" pack_a={c.pack_a}"))),
     Op("conv2d", ConvProblem, ConvConfig,
        key=_conv_key,
        default=conv.default_config,
@@ -541,8 +558,10 @@ def tune(
         results = measure(problem, configs, target, isa.name)
         if incumbent is not None:
             again = results.pop()
-            if isinstance(again, float):
-                incumbent = replace(incumbent, seconds=min(incumbent.seconds, again))
+            if isinstance(again, float):  # its record shows its best time, as the others'
+                at = measurements.index(incumbent)
+                incumbent = measurements[at] = replace(incumbent,
+                                                       seconds=min(incumbent.seconds, again))
         for (model_rank, cycles, config), result in zip(batch, results, strict=True):
             m = (Measurement(config, model_rank, cycles, seconds=result)
                  if isinstance(result, float)

@@ -129,3 +129,18 @@ def test_spelled_out_erf_gelu_is_fused():
 def test_other_constants_are_not_mistaken_for_gelu():
     report = _compile_and_check(_dense_gelu_model(3.0))
     assert [r.op for r in report if r.kernel] == ["matmul+bias"]
+
+
+def test_long_k_dense_packs_a(monkeypatch):
+    """A K long enough for the packed K-split default (with a small L2) stays exact."""
+    from microkernels import isa
+
+    monkeypatch.setattr(isa, "caches", lambda *_: isa.Caches(32 * 1024, 64 * 1024, 1 << 20))
+    w = _weights(W=(1024, 64), b=(64,))
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]),
+             helper.make_node("Add", ["mm", "b"], ["biased"]),
+             helper.make_node("Add", ["biased", "x2"], ["y"])]
+    report = _compile_and_check(_model(nodes, [("x", [20, 1024]), ("x2", [20, 64])],
+                                       [("y", [20, 64])], w))
+    [dense] = [r for r in report if r.kernel]
+    assert dense.op == "matmul+bias+residual" and "pack_a=1" in dense.kernel, report

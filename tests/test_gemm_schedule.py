@@ -108,3 +108,62 @@ def test_blocks_must_tile():
         schedule(GemmProblem(64, 128, 96), GemmConfig.of("bCa", 8, 32, 24, k_step=3))
     with pytest.raises(ValueError, match="float32"):
         GemmProblem(4, 4, 4, dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "spec, block_steps, k_step, pack_a",
+    [
+        ("acb", {}, 1, 0),  # all of X packed before the loops
+        ("acb", {}, 1, 1),  # one K block's columns, reused by every N block
+        ("aCB", {}, 1, 1),  # the copy runs in parallel ahead of the parallel loop
+        ("cabc", {"c": (2,)}, 1, 3),  # an M x K block under the M loop (BLAS's mc x kc)
+        ("BCa", {}, 2, 2),  # inside the parallel loop: each task packs its own rows
+        ("bcaBCb", {"b": (4, 2), "c": (2,)}, 1, 5),  # under the last collapsed loop
+        ("bC{R:2}aB{C:1}cb", {"b": (4, 2), "c": (2,)}, 1, 3),  # inside a thread grid
+    ],
+)
+def test_packed_a(spec, block_steps, k_step, pack_a):
+    problem = GemmProblem(64, 128, 96, epilogue=BIAS_RELU)
+    _run(problem, GemmConfig.of(spec, 8, 32, 24, k_step=k_step, block_steps=block_steps,
+                                pack_a=pack_a))
+
+
+def test_packed_a_odd_sizes():
+    """Ragged register tiles and K steps read from the packed buffer."""
+    _run(GemmProblem(35, 40, 63), GemmConfig.of("aCb", 7, 8, 21, pack_a=1))
+    _run(GemmProblem(13, 24, 45), GemmConfig.of("bCa", 13, 24, 9, k_step=5, pack_a=1))
+
+
+def test_long_k_default_packs_a():
+    from microkernels import isa
+
+    small_l2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)  # K x bn panel > L2 / 4
+    config = default_config(40, 64, 1024, isa.from_name("avx2"), small_l2, threads=2)
+    assert config.pack_a == 1 and config.k_step == 1 and config.spec.startswith("a")
+    _run(GemmProblem(40, 64, 1024, epilogue=BIAS_RELU), config)
+    roomy = default_config(40, 64, 1024, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+    assert roomy.pack_a is None and roomy.k_step == 1024 // roomy.bk
+
+
+def test_with_candidate_packs_under_the_outermost_k_loop():
+    from schedules.space import Candidate
+
+    packed = GemmConfig.of("acb", 8, 32, 24, pack_a=1)
+    assert packed.with_candidate(Candidate("cBCa")).pack_a == 4
+    assert packed.with_candidate(Candidate("bcaBCb")).pack_a == 3
+    assert GemmConfig.of("acb", 8, 32, 24).with_candidate(Candidate("BCa")).pack_a is None
+
+
+@pytest.mark.parametrize(
+    "spec, pack_a, message, position",
+    [
+        ("BCa", 4, "deeper than the 3 loops", 3),
+        ("BCa", 1, "splits the collapsed parallel loops", 0),
+    ],
+)
+def test_bad_pack_depth(spec, pack_a, message, position):
+    with pytest.raises(LoopSpecError, match=message) as err:
+        schedule(GemmProblem(64, 128, 96), GemmConfig.of(spec, 8, 32, 24, pack_a=pack_a))
+    assert err.value.position == position
+    with pytest.raises(ValueError, match="pack_a"):
+        GemmConfig.of(spec, 8, 32, 24, pack_a=-1)

@@ -121,6 +121,16 @@ def test_incumbent_is_retimed_with_each_batch(monkeypatch):
     assert all(batch[-1] == result.best for batch in calls[1:])  # ...which ran in every batch
 
 
+def test_incumbent_record_keeps_its_best_retiming(monkeypatch):
+    # Batch 1: the default (slow this time) and four slower candidates; batch 2: one more
+    # candidate and the default again, faster now.
+    times = iter([2.0, 3.0, 3.0, 3.0, 3.0, 3.0, 1.0])
+    _fake_measure(monkeypatch, lambda c: next(times))
+    result = tune(PROBLEM, TARGET, top_k=5)
+    default = result.measurements[0]
+    assert default.config == result.best and default.seconds == 1.0
+
+
 def test_budget_stops_after_the_first_batch(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls, delay=0.2)
@@ -242,3 +252,30 @@ def test_tune_cli_explains_convs(tmp_path, capsys):
     assert "conv2d 1x16x7x7x16x3x3/s1x1p1x1x1x1 bias_relu -> " in out
     assert "measured," in out and "model rank" not in out and "* = kept" in out
     assert main(args[:-1]) == 0 and "(database)" in capsys.readouterr().out
+
+
+def test_long_k_choices_measure_packed_and_unpacked_blockings():
+    small_l2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)
+    problem = GemmProblem(40, 64, 1024)
+    choices, _ = tuner_module._dense_choices(problem, isa.from_name("avx2"), small_l2, 2, 60)
+    default = choices[0][2]
+    assert choices[0][0] is None and default.pack_a == 1  # the long-K default comes first
+    configs = [cfg for _, _, cfg in choices]
+    assert any(c.pack_a is None and c.k_step > 1 for c in configs)  # whole K per call
+    assert any(c.pack_a is None and c.k_step == 1 for c in configs)
+    packed = [c for c in configs if c.pack_a is not None]
+    # Packed under the outermost K loop, and only where N blocks reuse the packed A.
+    assert all(c.pack_a == c.spec.lower().index("a") + 1 for c in packed)
+    assert all("c" in c.spec.lower()[c.pack_a:] for c in packed)
+    assert len(set(configs)) == len(configs)
+    # Every blocking's best loop order is measured before any blocking's second.
+    firsts = {(c.bm, c.bk, c.k_step, c.pack_a is None) for _, _, c in choices[1:4]}
+    assert len(firsts) == 3 and [rank for rank, _, _ in choices[1:4]] == [0, 0, 0]
+
+
+def test_database_keeps_packing(tmp_path):
+    config = GemmConfig.of("aCB", 8, 32, 24, pack_a=1)
+    key = TuningKey.of(PROBLEM, TARGET)
+    Database(tmp_path / "t.json").put(key, config)
+    assert Database(tmp_path / "t.json").get(key) == config
+    assert tuner_module.config_text(config).endswith("pack_a=1")

@@ -29,12 +29,8 @@ import json
 import math
 import os
 import platform
-import queue
 import shlex
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -51,6 +47,7 @@ from . import models
 from .bench_worker import IMPLS, REFERENCE, Job
 from .onnx_import import input_specs, load_onnx
 from .reference import max_errors, random_inputs
+from .workers import Worker, WorkerError
 
 __all__ = [
     "BASELINES",
@@ -313,94 +310,14 @@ def _batched_shapes(proto, batch: int) -> dict[str, list[int]] | None:
     return shapes or None
 
 
-class _WorkerError(RuntimeError):
-    """A worker died, timed out or answered nonsense."""
-
-
-class _Worker:
-    """One worker process: JSON lines in and out, stderr to a log file, killable as a group."""
-
-    def __init__(self, command: Sequence[str], job: Job, log_path: Path) -> None:
-        env = dict(os.environ)
-        threads = str(job.threads)
-        # TVM sizes its pool from TVM_NUM_THREADS when its runtime starts; OpenMP kernels
-        # follow OMP_NUM_THREADS; numpy's BLAS is not timed and must not spin beside them.
-        env.update(TVM_NUM_THREADS=threads, OMP_NUM_THREADS=threads,
-                   OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        # The worker imports the very package this harness runs from.
-        package_root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # closed in close()
-        self.proc = subprocess.Popen(
-            [*command, job.to_json()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, env=env, text=True, bufsize=1,
-            start_new_session=True,  # own process group: MetaSchedule's children die with it
-        )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
-
-    def _pump(self, stream: IO[str]) -> None:
-        for line in stream:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def receive(self, timeout: float) -> dict[str, Any]:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            self.kill()
-            raise _WorkerError(f"timed out after {timeout:.0f} s") from None
-        if line is None:
-            raise _WorkerError(self._death())
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            self.kill()
-            raise _WorkerError(f"garbled reply {line[:80]!r}") from None
-
-    def request(self, message: Mapping[str, Any], timeout: float) -> dict[str, Any]:
-        try:
-            self.proc.stdin.write(json.dumps(message) + "\n")
-            self.proc.stdin.flush()
-        except OSError:
-            raise _WorkerError(self._death()) from None
-        return self.receive(timeout)
-
-    def _death(self) -> str:
-        code = self.proc.wait()
-        if code < 0:
-            how = f"killed by {signal.Signals(-code).name}"
-        else:
-            how = f"exited with status {code}"
-        last = _last_line(self.log_path)
-        return f"worker {how}" + (f": {last}" if last else "")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"quit": true}\n')
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
-        self._log.close()
-
-
-def _last_line(path: Path, limit: int = 240) -> str:
-    try:
-        lines = [x.strip() for x in path.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        return ""
-    return lines[-1][:limit] if lines else ""
+def _start_worker(cfg: BenchConfig, job: Job, log_path: Path) -> Worker:
+    """Start ``job``'s worker with the thread-count variables set."""
+    threads = str(job.threads)
+    # TVM sizes its pool from TVM_NUM_THREADS when its runtime starts; OpenMP kernels
+    # follow OMP_NUM_THREADS; numpy's BLAS is not timed and must not spin beside them.
+    env = {"TVM_NUM_THREADS": threads, "OMP_NUM_THREADS": threads,
+           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return Worker([*cfg.worker_command, job.to_json()], log_path, env)
 
 
 @dataclass
@@ -408,7 +325,7 @@ class _Timed:
     """A live worker being timed and what it reported at setup."""
 
     impl: str
-    worker: _Worker
+    worker: Worker
     answer: dict[str, Any]
     number: int
     repeats: int
@@ -493,10 +410,10 @@ def _job(cfg: BenchConfig, case: _Case, impl: str) -> Job:
 def _reference(cfg: BenchConfig, case: _Case) -> tuple[list[np.ndarray] | None, str | None]:
     """ONNX Runtime's outputs, computed in a worker of their own."""
     job = _job(cfg, case, REFERENCE)
-    worker = _Worker(cfg.worker_command, job, case.run_dir / "logs" / f"{REFERENCE}.log")
+    worker = _start_worker(cfg, job, case.run_dir / "logs" / f"{REFERENCE}.log")
     try:
         answer = worker.receive(cfg.timeout)
-    except _WorkerError as err:
+    except WorkerError as err:
         return None, str(err)
     finally:
         worker.close()
@@ -516,11 +433,11 @@ def _bench_case(cfg: BenchConfig, case: _Case, progress: _Progress) -> list[Row]
     try:
         for impl in cfg.impls:
             progress.step(f"{case.title}: building {impl}")
-            worker = _Worker(cfg.worker_command, _job(cfg, case, impl),
+            worker = _start_worker(cfg, _job(cfg, case, impl),
                              case.run_dir / "logs" / f"{impl}.log")
             try:
                 answer = worker.receive(cfg.timeout)
-            except _WorkerError as err:
+            except WorkerError as err:
                 worker.close()
                 rows[impl] = Row(**base, impl=impl, status="error", error=str(err))
                 continue
@@ -576,7 +493,7 @@ def _time_round_robin(cfg: BenchConfig, case: _Case, live: list[_Timed],
             try:
                 reply = timed.worker.request({"number": timed.number, "warmup": timed.warmup},
                                              timeout=max(120.0, 10 * expected))
-            except _WorkerError as err:
+            except WorkerError as err:
                 timed.failure = str(err)
                 continue
             if not reply.get("ok") or reply.get("seconds") is None:

@@ -13,23 +13,33 @@
 - ``metaschedule`` — TVM's default MetaSchedule space on the plain matmul, ``--ms-trials``
   trials, one database per shape and thread count in the work directory (reused when warm).
 
-Every (implementation, threads) pair runs in its own worker process (``python -m
-tvm_tpp.bench_gemm JOB``), and the whole sequence of workers runs ``--rounds`` times (default
-3; ``tvm-default``, a hundred times slower than the rest, only in the first): a row's GFLOPS
-is its best round (each round's figure is in ``gflops_rounds``), so a minute of load from
-elsewhere that hits one implementation's worker does not decide the comparison.  Later rounds
-reuse the tuning databases; a row keeps its first round's tuning time and notes.  Workers run
-with ``TVM_NUM_THREADS``/``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` set before anything
-loads: TVM's and OpenBLAS's thread pools disturb each other in one process.
-Pre-packing the weights for ``tpp`` (``Wp[N/bn, K, bn]``) is outside the timing, as for a
-model's constant weights.  Timing: TVM's ``time_evaluator`` (a Python loop for numpy); the
-fastest of many short samples (each at least 1 ms, as many as fit in about 2 s, at least
-``--repeat`` unless that exceeds 10 s, at most 200), since interference only slows a run
-down and a short sample is the likeliest to run undisturbed on a shared machine.  The 1-minute
-load average before and after the run is reported: a loaded machine distorts 2-thread numbers
-most.  ``fraction_of_peak`` divides by ``threads x`` the single-core fp32 FMA peak measured by
-:mod:`microkernels.peak` in its own worker at the start of every round (the fastest kept);
-``max_abs_err`` is against numpy in float64.
+Each implementation runs in a persistent worker process of its own (``python -m
+tvm_tpp.bench_gemm JOB``, protocol in :func:`run_bench`), with ``TVM_NUM_THREADS``,
+``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` set to the thread count
+before anything loads: TVM's and OpenBLAS's thread pools disturb each other in one process.
+Per thread count:
+
+1. preparation, one worker after another (never overlapping another's work): the worker
+   builds every shape (``tpp-tuned`` and ``metaschedule`` tune first), checks it against
+   numpy in float64 (``max_abs_err``) and keeps it, operands included, in memory;
+2. the single-core fp32 FMA peak is measured by :mod:`microkernels.peak` in a one-shot
+   worker (the fastest over the thread counts is kept);
+3. timing, shape by shape: ``--rounds`` rounds (default 5) in which every worker that
+   prepared the shape is asked, in turn, for one measurement, after a 0.3 s pause (idle TVM
+   and OpenBLAS threads spin after a run); who goes first rotates each round and the order
+   reverses every other round.  ``tvm-default``, a hundred times slower than the rest, is
+   timed in the first round only.
+
+Alternating sample batch by sample batch means a minute of load from elsewhere hits every
+implementation alike instead of deciding the comparison: a row's GFLOPS is its best round
+(each round's figure is in ``gflops_rounds``; an error row has none).  A measurement is the
+fastest of short samples (each at least 1 ms, as many as fit in about 0.4 s, at least
+``--repeat`` unless that exceeds 10 s, at most 200; TVM's ``time_evaluator``, a Python loop
+for numpy), since interference only slows a run down.  Pre-packing the weights for ``tpp``
+(``Wp[N/bn, K, bn]``) is outside the timing, as for a model's constant weights.  A worker
+that dies or times out gives error rows for the shapes it did not finish.
+``fraction_of_peak`` divides by ``threads x`` the peak.  The 1-minute load average before and
+after the run is reported: a loaded machine distorts 2-thread numbers most.
 
 Examples
 --------
@@ -43,7 +53,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -51,6 +60,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from .workers import Worker, WorkerError
 
 __all__ = [
     "IMPLS",
@@ -84,8 +95,8 @@ PEAK = "peak"
 ROW_KEYS = ("m", "n", "k", "threads", "impl", "gflops", "fraction_of_peak", "tune_seconds",
             "max_abs_err", "note", "gflops_rounds")
 _MIN_SAMPLE_SECONDS = 1e-3
-#: Seconds of timed samples per measurement (at least ``repeat`` samples).
-_SAMPLE_BUDGET = 2.0
+#: Seconds of timed samples per measurement, i.e. per round (at least ``repeat`` samples).
+_SAMPLE_BUDGET = 0.4
 _MAX_SAMPLES = 200
 #: Most seconds spent on the samples of a slow run (one sample at least).
 _SLOW_BUDGET = 10.0
@@ -250,7 +261,8 @@ def _tpp_build(m: int, n: int, k: int, config, target, x, w, **details: Any) -> 
                                       batch=config.k_step, isa=isa.name))
     steps = dict(config.candidate.block_steps)
     note = (f"{kernel} kernel, bm x bn x bk x k_step {config.bm}x{config.bn}x{config.bk}"
-            f"x{config.k_step} {config.spec}{' ' + str(steps) if steps else ''}")
+            f"x{config.k_step} {config.spec}{' ' + str(steps) if steps else ''}"
+            f"{'' if config.pack_a is None else f' A packed at depth {config.pack_a}'}")
     details["note"] = "; ".join(filter(None, (details.get("note"), note)))
     return _tvm_prepared(executable, _tpp_args(x, w, config.bn), **details)
 
@@ -433,19 +445,30 @@ def _best_seconds(prepared: _Prepared, first: float, repeat: int) -> float:
     return min(prepared.timer(number, samples))
 
 
-def _measure(job: Job, m: int, n: int, k: int, send) -> dict[str, Any]:
+def _row(impl: str, threads: int, m: int, n: int, k: int, **values: Any) -> dict[str, Any]:
+    """A row of :data:`ROW_KEYS`, all None but the given values."""
+    row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
+    row.update(m=m, n=n, k=k, threads=threads, impl=impl, **values)
+    return row
+
+
+def _prepare_shape(job: Job, m: int, n: int, k: int, send
+                   ) -> tuple[dict[str, Any], _Prepared | None, float | None]:
+    """Build (and tune) one shape, check it against numpy in float64, time one run.
+
+    Returns the row without GFLOPS, what to time (None if skipped) and one run's seconds.
+    """
     import numpy as np
 
-    row: dict[str, Any] = dict.fromkeys(ROW_KEYS)
-    row.update(m=m, n=n, k=k, threads=job.threads, impl=job.impl)
+    row = _row(job.impl, job.threads, m, n, k)
     x, w = _operands(m, n, k, job.seed)
     try:
         send({"step": "build", "shape": [m, n, k]})
         prepared = _PREPARE[job.impl](job, m, n, k, x, w, send)
     except _Skipped as skip:
         row["note"] = str(skip)
-        return row
-    send({"step": "time", "shape": [m, n, k]})
+        return row, None, None
+    send({"step": "check", "shape": [m, n, k]})
     start = time.perf_counter()
     out = np.asarray(prepared.run())
     first = time.perf_counter() - start
@@ -453,12 +476,11 @@ def _measure(job: Job, m: int, n: int, k: int, send) -> dict[str, Any]:
     row["max_abs_err"] = float(np.max(np.abs(out - reference)))
     if first < 1.0:  # the first run pays one-off costs (pages, thread start-up): probe again
         first = min(prepared.timer(1, 3))
-    row["gflops"] = 2 * m * n * k / _best_seconds(prepared, first, job.repeat) / 1e9
     row["tune_seconds"] = prepared.tune_seconds
     row["note"] = prepared.note or None
     if job.explain and prepared.explain is not None:
         row["explain"] = prepared.explain
-    return row
+    return row, prepared, first
 
 
 def _send(channel: IO[str], message: dict[str, Any]) -> None:
@@ -472,7 +494,7 @@ def _reason(err: BaseException) -> str:
 
 
 def worker_main(argv: Sequence[str]) -> int:
-    """Serve one :class:`Job`: JSON lines ``{"step"}``, ``{"row"}`` or ``{"peak"}`` on stdout."""
+    """Serve one :class:`Job` over JSON lines (the protocol is in :func:`run_bench`)."""
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # library prints (MetaSchedule's logs) go to the log, not the protocol
 
@@ -491,15 +513,32 @@ def worker_main(argv: Sequence[str]) -> int:
             traceback.print_exc()
             send({"peak": None, "reason": _reason(err)})
         return 0
-    for m, n, k in job.shapes:
+    ready: dict[int, tuple[_Prepared, float]] = {}
+    for index, (m, n, k) in enumerate(job.shapes):
+        first = None
         try:
-            row = _measure(job, m, n, k, send)
+            row, prepared, first = _prepare_shape(job, m, n, k, send)
+            if prepared is not None and first is not None:
+                ready[index] = (prepared, first)
         except Exception as err:
             traceback.print_exc()
-            row = dict.fromkeys(ROW_KEYS)
-            row.update(m=m, n=n, k=k, threads=job.threads, impl=job.impl,
-                       note=f"error: {_reason(err)}")
-        send({"row": row})
+            row = _row(job.impl, job.threads, m, n, k, note=f"error: {_reason(err)}")
+        send({"prepared": index, "row": row,
+               "run_seconds": first if index in ready else None})
+    send({"ready": True})
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            if request.get("quit"):
+                break
+            index = int(request["time"])
+            if index not in ready:
+                raise ValueError(f"shape {index} was not prepared")
+            prepared, first = ready[index]
+            send({"seconds": _best_seconds(prepared, first, job.repeat)})
+        except Exception as err:
+            traceback.print_exc()
+            send({"error": _reason(err)})
     return 0
 
 
@@ -507,9 +546,18 @@ def worker_main(argv: Sequence[str]) -> int:
 # Harness side.
 
 
+def _worker_command() -> tuple[str, ...]:
+    return (sys.executable, "-m", "tvm_tpp.bench_gemm")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
-    """Options of one ``bench-gemm`` run (see :func:`add_arguments`)."""
+    """Options of one ``bench-gemm`` run (see :func:`add_arguments`).
+
+    ``pause`` is the quiet before each timing request (idle TVM and OpenBLAS threads spin
+    after a run), ``timeout`` the longest a worker may stay silent while it prepares, and
+    ``worker_command`` the worker's command line (the job's JSON is appended).
+    """
 
     shapes: tuple[tuple[int, int, int], ...] = DEFAULT_SHAPES
     threads: tuple[int, ...] = (1, 2)
@@ -522,7 +570,10 @@ class BenchConfig:
     seed: int = 0
     tvm_default_limit: float = TVM_DEFAULT_LIMIT
     tune_budget: float | None = None
-    rounds: int = 3
+    rounds: int = 5
+    pause: float = 0.3
+    timeout: float = 3600.0
+    worker_command: tuple[str, ...] = field(default_factory=_worker_command)
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -533,35 +584,83 @@ class BenchConfig:
                              f"{', '.join(IMPLS)}")
         if not self.threads:
             raise ValueError("no thread counts given")
+        if self.pause < 0:
+            raise ValueError(f"pause must be >= 0, got {self.pause}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {self.timeout}")
         Job("tpp", min(self.threads), [], "", self.repeat, self.top_k, self.ms_trials,
             tvm_default_limit=self.tvm_default_limit, tune_budget=self.tune_budget)
 
+    def job(self, impl: str, threads: int) -> Job:
+        """The :class:`Job` of ``impl``'s worker at ``threads``."""
+        return Job(impl, threads, [list(s) for s in self.shapes], str(self.work_dir),
+                   self.repeat, self.top_k, self.ms_trials, self.explain, self.seed,
+                   self.tvm_default_limit, self.tune_budget)
 
-def _worker(job: Job, log: Path, on_message: Callable[[dict], None]) -> None:
-    """Run ``job`` in a fresh process with the thread-count variables set."""
-    env = dict(os.environ)
-    for var in ("TVM_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(1 if job.impl == PEAK else job.threads)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tvm_tpp.bench_gemm", job.to_json()],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                on_message(json.loads(line))
-            proc.wait()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    if proc.returncode:
-        on_message({"crashed": f"worker exited with status {proc.returncode}; log {log}"})
+    def planned_rounds(self, impl: str) -> int:
+        """Rounds ``impl`` is timed in: ``tvm-default``, a hundred times slower, only one."""
+        return 1 if impl == "tvm-default" else self.rounds
+
+
+def _start(config: BenchConfig, job: Job, log: Path) -> Worker:
+    """Start ``job``'s worker with the thread-count variables set before anything loads."""
+    # Every pool the timed library may use gets the job's threads (numpy's OpenBLAS is timed
+    # here); the FMA-peak probe is single-core.
+    threads = str(1 if job.impl == PEAK else job.threads)
+    env = dict.fromkeys(("TVM_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                         "MKL_NUM_THREADS"), threads)
+    return Worker([*config.worker_command, job.to_json()], log, env)
+
+
+@dataclass
+class _Impl:
+    """One implementation's persistent worker at one thread count, and its rows so far."""
+
+    name: str
+    log: Path
+    rows: list[dict[str, Any]]  # per shape: the preparation's row (no GFLOPS yet)
+    run_seconds: list[float | None] = field(init=False)  # per shape; None = not to be timed
+    figures: list[list[float]] = field(init=False)  # per shape: GFLOPS of each round
+    prepared: int = 0  # shapes the worker has reported on
+    worker: Worker | None = None
+
+    def __post_init__(self) -> None:
+        self.run_seconds = [None] * len(self.rows)
+        self.figures = [[] for _ in self.rows]
+
+    def drop(self, index: int, note: str) -> None:
+        """Shape ``index`` failed: an error row, not timed again."""
+        self.rows[index]["note"] = note
+        self.run_seconds[index] = None
+
+    def fail(self, first: int, note: str) -> None:
+        """The worker is gone: error rows from shape ``first`` on, unless skipped or failed
+        already."""
+        if self.worker is not None:
+            self.worker.kill()
+            self.worker.close()
+            self.worker = None
+        for index in range(first, len(self.rows)):
+            if index >= self.prepared or self.run_seconds[index] is not None:
+                self.drop(index, note)
+
+    def final_rows(self, config: BenchConfig) -> list[dict[str, Any]]:
+        """Rows with ``gflops`` the best round and ``gflops_rounds`` one entry per planned
+        round (None where not timed); error rows have no GFLOPS."""
+        rows = []
+        for row, figures in zip(self.rows, self.figures, strict=True):
+            padded: list[float | None] = [*figures]
+            padded += [None] * (config.planned_rounds(self.name) - len(figures))
+            failed = (row["note"] or "").startswith("error")
+            rows.append({**row, "gflops": None if failed or not figures else max(figures),
+                         "gflops_rounds": padded})
+        return rows
 
 
 @dataclass
 class BenchResult:
-    """Rows (see :data:`ROW_KEYS`), the measured peak (None if unknown), workers' wall times."""
+    """Rows (see :data:`ROW_KEYS`), the measured peak (None if unknown) and wall times
+    (``impl/tN``: that worker's preparation; ``timing/tN``: the alternating timing)."""
 
     rows: list[dict]
     peak: dict | None
@@ -570,8 +669,116 @@ class BenchResult:
     load_average: tuple[float, float] | None = None
 
 
+class _Bar:
+    """The rich progress bar on stderr (refreshed once a second: it shares the CPUs)."""
+
+    def __init__(self, progress: Any, total: int) -> None:
+        self.progress = progress
+        self.task = progress.add_task("starting", total=total)
+
+    def say(self, text: str) -> None:
+        self.progress.update(self.task, description=text)
+
+    def advance(self, units: int = 1) -> None:
+        self.progress.advance(self.task, units)
+
+
+def _prepare(config: BenchConfig, impl: _Impl, threads: int, bar: _Bar) -> None:
+    """Start ``impl``'s worker and wait until it has prepared every shape (or failed)."""
+    impl.worker = _start(config, config.job(impl.name, threads), impl.log)
+    bar.say(f"t{threads}: preparing {impl.name}")
+    while True:
+        try:
+            message = impl.worker.receive(config.timeout)
+        except WorkerError as err:
+            bar.advance(len(impl.rows) - impl.prepared)
+            impl.fail(impl.prepared, f"error: during preparation: {err}; log {impl.log}")
+            return
+        if "step" in message:
+            m, n, k = message["shape"]
+            bar.say(f"t{threads}: preparing {impl.name} {m}x{n}x{k}: {message['step']}")
+        elif "prepared" in message:
+            index = int(message["prepared"])
+            impl.rows[index] = message["row"]
+            seconds = message.get("run_seconds")
+            impl.run_seconds[index] = float(seconds) if seconds is not None else None
+            impl.prepared = index + 1
+            bar.advance()
+        elif message.get("ready"):
+            break
+    if all(seconds is None for seconds in impl.run_seconds):  # nothing to time: free it now
+        impl.worker.close()
+        impl.worker = None
+
+
+def _peak(config: BenchConfig, log: Path) -> dict[str, Any]:
+    """One message of the one-shot FMA-peak worker (``{"crashed": reason}`` if it failed)."""
+    worker = _start(config, Job(PEAK, 1, [], str(config.work_dir)), log)
+    try:
+        return worker.receive(config.timeout)
+    except WorkerError as err:
+        return {"crashed": str(err)}
+    except BaseException:
+        worker.kill()
+        raise
+    finally:
+        worker.close()
+
+
+def _time_shape(config: BenchConfig, index: int, impls: list[_Impl], threads: int,
+                bar: _Bar) -> None:
+    """``config.rounds`` alternating rounds of one timed measurement per live worker."""
+    m, n, k = config.shapes[index]
+    for round_ in range(config.rounds):
+        present = [i for i in impls if round_ < config.planned_rounds(i.name)]
+        if not present:
+            continue
+        # Rotate who goes first, and reverse every other round: a rotation alone keeps each
+        # implementation behind the same neighbour, whose threads may still be spinning.
+        shift = round_ % len(present)
+        order = present[shift:] + present[:shift]
+        for impl in (order if round_ % 2 == 0 else order[::-1]):
+            bar.advance()
+            run_seconds = impl.run_seconds[index]
+            if impl.worker is None or run_seconds is None:  # gone, skipped or failed
+                continue
+            bar.say(f"t{threads}: timing {m}x{n}x{k}, round {round_ + 1}/{config.rounds}: "
+                    f"{impl.name}")
+            when = f"timing round {round_ + 1}"
+            time.sleep(config.pause)
+            try:
+                # One measurement takes at most about _SLOW_BUDGET or one run.
+                reply = impl.worker.request({"time": index},
+                                            timeout=120.0 + 10 * run_seconds)
+            except WorkerError as err:
+                impl.fail(index, f"error: {when}: {err}; log {impl.log}")
+                continue
+            seconds = reply.get("seconds")
+            if isinstance(seconds, (int, float)) and seconds > 0:
+                impl.figures[index].append(2 * m * n * k / seconds / 1e9)
+            elif "error" in reply:
+                impl.drop(index, f"error: {when}: {reply['error']}; log {impl.log}")
+            else:
+                impl.fail(index, f"error: {when}: unexpected reply {str(reply)[:80]}")
+
+
 def run_bench(config: BenchConfig, progress: bool = True) -> BenchResult:
-    """Measure every (shape, threads, impl), one worker process per (impl, threads)."""
+    """Measure every (shape, threads, impl) with persistent workers, alternating.
+
+    Per thread count, one worker per implementation (``python -m tvm_tpp.bench_gemm JOB``)
+    prepares every shape, one worker after another; then per shape and round each live
+    worker is asked for one measurement in turn.  The protocol, JSON lines:
+
+    - worker -> harness while preparing: ``{"step": text, "shape": [m, n, k]}`` (progress),
+      ``{"prepared": index, "row": row, "run_seconds": s}`` per shape (``row`` without
+      GFLOPS; ``run_seconds`` None when the shape is skipped or failed), then
+      ``{"ready": true}``;
+    - then harness -> worker ``{"time": index}``, answered ``{"seconds": s}`` (the fastest
+      sample's seconds per run) or ``{"error": reason}``; ``{"quit": true}`` ends it;
+    - the ``peak`` job sends one ``{"peak": {...}}`` (or ``{"peak": null, "reason": ...}``).
+
+    A worker that dies or times out gives error rows for the shapes it did not finish.
+    """
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -586,59 +793,51 @@ def run_bench(config: BenchConfig, progress: bool = True) -> BenchResult:
     load_before = os.getloadavg()[0]
     peak: dict | None = None
     peak_error = "the peak worker sent nothing"
-    rounds: list[dict] = []
+    rows: list[dict] = []
     walls: dict[str, float] = {}
-    later = [impl for impl in config.impls if impl != "tvm-default"]
-    units = len(config.shapes) * len(config.threads) * (
-        len(config.impls) + (config.rounds - 1) * len(later))
+    shapes = len(config.shapes)
+    units = len(config.threads) * (1 + shapes * (len(config.impls) + sum(
+        config.planned_rounds(impl) for impl in config.impls)))
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
-        task = bar.add_task("measuring the FMA peak", total=units)
-
-        def on_peak(message: dict) -> None:
-            # Each round measures it again; the fastest is the peak, as for the kernels.
-            nonlocal peak, peak_error
-            found = message.get("peak")
-            if found and (peak is None or found["gflops_per_core"] > peak["gflops_per_core"]):
-                peak = found
-            elif not found:
-                peak_error = message.get("reason") or message.get("crashed")
-
-        for round_ in range(config.rounds):
-            _worker(Job(PEAK, 1, [], str(config.work_dir)), logs / "bench_gemm_peak.log",
-                    on_peak)
-            for threads, impl in ((t, i) for t in config.threads
-                                  for i in (config.impls if round_ == 0 else later)):
-                job = Job(impl, threads, [list(s) for s in config.shapes], str(config.work_dir),
-                          config.repeat, config.top_k, config.ms_trials, config.explain,
-                          config.seed, config.tvm_default_limit, config.tune_budget)
-                pending = list(config.shapes)
-
-                def on_message(message: dict, impl=impl, threads=threads, pending=pending,
-                               round_=round_) -> None:
-                    if "step" in message:
-                        m, n, k = message["shape"]
-                        bar.update(task, description=f"round {round_ + 1}: {impl} t{threads} "
-                                                     f"{m}x{n}x{k}: {message['step']}")
-                    elif "row" in message:
-                        rounds.append(message["row"])
-                        pending.pop(0)
-                        bar.advance(task)
-                    elif "crashed" in message:
-                        for m, n, k in pending:
-                            row = dict.fromkeys(ROW_KEYS)
-                            row.update(m=m, n=n, k=k, threads=threads, impl=impl,
-                                       note=f"error: {message['crashed']}")
-                            rounds.append(row)
-                            bar.advance(task)
-                        pending.clear()
-
+    with Progress(*columns, console=Console(stderr=True), disable=not progress,
+                  refresh_per_second=1) as display:
+        bar = _Bar(display, units)
+        for threads in config.threads:
+            impls: list[_Impl] = []
+            try:
+                for name in config.impls:
+                    impl = _Impl(name, logs / f"bench_gemm_{name}_t{threads}.log",
+                                 [_row(name, threads, *s) for s in config.shapes])
+                    impls.append(impl)
+                    start = time.perf_counter()
+                    _prepare(config, impl, threads, bar)
+                    walls[f"{name}/t{threads}"] = time.perf_counter() - start
+                # Each thread count measures the peak again; the fastest is the peak, as for
+                # the kernels.
+                bar.say(f"t{threads}: measuring the FMA peak")
+                message = _peak(config, logs / f"bench_gemm_peak_t{threads}.log")
+                bar.advance()
+                found = message.get("peak")
+                if found and (peak is None or found["gflops_per_core"] > peak["gflops_per_core"]):
+                    peak = found
+                elif not found:
+                    peak_error = message.get("reason") or message.get("crashed") or peak_error
                 start = time.perf_counter()
-                _worker(job, logs / f"bench_gemm_{impl}_t{threads}.log", on_message)
-                walls[f"{impl}/t{threads}"] = (walls.get(f"{impl}/t{threads}", 0.0)
-                                               + time.perf_counter() - start)
-    rows = merge_rounds(rounds)
+                for index in range(shapes):
+                    _time_shape(config, index, impls, threads, bar)
+                walls[f"timing/t{threads}"] = time.perf_counter() - start
+            except BaseException:  # Ctrl-C or a bug: do not wait for busy workers
+                for impl in impls:
+                    if impl.worker is not None:
+                        impl.worker.kill()
+                raise
+            finally:
+                for impl in impls:
+                    if impl.worker is not None:
+                        impl.worker.close()
+            for impl in impls:
+                rows += impl.final_rows(config)
     if peak is not None:
         for row in rows:
             if row["gflops"] is not None:
@@ -650,27 +849,6 @@ def run_bench(config: BenchConfig, progress: bool = True) -> BenchResult:
                              order[r["impl"]]))
     return BenchResult(rows, peak, walls, None if peak else peak_error,
                        (load_before, os.getloadavg()[0]))
-
-
-def merge_rounds(rounds: Sequence[dict]) -> list[dict]:
-    """One row per (shape, threads, impl): its first round's row with the best round's
-    GFLOPS, and every round's figure in ``gflops_rounds``.
-
-    Examples
-    --------
-    >>> a = {"m": 1, "n": 1, "k": 1, "threads": 1, "impl": "tpp", "gflops": 2.0, "note": "x"}
-    >>> merge_rounds([a, {**a, "gflops": 3.0, "note": "y"}])[0]
-    {'m': 1, 'n': 1, 'k': 1, 'threads': 1, 'impl': 'tpp', 'gflops': 3.0, 'note': 'x', \
-'gflops_rounds': [2.0, 3.0]}
-    """
-    merged: dict[tuple, dict] = {}
-    for row in rounds:
-        key = (row["m"], row["n"], row["k"], row["threads"], row["impl"])
-        first = merged.setdefault(key, {**row, "gflops_rounds": []})
-        first["gflops_rounds"].append(row["gflops"])
-        timed = [g for g in first["gflops_rounds"] if g is not None]
-        first["gflops"] = max(timed) if timed else None
-    return list(merged.values())
 
 
 def summary(rows: Sequence[dict]) -> list[dict]:
@@ -768,7 +946,8 @@ def print_report(result: BenchResult, explain: bool = False) -> None:
                           f"top 5 within {100 * MARGIN:g} % of it: "
                           f"{'yes' if ex.get('top5_within_margin') else 'no'}")
     walls = ", ".join(f"{key} {seconds:.0f} s" for key, seconds in result.wall_seconds.items())
-    console.print(f"worker wall times: {walls}")
+    console.print(f"wall times (impl/tN: preparing that worker; timing/tN: the alternating "
+                  f"rounds): {walls}")
     if result.load_average is not None:
         before, after = result.load_average
         console.print(f"1-minute load average: {before:.1f} before, {after:.1f} after "
@@ -827,8 +1006,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", default="tvm_tpp_work",
                         help="tuning databases and worker logs (reused by later runs)")
     parser.add_argument("--repeat", type=int, default=10, help="timed samples per measurement")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="times every worker runs; a row keeps its best round")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternating rounds per shape; a row keeps its best")
     parser.add_argument("--seed", type=int, default=0, help="seed of the operands and tuning")
     parser.add_argument("--json", help="write the rows as a JSON list")
     parser.add_argument("--plot", help="write grouped GFLOPS bars (PNG)")
