@@ -50,7 +50,7 @@ from . import batch_gemm, conv
 from .batch_gemm import BatchGemmConfig, BatchGemmProblem
 from .blocking import default_config, long_k_config, whole_k_config
 from .conv import ConvConfig, ConvProblem
-from .cost_model import rank
+from .cost_model import predict, rank
 from .gemm import GemmConfig, GemmProblem
 from .gemm import schedule as gemm_schedule
 from .space import Candidate, generate
@@ -135,7 +135,8 @@ def _blockings(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads
 
 def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int,
                    max_candidates: int) -> tuple[list[Choice], int]:
-    """The default, then the model's best loop orders of every blocking in turn.
+    """The default, then the model's best loop orders of every blocking in turn, each with
+    its model rank (the default's too).
 
     The model ranks the loop orders of one blocking; it does not see packing, so it cannot
     rank blockings against each other: each gets its share of the measurements, and a
@@ -155,11 +156,25 @@ def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, thr
         families.append([(cycles, cfg) for cycles, cfg in ranked if cfg.pack_a is None
                          or "c" in cfg.spec.lower()[cfg.pack_a:]])
     default = blockings[0]
-    choices: list[Choice] = [(None, None, default)]
+    choices: list[Choice] = [(*_model_rank(default, families[0], problem, caches, threads, peak),
+                              default)]
     for n in range(max(map(len, families))):
         choices += [(n, family[n][0], family[n][1]) for family in families
                     if n < len(family) and family[n][1] != default]
     return choices, sum(map(len, families))
+
+
+def _model_rank(config: GemmConfig, family: list[tuple[float, GemmConfig]],
+                problem: GemmProblem, caches: _isa.Caches, threads: int, peak: float
+                ) -> tuple[int, float]:
+    """``config``'s rank and predicted cycles among ``family`` (the ranked candidates of its
+    blocking), predicted now if the sampled space left it out."""
+    for n, (cycles, cfg) in enumerate(family):
+        if cfg == config:
+            return n, cycles
+    cycles = predict(config.candidate, config.blocked(problem), caches, threads,
+                     peak_flops_per_cycle=peak)
+    return sum(c < cycles for c, _ in family), cycles
 
 
 def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:
@@ -340,7 +355,8 @@ class Database:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One candidate: the model's rank and prediction (None when unranked), what it measured."""
+    """One candidate: the model's rank within its blocking and prediction (None when
+    unranked), what it measured."""
 
     config: Config
     model_rank: int | None
@@ -378,6 +394,9 @@ MARGIN = 0.02
 #: Seconds of samples per candidate per round (at least one run each).
 _ROUND_SECONDS = 0.05
 _ROUNDS = 3
+#: Rounds and seconds per round of the final duel of the winner with the default.
+_CONFIRM_ROUNDS = 5
+_CONFIRM_SECONDS = 0.1
 
 
 def _error(err: Exception) -> str:
@@ -470,10 +489,10 @@ def time_interleaved(runs: list[Callable[[], None]], rounds: int = _ROUNDS,
     return best
 
 
-def measure(problem: Problem, configs: list[Config], target: Target, isa: str
-            ) -> list[float | str]:
-    """Build ``configs`` together and time them interleaved: seconds of one run, or the
-    error of a candidate that could not be built."""
+def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
+            rounds: int = _ROUNDS, round_seconds: float = _ROUND_SECONDS) -> list[float | str]:
+    """Build ``configs`` together and time them interleaved (see :func:`time_interleaved`):
+    seconds of one run, or the error of a candidate that could not be built."""
     scheduled = _scheduled(problem, configs, isa)
     built = _compile(scheduled, target)
     out: list[float | str] = list(built)  # type: ignore[arg-type]
@@ -482,7 +501,8 @@ def measure(problem: Problem, configs: list[Config], target: Target, isa: str
         return out
     arguments = _arguments([scheduled[i] for i in timed])  # type: ignore[misc]
     seconds = time_interleaved([functools.partial(built[i], *args)  # type: ignore[arg-type]
-                                for i, args in zip(timed, arguments, strict=True)])
+                                for i, args in zip(timed, arguments, strict=True)],
+                               rounds, round_seconds)
     for i, t in zip(timed, seconds, strict=True):
         out[i] = t
     return out
@@ -503,7 +523,8 @@ def tune(
     The default configuration and the next candidates (the model's best for a dense GEMM,
     the template's list for a conv or batch GEMM) are built :data:`BATCH` at a time and timed
     interleaved with the best so far; a candidate replaces it only when :data:`MARGIN`
-    faster, so tuning never keeps a configuration that merely measured lucky over the
+    faster, and the final winner must beat the default by that margin once more in a longer
+    duel, so tuning does not keep a configuration that merely measured lucky over the
     default.
 
     Parameters
@@ -575,6 +596,11 @@ def tune(
     if incumbent is None:
         raise RuntimeError(f"no candidate could be built for {key.text()}: "
                            f"{measurements[0].error}")
+    default = measurements[0]
+    spent = time.perf_counter() - start
+    if incumbent is not default and default.seconds is not None and (
+            budget_seconds is None or spent * (1 + 2 / len(measurements)) <= budget_seconds):
+        incumbent = _confirm(problem, target, isa.name, measurements, incumbent)
     seconds = time.perf_counter() - start
     if database is not None:
         database.put(key, incumbent.config, gflops=incumbent.gflops(problem),
@@ -582,6 +608,23 @@ def tune(
                      measured=[m.to_json() for m in measurements])
     return TuneResult(incumbent.config, cached=False, tune_seconds=seconds,
                       measurements=tuple(measurements), candidates=generated)
+
+
+def _confirm(problem: Problem, target: Target, isa: str, measurements: list[Measurement],
+             winner: Measurement) -> Measurement:
+    """The winner if it beats the default (``measurements[0]``) by :data:`MARGIN` again,
+    head to head over more rounds, else the default; both records keep their best times.
+
+    A batch's short timing can flatter one candidate by more than the margin on a shared
+    machine; this last duel keeps such luck from replacing the default."""
+    at = measurements.index(winner)
+    again = measure(problem, [measurements[0].config, winner.config], target, isa,
+                    rounds=_CONFIRM_ROUNDS, round_seconds=_CONFIRM_SECONDS)
+    if not all(isinstance(t, float) for t in again):
+        return winner
+    for i, t in ((0, again[0]), (at, again[1])):
+        measurements[i] = replace(measurements[i], seconds=min(measurements[i].seconds, t))
+    return measurements[at if again[1] < again[0] * (1 - MARGIN) else 0]
 
 
 @dataclass

@@ -67,12 +67,15 @@ def test_explain_relates_model_ranks_to_measurements(bench):
     for r in tuned:
         ex = r["explain"]
         ranks = [m["model_rank"] for m in ex["measured"]]
-        # The default first, then the model's top 2 other than the default.
-        assert ranks[0] is None and len(ranks) == 3 and ranks[1] < ranks[2] <= 3
+        # The default first (with its own model rank), then the model's top 2 other than it.
+        assert [m["default"] for m in ex["measured"]] == [True, False, False]
+        assert len(ranks) == 3 and ranks[1] < ranks[2] <= 3 and ranks[0] not in ranks[1:]
         best = max((m for m in ex["measured"] if m["gflops"]), key=lambda m: m["gflops"])
         assert ex["best_model_rank"] == best["model_rank"]
-        assert ex["best_in_model_top5"] == (best["model_rank"] is not None)
-        top5 = [m["gflops"] for m in ex["measured"] if m["model_rank"] and m["gflops"]]
+        assert ex["best_in_model_top5"] == (best["model_rank"] is not None
+                                            and best["model_rank"] <= 5)
+        top5 = [m["gflops"] for m in ex["measured"]
+                if m["model_rank"] and m["model_rank"] <= 5 and m["gflops"]]
         assert ex["top5_within_margin"] == (max(top5) >= best["gflops"] * (1 - MARGIN))
     assert all("explain" not in r for r in rows if r["impl"] != "tpp-tuned")
 

@@ -87,7 +87,7 @@ def _fake_measure(monkeypatch, seconds_of, calls=None, delay=0.0):
     """Replace building and timing by ``seconds_of(config)``; record each batch's configs."""
     import time
 
-    def fake(problem, configs, target, isa):
+    def fake(problem, configs, target, isa, **_):
         if calls is not None:
             calls.append(list(configs))
         time.sleep(delay)
@@ -111,6 +111,19 @@ def test_candidate_must_beat_default_by_margin(monkeypatch, speedup, wins):
     _fake_measure(monkeypatch, seconds_of)
     result = tune(PROBLEM, TARGET, top_k=6)
     assert result.best == (picked[0] if wins else default)
+
+
+@pytest.mark.parametrize("duel, wins", [((1.0, 0.995), False), ((1.0, 0.9), True)])
+def test_winner_must_beat_the_default_again_in_a_final_duel(monkeypatch, duel, wins):
+    calls = []
+    times = iter([1.0, 0.9, 1.0, 1.0, 1.0, *duel])  # one batch, then the duel
+    _fake_measure(monkeypatch, lambda c: next(times), calls)
+    result = tune(PROBLEM, TARGET, top_k=4)
+    winner, default = calls[0][1], calls[0][0]
+    assert calls[-1] == [default, winner] and len(calls) == 2
+    assert result.best == (winner if wins else default)
+    assert result.measurements[0].seconds == 1.0  # records keep each one's best time
+    assert result.measurements[1].seconds == 0.9
 
 
 def test_incumbent_is_retimed_with_each_batch(monkeypatch):
@@ -259,7 +272,7 @@ def test_long_k_choices_measure_packed_and_unpacked_blockings():
     problem = GemmProblem(40, 64, 1024)
     choices, _ = tuner_module._dense_choices(problem, isa.from_name("avx2"), small_l2, 2, 60)
     default = choices[0][2]
-    assert choices[0][0] is None and default.pack_a == 1  # the long-K default comes first
+    assert default.pack_a == 1 and choices[0][0] is not None  # the long-K default, ranked
     configs = [cfg for _, _, cfg in choices]
     assert any(c.pack_a is None and c.k_step > 1 for c in configs)  # whole K per call
     assert any(c.pack_a is None and c.k_step == 1 for c in configs)

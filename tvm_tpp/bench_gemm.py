@@ -279,20 +279,24 @@ def _prepare_tpp(job: Job, m: int, n: int, k: int, x, w, send) -> _Prepared:
 
 
 def _explain(measured: Sequence[dict], flops: int) -> dict:
-    """The tuner's model ranking next to what it measured (1-based ranks; None = default)."""
+    """The tuner's model ranking next to what it measured: 1-based ranks within each
+    blocking, the default (measured first) flagged."""
     from schedules.tuner import MARGIN
 
     rows = []
-    for item in measured:
+    for i, item in enumerate(measured):
         rank = item.get("model_rank")
         seconds = item.get("seconds")
         cfg = item["config"]
+        packed = "" if cfg.get("pack_a") is None else f"pack_a={cfg['pack_a']}"
         rows.append({
             "model_rank": None if rank is None else rank + 1,
+            "default": i == 0,
             "predicted_cycles": item.get("predicted_cycles"),
             "gflops": flops / seconds / 1e9 if seconds else None,
-            "config": f"{cfg['bm']}x{cfg['bn']}x{cfg['bk']} {cfg['spec']} "
-                      f"{cfg['block_steps'] or ''} {cfg['steps'] or ''}".strip(),
+            "config": " ".join(filter(None, (f"{cfg['bm']}x{cfg['bn']}x{cfg['bk']}", cfg["spec"],
+                                             str(cfg["block_steps"] or ""),
+                                             str(cfg["steps"] or ""), packed))),
             "error": item.get("error"),
         })
     timed = [r for r in rows if r["gflops"]]
@@ -935,13 +939,14 @@ def print_report(result: BenchResult, explain: bool = False) -> None:
             for name in ("model rank", "predicted Mcycles", "measured GFLOPS", "config"):
                 detail.add_column(name, justify="left" if name == "config" else "right")
             for item in sorted(ex["measured"], key=lambda i: i["model_rank"] or 1e9):
-                detail.add_row(_fmt(item["model_rank"], "d", "default"),
+                rank = _fmt(item["model_rank"], "d")
+                detail.add_row(f"{rank} (default)" if item.get("default") else rank,
                                _fmt(item["predicted_cycles"] and item["predicted_cycles"] / 1e6,
                                     ".2f"),
                                _fmt(item["gflops"], ".1f", item["error"] or "-"), item["config"])
             console.print(detail)
             best = ex["best_model_rank"]
-            console.print(f"measured best is model rank {_fmt(best, 'd', 'default')}; in the "
+            console.print(f"measured best is model rank {_fmt(best, 'd')}; in the "
                           f"model's top 5: {'yes' if ex['best_in_model_top5'] else 'no'}; "
                           f"top 5 within {100 * MARGIN:g} % of it: "
                           f"{'yes' if ex.get('top5_within_margin') else 'no'}")

@@ -178,8 +178,10 @@ def _explain(console, tuned) -> None:
             continue
         ranked = any(m.predicted_cycles is not None for m in result.measurements)
         if ranked:
+            default = result.measurements[0]  # always measured first
             rows = sorted(result.measurements, key=lambda m: (m.model_rank is None, m.model_rank))
-            labels = ["default" if m.model_rank is None else str(m.model_rank + 1) for m in rows]
+            labels = [("-" if m.model_rank is None else str(m.model_rank + 1))
+                      + (" (default)" if m is default else "") for m in rows]
             title, columns = "model ranking vs measurement", ("model rank", "config",
                                                               "predicted Mcycles", "GFLOPS")
         else:  # convs and batch GEMMs: measured in the order of their template's list
