@@ -490,22 +490,27 @@ def time_interleaved(runs: list[Callable[[], None]], rounds: int = _ROUNDS,
 
 
 def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
-            rounds: int = _ROUNDS, round_seconds: float = _ROUND_SECONDS) -> list[float | str]:
+            rounds: int = _ROUNDS, round_seconds: float = _ROUND_SECONDS,
+            built: dict[Config, Callable[[], object]] | None = None) -> list[float | str]:
     """Build ``configs`` together and time them interleaved (see :func:`time_interleaved`):
-    seconds of one run, or the error of a candidate that could not be built."""
-    scheduled = _scheduled(problem, configs, isa)
-    built = _compile(scheduled, target)
-    out: list[float | str] = list(built)  # type: ignore[arg-type]
-    timed = [i for i, b in enumerate(built) if not isinstance(b, str)]
-    if not timed:
-        return out
-    arguments = _arguments([scheduled[i] for i in timed])  # type: ignore[misc]
-    seconds = time_interleaved([functools.partial(built[i], *args)  # type: ignore[arg-type]
-                                for i, args in zip(timed, arguments, strict=True)],
-                               rounds, round_seconds)
-    for i, t in zip(timed, seconds, strict=True):
-        out[i] = t
-    return out
+    seconds of one run, or the error of a candidate that could not be built.
+
+    ``built`` maps configs to ready runs (built, with arguments): those are not built again,
+    and the new ones are added to it."""
+    built = {} if built is None else built
+    new = [c for c in dict.fromkeys(configs) if c not in built]
+    scheduled = _scheduled(problem, new, isa)
+    compiled = _compile(scheduled, target)
+    errors: dict[Config, str] = {}
+    ok = [i for i, f in enumerate(compiled) if not isinstance(f, str)]
+    arguments = _arguments([scheduled[i] for i in ok])  # type: ignore[misc]
+    for i, args in zip(ok, arguments, strict=True):
+        built[new[i]] = functools.partial(compiled[i], *args)  # type: ignore[arg-type]
+    errors.update({new[i]: f for i, f in enumerate(compiled) if isinstance(f, str)})
+    timed = [c for c in configs if c in built]
+    seconds = dict(zip(timed, time_interleaved([built[c] for c in timed], rounds,
+                                               round_seconds), strict=True)) if timed else {}
+    return [seconds[c] if c in seconds else errors[c] for c in configs]
 
 
 def tune(
@@ -562,6 +567,7 @@ def tune(
 
     measurements: list[Measurement] = []
     incumbent: Measurement | None = None
+    built: dict[Config, Callable[[], object]] = {}  # the default's and the incumbent's runs
     # Budgeted, a first batch of two (the default and one candidate) prices a candidate
     # before larger batches are committed to.
     starts = [0] + ([2] if budget_seconds is not None else [])
@@ -576,7 +582,7 @@ def tune(
         configs = [cfg for _, _, cfg in batch]
         if incumbent is not None:  # re-timed next to the newcomers
             configs.append(incumbent.config)
-        results = measure(problem, configs, target, isa.name)
+        results = measure(problem, configs, target, isa.name, built=built)
         if incumbent is not None:
             again = results.pop()
             if isinstance(again, float):  # its record shows its best time, as the others'
@@ -591,16 +597,15 @@ def tune(
             if m.seconds is not None and (incumbent is None
                                           or m.seconds < incumbent.seconds * (1 - MARGIN)):
                 incumbent = m
+        keep = {measurements[0].config, incumbent.config if incumbent else None}
+        built = {c: run for c, run in built.items() if c in keep}
         if progress is not None:
             progress(end, len(chosen))
     if incumbent is None:
         raise RuntimeError(f"no candidate could be built for {key.text()}: "
                            f"{measurements[0].error}")
-    default = measurements[0]
-    spent = time.perf_counter() - start
-    if incumbent is not default and default.seconds is not None and (
-            budget_seconds is None or spent * (1 + 2 / len(measurements)) <= budget_seconds):
-        incumbent = _confirm(problem, target, isa.name, measurements, incumbent)
+    if incumbent is not measurements[0] and measurements[0].seconds is not None:
+        incumbent = _confirm(problem, target, isa.name, measurements, incumbent, built)
     seconds = time.perf_counter() - start
     if database is not None:
         database.put(key, incumbent.config, gflops=incumbent.gflops(problem),
@@ -611,15 +616,16 @@ def tune(
 
 
 def _confirm(problem: Problem, target: Target, isa: str, measurements: list[Measurement],
-             winner: Measurement) -> Measurement:
+             winner: Measurement, built: dict[Config, Callable[[], object]]) -> Measurement:
     """The winner if it beats the default (``measurements[0]``) by :data:`MARGIN` again,
     head to head over more rounds, else the default; both records keep their best times.
 
     A batch's short timing can flatter one candidate by more than the margin on a shared
-    machine; this last duel keeps such luck from replacing the default."""
+    machine; this last duel keeps such luck from replacing the default.  Both are already
+    built, so it costs only the timing, and it runs within a time budget too."""
     at = measurements.index(winner)
     again = measure(problem, [measurements[0].config, winner.config], target, isa,
-                    rounds=_CONFIRM_ROUNDS, round_seconds=_CONFIRM_SECONDS)
+                    rounds=_CONFIRM_ROUNDS, round_seconds=_CONFIRM_SECONDS, built=built)
     if not all(isinstance(t, float) for t in again):
         return winner
     for i, t in ((0, again[0]), (at, again[1])):
