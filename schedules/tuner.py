@@ -35,6 +35,7 @@ Examples
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
@@ -140,8 +141,10 @@ def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, thr
 
     The model ranks the loop orders of one blocking; it does not see packing, so it cannot
     rank blockings against each other: each gets its share of the measurements, and a
-    candidate's ``model_rank`` is its rank within its blocking.  A packed candidate is kept
-    only if an N loop runs under its packing, i.e. the packed A is reused.
+    candidate's ``model_rank`` is the number of candidates of its blocking predicted strictly
+    faster (0-based; equal predictions share a rank, as the model cannot tell them apart).
+    A packed candidate is kept only if an N loop runs under its packing, i.e. the packed A
+    is reused.
     """
     families: list[list[tuple[float, GemmConfig]]] = []
     # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
@@ -159,9 +162,15 @@ def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, thr
     choices: list[Choice] = [(*_model_rank(default, families[0], problem, caches, threads, peak),
                               default)]
     for n in range(max(map(len, families))):
-        choices += [(n, family[n][0], family[n][1]) for family in families
-                    if n < len(family) and family[n][1] != default]
+        choices += [(_tied_rank(family, family[n][0]), family[n][0], family[n][1])
+                    for family in families if n < len(family) and family[n][1] != default]
     return choices, sum(map(len, families))
+
+
+def _tied_rank(family: list[tuple[float, GemmConfig]], cycles: float) -> int:
+    """How many of ``family`` (sorted by predicted cycles) are predicted faster than
+    ``cycles``."""
+    return bisect.bisect_left([c for c, _ in family], cycles)
 
 
 def _model_rank(config: GemmConfig, family: list[tuple[float, GemmConfig]],
@@ -169,12 +178,11 @@ def _model_rank(config: GemmConfig, family: list[tuple[float, GemmConfig]],
                 ) -> tuple[int, float]:
     """``config``'s rank and predicted cycles among ``family`` (the ranked candidates of its
     blocking), predicted now if the sampled space left it out."""
-    for n, (cycles, cfg) in enumerate(family):
-        if cfg == config:
-            return n, cycles
-    cycles = predict(config.candidate, config.blocked(problem), caches, threads,
-                     peak_flops_per_cycle=peak)
-    return sum(c < cycles for c, _ in family), cycles
+    cycles = next((c for c, cfg in family if cfg == config), None)
+    if cycles is None:
+        cycles = predict(config.candidate, config.blocked(problem), caches, threads,
+                         peak_flops_per_cycle=peak)
+    return _tied_rank(family, cycles), cycles
 
 
 def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:

@@ -292,3 +292,13 @@ def test_database_keeps_packing(tmp_path):
     Database(tmp_path / "t.json").put(key, config)
     assert Database(tmp_path / "t.json").get(key) == config
     assert tuner_module.config_text(config).endswith("pack_a=1")
+
+
+def test_tied_predictions_share_a_model_rank():
+    choices, _ = tuner_module._dense_choices(GemmProblem(48, 64, 96), isa.from_name("avx2"),
+                                             isa.DEFAULT_CACHES, 1, 60)
+    ranked = sorted((cycles, rank) for rank, cycles, _ in choices)  # one blocking here
+    assert ranked[0][1] == 0
+    for (c1, r1), (c2, r2) in zip(ranked, ranked[1:], strict=False):
+        assert r1 == r2 if c1 == c2 else r1 < r2
+    assert any(c1 == c2 for (c1, _), (c2, _) in zip(ranked, ranked[1:], strict=False))
