@@ -31,7 +31,7 @@ from .gemm import GemmConfig
 from .space import Candidate, heuristic
 
 __all__ = ["default_config", "whole_k_config", "long_k_config", "divisors", "pick_divisor",
-           "near_divisors"]
+           "near_divisors", "GEMV_ROWS"]
 
 
 def divisors(n: int) -> list[int]:
@@ -66,6 +66,11 @@ def near_divisors(n: int, current: int, count: int, lo: int = 1, hi: int | None 
     return sorted(options, key=lambda d: (max(d, current) / min(d, current), d))[:count]
 
 
+#: Up to this many rows (a register tile or so) the kernel reads B's panel about once anyway,
+#: so splitting K and packing A would only add traffic.
+GEMV_ROWS = 8
+
+
 def default_config(m: int, n: int, k: int, isa: Isa, caches: Caches, threads: int) -> GemmConfig:
     """A GEMM configuration from the shape, the ISA's vectors and the caches.
 
@@ -79,9 +84,7 @@ def default_config(m: int, n: int, k: int, isa: Isa, caches: Caches, threads: in
         Passed to the loop-order heuristic.
     """
     whole = whole_k_config(m, n, k, isa, caches, threads)
-    # The kernel re-reads the B panel once per register tile of rows: with a row tile or
-    # so (a GEMV) it is read once anyway, and splitting K would only add C traffic.
-    if whole.k_step > 1 and m > 8 and k * whole.bn * 4 > caches.l2 // 4:
+    if whole.k_step > 1 and m > GEMV_ROWS and k * whole.bn * 4 > caches.l2 // 4:
         return long_k_config(m, whole.bn, whole.bk, threads)
     return whole
 

@@ -49,7 +49,7 @@ from microkernels import isa as _isa
 
 from . import batch_gemm, conv
 from .batch_gemm import BatchGemmConfig, BatchGemmProblem
-from .blocking import default_config, long_k_config, whole_k_config
+from .blocking import GEMV_ROWS, default_config, long_k_config, whole_k_config
 from .conv import ConvConfig, ConvProblem
 from .cost_model import predict, rank
 from .gemm import GemmConfig, GemmProblem
@@ -121,16 +121,18 @@ def _dense_default(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, thr
 def _blockings(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int
                ) -> list[GemmConfig]:
     """The default first, then the other blockings whose loop orders are generated: when
-    K spans several blocks, the whole K per call, one K block per call, and one K block per
-    call with A packed under the outermost K loop (:func:`~schedules.blocking.long_k_config`)."""
+    K spans several blocks, the whole K per call, one K block per call, and (beyond a GEMV's
+    rows) one K block per call with A packed under the outermost K loop
+    (:func:`~schedules.blocking.long_k_config`)."""
     base = _dense_default(problem, isa, caches, threads)
     out = [base]
     k_blocks = problem.k // base.bk
     if k_blocks > 1:
         whole = whole_k_config(problem.m, problem.n, problem.k, isa, caches, threads)
-        packed = long_k_config(problem.m, base.bn, base.bk, threads)
         split = GemmConfig(whole.bm, whole.bn, whole.bk, Candidate("BCa"))
-        out += [c for c in (whole, split, packed) if c != base]
+        packed = (long_k_config(problem.m, base.bn, base.bk, threads)
+                  if problem.m > GEMV_ROWS else None)
+        out += [c for c in (whole, split, packed) if c is not None and c != base]
     return out
 
 

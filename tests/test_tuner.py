@@ -302,3 +302,10 @@ def test_tied_predictions_share_a_model_rank():
     for (c1, r1), (c2, r2) in zip(ranked, ranked[1:], strict=False):
         assert r1 == r2 if c1 == c2 else r1 < r2
     assert any(c1 == c2 for (c1, _), (c2, _) in zip(ranked, ranked[1:], strict=False))
+
+
+def test_gemv_gets_no_packed_blocking():
+    small_l2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)
+    choices, _ = tuner_module._dense_choices(GemmProblem(1, 64, 1024), isa.from_name("avx2"),
+                                             small_l2, 1, 60)
+    assert all(cfg.pack_a is None for _, _, cfg in choices)
