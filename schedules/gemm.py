@@ -48,7 +48,7 @@ from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 
-from .loop_spec import LoopSpec, LoopSpecError
+from .loop_spec import LoopSpec, LoopSpecError, parse
 from .nest import check_exact, finish_nest, nest_loops
 from .space import Candidate
 from .space import GemmProblem as BlockedGemm
@@ -150,8 +150,25 @@ class GemmConfig:
         >>> cfg.with_candidate(Candidate("cBCa", {"c": (2,)})).pack_a
         4
         """
-        pack = None if self.pack_a is None else candidate.spec.lower().index("a") + 1
+        pack = None
+        if self.pack_a is not None:
+            letters = [o.loop for o in parse(candidate.spec, 3).occurrences]
+            pack = letters.index(0) + 1  # under the first occurrence of ``a``
         return GemmConfig(self.bm, self.bn, self.bk, candidate, pack)
+
+    def reuses_packed_a(self) -> bool:
+        """Whether A is packed and an N loop runs under the packing, reusing the copy.
+
+        Examples
+        --------
+        >>> GemmConfig.of("acb", 256, 64, 512, pack_a=1).reuses_packed_a()
+        True
+        >>> GemmConfig.of("BCa", 64, 64, 512, pack_a=3).reuses_packed_a()
+        False
+        """
+        if self.pack_a is None:
+            return False
+        return any(o.loop == 2 for o in parse(self.spec, 3).occurrences[self.pack_a:])
 
     @property
     def spec(self) -> str:

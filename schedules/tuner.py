@@ -158,33 +158,21 @@ def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, thr
                               require_parallel=threads > 1, max_candidates=max_candidates)
         ranked = [(cycles, blocking.with_candidate(candidate)) for cycles, candidate in
                   rank(candidates, blocked, caches, threads, peak_flops_per_cycle=peak)]
-        families.append([(cycles, cfg) for cycles, cfg in ranked if cfg.pack_a is None
-                         or "c" in cfg.spec.lower()[cfg.pack_a:]])
+        families.append([(cycles, cfg) for cycles, cfg in ranked
+                         if cfg.pack_a is None or cfg.reuses_packed_a()])
     default = blockings[0]
-    choices: list[Choice] = [(*_model_rank(default, families[0], problem, caches, threads, peak),
-                              default)]
-    for n in range(max(map(len, families))):
-        choices += [(_tied_rank(family, family[n][0]), family[n][0], family[n][1])
-                    for family in families if n < len(family) and family[n][1] != default]
-    return choices, sum(map(len, families))
-
-
-def _tied_rank(family: list[tuple[float, GemmConfig]], cycles: float) -> int:
-    """How many of ``family`` (sorted by predicted cycles) are predicted faster than
-    ``cycles``."""
-    return bisect.bisect_left([c for c, _ in family], cycles)
-
-
-def _model_rank(config: GemmConfig, family: list[tuple[float, GemmConfig]],
-                problem: GemmProblem, caches: _isa.Caches, threads: int, peak: float
-                ) -> tuple[int, float]:
-    """``config``'s rank and predicted cycles among ``family`` (the ranked candidates of its
-    blocking), predicted now if the sampled space left it out."""
-    cycles = next((c for c, cfg in family if cfg == config), None)
-    if cycles is None:
-        cycles = predict(config.candidate, config.blocked(problem), caches, threads,
+    # A rank counts the candidates predicted strictly faster: bisect the sorted predictions.
+    predicted = [[cycles for cycles, _ in family] for family in families]
+    cycles = next((c for c, cfg in families[0] if cfg == default), None)
+    if cycles is None:  # the sampled space left the default out
+        cycles = predict(default.candidate, default.blocked(problem), caches, threads,
                          peak_flops_per_cycle=peak)
-    return _tied_rank(family, cycles), cycles
+    choices: list[Choice] = [(bisect.bisect_left(predicted[0], cycles), cycles, default)]
+    for n in range(max(map(len, families))):
+        choices += [(bisect.bisect_left(sorted_cycles, family[n][0]), *family[n])
+                    for family, sorted_cycles in zip(families, predicted, strict=True)
+                    if n < len(family) and family[n][1] != default]
+    return choices, sum(map(len, families))
 
 
 def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:

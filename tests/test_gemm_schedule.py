@@ -152,6 +152,10 @@ def test_with_candidate_packs_under_the_outermost_k_loop():
     assert packed.with_candidate(Candidate("cBCa")).pack_a == 4
     assert packed.with_candidate(Candidate("bcaBCb")).pack_a == 3
     assert GemmConfig.of("acb", 8, 32, 24).with_candidate(Candidate("BCa")).pack_a is None
+    # Depth counts loops, not characters: a thread grid's "{R:2}" is no loop.
+    grid = packed.with_candidate(Candidate("bC{R:2}aB{C:1}cb", {"b": (4, 2), "c": (2,)}))
+    assert grid.pack_a == 3
+    _run(GemmProblem(64, 128, 96), grid)
 
 
 @pytest.mark.parametrize(
