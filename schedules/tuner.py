@@ -499,12 +499,11 @@ def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
     new = [c for c in dict.fromkeys(configs) if c not in built]
     scheduled = _scheduled(problem, new, isa)
     compiled = _compile(scheduled, target)
-    errors: dict[Config, str] = {}
+    errors = {new[i]: f for i, f in enumerate(compiled) if isinstance(f, str)}
     ok = [i for i, f in enumerate(compiled) if not isinstance(f, str)]
     arguments = _arguments([scheduled[i] for i in ok])  # type: ignore[misc]
     for i, args in zip(ok, arguments, strict=True):
         built[new[i]] = functools.partial(compiled[i], *args)  # type: ignore[arg-type]
-    errors.update({new[i]: f for i, f in enumerate(compiled) if isinstance(f, str)})
     timed = [c for c in configs if c in built]
     seconds = dict(zip(timed, time_interleaved([built[c] for c in timed], rounds,
                                                round_seconds), strict=True)) if timed else {}

@@ -47,7 +47,7 @@ from . import models
 from .bench_worker import IMPLS, REFERENCE, Job
 from .onnx_import import input_specs, load_onnx
 from .reference import max_errors, random_inputs
-from .workers import Worker, WorkerError
+from .workers import Worker, WorkerError, turn_order
 
 __all__ = [
     "BASELINES",
@@ -480,11 +480,7 @@ def _time_round_robin(cfg: BenchConfig, case: _Case, live: list[_Timed],
                       progress: _Progress) -> None:
     task = progress.timing(f"{case.title}: timing", sum(t.repeats for t in live))
     for round_ in range(max((t.repeats for t in live), default=0)):
-        # Rotate who goes first, and reverse every other round: a rotation alone keeps each
-        # implementation behind the same neighbour, whose threads may still be spinning.
-        shift = round_ % len(live)
-        order = live[shift:] + live[:shift]
-        for timed in (order if round_ % 2 == 0 else order[::-1]):
+        for timed in turn_order(live, round_):
             if timed.failure is not None or round_ >= timed.repeats:
                 continue
             time.sleep(cfg.pause)

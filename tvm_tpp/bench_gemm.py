@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .workers import Worker, WorkerError
+from .workers import Worker, WorkerError, turn_order
 
 __all__ = [
     "IMPLS",
@@ -281,22 +281,18 @@ def _prepare_tpp(job: Job, m: int, n: int, k: int, x, w, send) -> _Prepared:
 def _explain(measured: Sequence[dict], flops: int) -> dict:
     """The tuner's model ranking next to what it measured: 1-based ranks within each
     blocking, the default (measured first) flagged."""
-    from schedules.tuner import MARGIN
+    from schedules.tuner import MARGIN, OPS, config_text
 
     rows = []
     for i, item in enumerate(measured):
         rank = item.get("model_rank")
         seconds = item.get("seconds")
-        cfg = item["config"]
-        packed = "" if cfg.get("pack_a") is None else f"pack_a={cfg['pack_a']}"
         rows.append({
             "model_rank": None if rank is None else rank + 1,
             "default": i == 0,
             "predicted_cycles": item.get("predicted_cycles"),
             "gflops": flops / seconds / 1e9 if seconds else None,
-            "config": " ".join(filter(None, (f"{cfg['bm']}x{cfg['bn']}x{cfg['bk']}", cfg["spec"],
-                                             str(cfg["block_steps"] or ""),
-                                             str(cfg["steps"] or ""), packed))),
+            "config": config_text(OPS["dense"].from_json(item["config"])),
             "error": item.get("error"),
         })
     timed = [r for r in rows if r["gflops"]]
@@ -735,13 +731,7 @@ def _time_shape(config: BenchConfig, index: int, impls: list[_Impl], threads: in
     m, n, k = config.shapes[index]
     for round_ in range(config.rounds):
         present = [i for i in impls if round_ < config.planned_rounds(i.name)]
-        if not present:
-            continue
-        # Rotate who goes first, and reverse every other round: a rotation alone keeps each
-        # implementation behind the same neighbour, whose threads may still be spinning.
-        shift = round_ % len(present)
-        order = present[shift:] + present[:shift]
-        for impl in (order if round_ % 2 == 0 else order[::-1]):
+        for impl in turn_order(present, round_):
             bar.advance()
             run_seconds = impl.run_seconds[index]
             if impl.worker is None or run_seconds is None:  # gone, skipped or failed

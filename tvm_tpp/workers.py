@@ -30,9 +30,30 @@ import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
-__all__ = ["Worker", "WorkerError", "last_line"]
+__all__ = ["Worker", "WorkerError", "last_line", "turn_order"]
+
+_T = TypeVar("_T")
+
+
+def turn_order(items: Sequence[_T], round_: int) -> list[_T]:
+    """The order in which ``items`` are timed in round ``round_`` of an alternating benchmark.
+
+    Who goes first rotates each round, and every other round runs in reverse: a rotation
+    alone keeps each implementation behind the same neighbour, whose threads may still be
+    spinning.
+
+    Examples
+    --------
+    >>> [turn_order("abc", r) for r in range(3)]
+    [['a', 'b', 'c'], ['a', 'c', 'b'], ['c', 'a', 'b']]
+    """
+    if not items:
+        return []
+    shift = round_ % len(items)
+    order = [*items[shift:], *items[:shift]]
+    return order if round_ % 2 == 0 else order[::-1]
 
 
 class WorkerError(RuntimeError):
