@@ -21,8 +21,17 @@ The model works as follows.
    Σ_slices bytes / bandwidth[level])``: compute and data movement overlap, and the slower
    one wins. A thread's cycles are the sum over its calls, plus ``fork_join_cycles`` each
    time it enters a parallel loop. TVM forks and joins once per iteration of the sequential
-   loops around a collapse group, and once in grid mode. The prediction is the maximum over
-   threads, so load imbalance and idle threads show up.
+   loops around a collapse group, and once in grid mode; with one thread it runs the loop
+   inline (``TVMBackendParallelLaunch``), so nothing is charged. The prediction is the
+   maximum over threads, so load imbalance and idle threads show up.
+
+5. **Packing A.** With ``pack_a=d`` (:class:`schedules.gemm.GemmConfig`), the slice of A
+   read below loop depth ``d`` is copied to a dense buffer once per iteration of the loops
+   above it: each copy reads the slice from where A lives (L2, L3 or memory by A's size)
+   and writes it where the buffer fits, at those levels' bandwidths, the copies spread over
+   the threads.  Re-packing under an N loop is what makes a packed nest slow: 1024^3 with
+   A re-packed per pair of N blocks measured 85 against 114 GFLOPS packed once per K block,
+   and this term predicts about that (+25 % against +3 %).
 
 There are two engines. Both compute the same LRU stack distances.
 
@@ -130,6 +139,8 @@ class Prediction:
         ``"A"``/``"B"``/``"C"`` → bytes served by ``(L1, L2, L3, memory)``, over all threads.
     engine
         ``"trace"`` or ``"analytic"``.
+    pack_cycles
+        Cycles each thread spends packing A (included in ``thread_cycles``).
     """
 
     cycles: float
@@ -137,6 +148,7 @@ class Prediction:
     calls: float
     traffic: Mapping[str, tuple[float, float, float, float]]
     engine: str
+    pack_cycles: float = 0.0
 
 
 class _Lru:
@@ -188,6 +200,24 @@ class _Model:
             if distance <= cap:
                 return i
         return len(self.caps)
+
+    def pack_cycles(self, depth: int, threads: int) -> float:
+        """Cycles per thread of packing A's slices under loop ``depth`` (item 5 above)."""
+        occurrences = self.spec.occurrences
+        copies = 1
+        for o in occurrences[:depth]:
+            copies *= o.trips
+        extent = []  # blocks of K and M one copy covers
+        for loop in (0, 1):
+            below = [o.span for o in occurrences[depth:] if o.loop == loop]
+            above = [o.step for o in occurrences[:depth] if o.loop == loop]
+            extent.append(below[0] if below else above[-1])
+        g = self.gemm
+        copy = extent[0] * g.bk * extent[1] * g.bm * g.dtype_bytes
+        source = self.level_of(g.M * g.K * g.dtype_bytes)
+        # A level-1 home means the caches' largest level that holds it, never L1 for a copy.
+        read, write = self.bw[max(source, 1)], self.bw[max(self.level_of(copy), 1)]
+        return copies * copy * (1 / read + 1 / write) / threads
 
 
 def _chain_counts(spec: LoopSpec, piece: Piece, letter: int) -> tuple[dict[int, float], float]:
@@ -522,6 +552,7 @@ def analyze(
     fork_join_cycles: float = 2000.0,
     engine: str = "auto",
     trace_limit: int = 512,
+    pack_a: int | None = None,
 ) -> Prediction:
     """Predict the cycles of one loop instantiation of ``gemm``, with the details.
 
@@ -545,11 +576,14 @@ def analyze(
         Fraction of each cache the operands may use.
     fork_join_cycles
         Cost of one entry into a TVM parallel loop. The default 2000 is roughly TVM's
-        thread-pool launch plus join, about 1 µs.
+        thread-pool launch plus join, about 1 µs.  Not charged when ``threads`` is 1.
     engine
         ``"auto"``, ``"trace"`` or ``"analytic"`` (see the module docstring).
     trace_limit
         Most calls (of the whole GEMM) for which ``"auto"`` replays the exact trace.
+    pack_a
+        None, or the loop depth under which A is packed (``GemmConfig.pack_a``): adds the
+        copies' cycles (item 5 of the module docstring).
     """
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive int, got {threads!r}")
@@ -559,17 +593,20 @@ def analyze(
         raise ValueError("need peak_flops_per_cycle > 0, 0 < capacity_factor <= 1 and "
                          "fork_join_cycles >= 0")
     spec = _as_spec(candidate, gemm)
+    if pack_a is not None and not 0 <= pack_a <= len(spec.occurrences):
+        raise ValueError(f"pack_a={pack_a} is not a loop depth of {spec.text!r}")
     steps = tuple(d.step for d in spec.loops)  # type: ignore[union-attr]
     caps = (caches.l1d * capacity_factor, caches.l2 * capacity_factor,
             caches.l3 / threads * capacity_factor)
     model = _Model(spec, gemm, steps, caps, bandwidths.as_tuple(),  # type: ignore[arg-type]
-                   float(peak_flops_per_cycle), float(fork_join_cycles))
+                   float(peak_flops_per_cycle), float(fork_join_cycles) if threads > 1 else 0.0)
     if engine == "auto":
         total = 1
         for d in spec.loops:  # type: ignore[union-attr]
             total *= d.trips
         engine = "trace" if total <= trace_limit else "analytic"
 
+    packing = 0.0 if pack_a is None else model.pack_cycles(pack_a, threads)
     per_shape: dict[tuple, tuple[float, list[list[float]], float]] = {}
     thread_cycles, calls = [], 0.0
     traffic = [[0.0] * 4 for _ in _TENSORS]
@@ -580,7 +617,7 @@ def analyze(
             per_shape[sig] = (_trace(model, t, threads, pieces) if engine == "trace"
                               else _analytic(model, pieces))
         c, tr, n = per_shape[sig]
-        thread_cycles.append(c)
+        thread_cycles.append(c + packing if n else c)
         calls += n
         for k in range(3):
             for lv in range(4):
@@ -592,6 +629,7 @@ def analyze(
         traffic=MappingProxyType(
             {name: tuple(row) for name, row in zip(_TENSORS, traffic, strict=True)}),
         engine=engine,
+        pack_cycles=packing,
     )
 
 

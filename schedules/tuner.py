@@ -9,8 +9,9 @@ For each operator the tuner
      (the whole K in one BRGEMM call; one K block per call, so the K loop is tunable too;
      one K block per call with A packed under the outermost K loop, as BLAS does for long
      K), PARLOOPER's candidates for each (:func:`schedules.space.generate`), ranked
-     together with the cache-trace model (:func:`schedules.cost_model.rank`, which sees
-     loop orders and block sizes, not packing: measurement decides between the blockings);
+     within each blocking by the cache-trace model (:func:`schedules.cost_model.predict`,
+     which sees loop orders and the copies of packing, not the kernel's efficiency at each
+     block size: measurement decides between the blockings);
    * a convolution or a batch GEMM takes the short list of its template
      (:func:`schedules.conv.candidates`, :func:`schedules.batch_gemm.candidates`), which
      no model ranks: measurement decides;
@@ -51,7 +52,7 @@ from . import batch_gemm, conv
 from .batch_gemm import BatchGemmConfig, BatchGemmProblem
 from .blocking import GEMV_ROWS, default_config, long_k_config, whole_k_config
 from .conv import ConvConfig, ConvProblem
-from .cost_model import predict, rank
+from .cost_model import predict
 from .gemm import GemmConfig, GemmProblem
 from .gemm import schedule as gemm_schedule
 from .space import Candidate, generate
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Op", "OPS", "TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune",
            "config_for", "problem_text", "config_text", "measure", "build",
-           "time_interleaved", "BATCH", "MARGIN"]
+           "time_interleaved", "BATCH", "MARGIN", "FINAL_WINDOW"]
 
 Problem = GemmProblem | ConvProblem | BatchGemmProblem
 Config = GemmConfig | ConvConfig | BatchGemmConfig
@@ -141,36 +142,40 @@ def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, thr
     """The default, then the model's best loop orders of every blocking in turn, each with
     its model rank (the default's too).
 
-    The model ranks the loop orders of one blocking; it does not see packing, so it cannot
-    rank blockings against each other: each gets its share of the measurements, and a
-    candidate's ``model_rank`` is the number of candidates of its blocking predicted strictly
-    faster (0-based; equal predictions share a rank, as the model cannot tell them apart).
-    A packed candidate is kept only if an N loop runs under its packing, i.e. the packed A
-    is reused.
+    The model ranks the loop orders (and where A is packed) of one blocking; it does not
+    see how block sizes change the kernel's own efficiency, so it cannot rank blockings
+    against each other: each gets its share of the measurements, and a candidate's
+    ``model_rank`` is the number of candidates of its blocking predicted strictly faster
+    (0-based; equal predictions share a rank, as the model cannot tell them apart).  A
+    packed candidate is kept only if an N loop runs under its packing, i.e. the packed A is
+    reused.
     """
-    families: list[list[tuple[float, GemmConfig]]] = []
     # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
     peak = 2 * 2 * isa.lanes("float32")
+
+    def predicted(config: GemmConfig) -> float:
+        return predict(config.candidate, config.blocked(problem), caches, threads,
+                       peak_flops_per_cycle=peak, pack_a=config.pack_a)
+
+    families: list[list[tuple[float, GemmConfig]]] = []
     blockings = _blockings(problem, isa, caches, threads)
     for blocking in blockings:
-        blocked = blocking.blocked(problem)
-        candidates = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
+        candidates = generate(*blocking.blocked(problem).trips, steps=(blocking.k_step, 1, 1),
                               require_parallel=threads > 1, max_candidates=max_candidates)
-        ranked = [(cycles, blocking.with_candidate(candidate)) for cycles, candidate in
-                  rank(candidates, blocked, caches, threads, peak_flops_per_cycle=peak)]
-        families.append([(cycles, cfg) for cycles, cfg in ranked
-                         if cfg.pack_a is None or cfg.reuses_packed_a()])
+        configs = [blocking.with_candidate(candidate) for candidate in candidates]
+        families.append(sorted(((predicted(cfg), cfg) for cfg in configs
+                                if cfg.pack_a is None or cfg.reuses_packed_a()),
+                               key=lambda pair: pair[0]))
     default = blockings[0]
     # A rank counts the candidates predicted strictly faster: bisect the sorted predictions.
-    predicted = [[cycles for cycles, _ in family] for family in families]
+    sorted_cycles = [[cycles for cycles, _ in family] for family in families]
     cycles = next((c for c, cfg in families[0] if cfg == default), None)
     if cycles is None:  # the sampled space left the default out
-        cycles = predict(default.candidate, default.blocked(problem), caches, threads,
-                         peak_flops_per_cycle=peak)
-    choices: list[Choice] = [(bisect.bisect_left(predicted[0], cycles), cycles, default)]
+        cycles = predicted(default)
+    choices: list[Choice] = [(bisect.bisect_left(sorted_cycles[0], cycles), cycles, default)]
     for n in range(max(map(len, families))):
-        choices += [(bisect.bisect_left(sorted_cycles, family[n][0]), *family[n])
-                    for family, sorted_cycles in zip(families, predicted, strict=True)
+        choices += [(bisect.bisect_left(cycles_of, family[n][0]), *family[n])
+                    for family, cycles_of in zip(families, sorted_cycles, strict=True)
                     if n < len(family) and family[n][1] != default]
     return choices, sum(map(len, families))
 
@@ -392,9 +397,13 @@ MARGIN = 0.02
 #: Seconds of samples per candidate per round (at least one run each).
 _ROUND_SECONDS = 0.05
 _ROUNDS = 3
-#: Rounds and seconds per round of the final duel of the winner with the default.
-_CONFIRM_ROUNDS = 5
-_CONFIRM_SECONDS = 0.1
+#: The final round: the default and the candidates within this fraction of the fastest
+#: (at most :data:`_FINAL_CONTENDERS` in all) are timed again side by side, the same rounds
+#: each, and that round decides.
+FINAL_WINDOW = 0.05
+_FINAL_CONTENDERS = 4
+_FINAL_ROUNDS = 5
+_FINAL_SECONDS = 0.1
 
 
 def _error(err: Exception) -> str:
@@ -525,9 +534,10 @@ def tune(
     The default configuration and the next candidates (the model's best for a dense GEMM,
     the template's list for a conv or batch GEMM) are built :data:`BATCH` at a time and timed
     interleaved with the best so far; a candidate replaces it only when :data:`MARGIN`
-    faster, and the final winner must beat the default by that margin once more in a longer
-    duel, so tuning does not keep a configuration that merely measured lucky over the
-    default.
+    faster.  A final round times the default and the candidates within
+    :data:`FINAL_WINDOW` of the best again, side by side and the same rounds each; the
+    winner there must beat the default by the margin once more, so tuning does not keep a
+    configuration that merely measured lucky over the default.
 
     Parameters
     ----------
@@ -564,7 +574,7 @@ def tune(
 
     measurements: list[Measurement] = []
     incumbent: Measurement | None = None
-    built: dict[Config, Callable[[], object]] = {}  # the default's and the incumbent's runs
+    built: dict[Config, Callable[[], object]] = {}  # runs kept for the final round
     # Budgeted, a first batch of two (the default and one candidate) prices a candidate
     # before larger batches are committed to.
     starts = [0] + ([2] if budget_seconds is not None else [])
@@ -594,15 +604,16 @@ def tune(
             if m.seconds is not None and (incumbent is None
                                           or m.seconds < incumbent.seconds * (1 - MARGIN)):
                 incumbent = m
-        keep = {measurements[0].config, incumbent.config if incumbent else None}
-        built = {c: run for c, run in built.items() if c in keep}
         if progress is not None:
             progress(end, len(chosen))
     if incumbent is None:
         raise RuntimeError(f"no candidate could be built for {key.text()}: "
                            f"{measurements[0].error}")
-    if incumbent is not measurements[0] and measurements[0].seconds is not None:
-        incumbent = _confirm(problem, target, isa.name, measurements, incumbent, built)
+    round_seconds = _FINAL_SECONDS
+    if budget_seconds is not None:  # what is left of the budget, shared by the contenders
+        left = budget_seconds - (time.perf_counter() - start)
+        round_seconds = max(0.0, min(round_seconds, left / _FINAL_ROUNDS / _FINAL_CONTENDERS))
+    incumbent = _final_round(problem, target, isa.name, measurements, built, round_seconds)
     seconds = time.perf_counter() - start
     if database is not None:
         database.put(key, incumbent.config, gflops=incumbent.gflops(problem),
@@ -612,22 +623,36 @@ def tune(
                       measurements=tuple(measurements), candidates=generated)
 
 
-def _confirm(problem: Problem, target: Target, isa: str, measurements: list[Measurement],
-             winner: Measurement, built: dict[Config, Callable[[], object]]) -> Measurement:
-    """The winner if it beats the default (``measurements[0]``) by :data:`MARGIN` again,
-    head to head over more rounds, else the default; both records keep their best times.
+def _final_round(problem: Problem, target: Target, isa: str, measurements: list[Measurement],
+                 built: dict[Config, Callable[[], object]], round_seconds: float
+                 ) -> Measurement:
+    """The winner of a last, fair round: the default (``measurements[0]``) and the fastest
+    candidates within :data:`FINAL_WINDOW` of the best are timed again, interleaved, the same
+    rounds each, and their records take those times.  A candidate wins only if it beats the
+    default by :data:`MARGIN` there.
 
-    A batch's short timing can flatter one candidate by more than the margin on a shared
-    machine; this last duel keeps such luck from replacing the default.  Both are already
-    built, so it costs only the timing, and it runs within a time budget too."""
-    at = measurements.index(winner)
-    again = measure(problem, [measurements[0].config, winner.config], target, isa,
-                    rounds=_CONFIRM_ROUNDS, round_seconds=_CONFIRM_SECONDS, built=built)
-    if not all(isinstance(t, float) for t in again):
-        return winner
-    for i, t in ((0, again[0]), (at, again[1])):
-        measurements[i] = replace(measurements[i], seconds=min(measurements[i].seconds, t))
-    return measurements[at if again[1] < again[0] * (1 - MARGIN) else 0]
+    Batches time each candidate briefly, while the default and the best so far are re-timed
+    with every batch; keeping the fastest of all those samples would favour them, and a
+    short batch can flatter a candidate by more than the margin on a shared machine.  All
+    contenders are built already, so the round costs only timing: ``round_seconds`` per
+    contender and round (at least one run), which a budget shrinks to what is left of it.
+    """
+    timed = sorted((i for i, m in enumerate(measurements) if m.seconds is not None),
+                   key=lambda i: measurements[i].seconds)  # type: ignore[arg-type, return-value]
+    fastest = measurements[timed[0]].seconds
+    near = [i for i in timed if i and measurements[i].seconds <= fastest * (1 + FINAL_WINDOW)]
+    contenders = ([0] if 0 in timed else []) + near[:_FINAL_CONTENDERS - (0 in timed)]
+    if len(contenders) > 1:
+        again = measure(problem, [measurements[i].config for i in contenders], target, isa,
+                        rounds=_FINAL_ROUNDS, round_seconds=round_seconds, built=built)
+        for i, seconds in zip(contenders, again, strict=True):
+            if isinstance(seconds, float):
+                measurements[i] = replace(measurements[i], seconds=seconds)
+    best = min(contenders, key=lambda i: measurements[i].seconds)  # type: ignore[arg-type, return-value]
+    if best and 0 in timed and \
+            not measurements[best].seconds < measurements[0].seconds * (1 - MARGIN):  # type: ignore[operator]
+        best = 0
+    return measurements[best]
 
 
 @dataclass

@@ -181,3 +181,40 @@ def test_heuristic_is_competitive_with_the_modelled_best():
     best = rank(cands, gemm, DEFAULT_CACHES, 2)[0][0]
     h = heuristic(gemm.Mb, gemm.Nb, gemm.Kb, DEFAULT_CACHES, 2)
     assert predict(h, gemm, DEFAULT_CACHES, 2) < 1.1 * best
+
+
+def test_packing_once_per_k_block_beats_repacking_under_an_n_loop():
+    # 1024^3 in 256x64x512 blocks, one core: "acb" packs A's K block once (4 MiB copied in
+    # all); "cacb" re-packs it for every pair of N blocks (32 MiB).  Measured 114 vs 85 GFLOPS.
+    gemm = GemmProblem(1024, 1024, 1024, 256, 64, 512)
+    once = analyze(Candidate("acb"), gemm, DEFAULT_CACHES, 1, peak_flops_per_cycle=64, pack_a=1)
+    again = analyze(Candidate("cacb", {"c": (2,)}), gemm, DEFAULT_CACHES, 1,
+                    peak_flops_per_cycle=64, pack_a=2)
+    plain = analyze(Candidate("acb"), gemm, DEFAULT_CACHES, 1, peak_flops_per_cycle=64)
+    assert plain.pack_cycles == 0 and once.pack_cycles > 0
+    assert again.pack_cycles == pytest.approx(8 * once.pack_cycles)
+    assert once.cycles == pytest.approx(plain.cycles + once.pack_cycles)
+    assert again.cycles > 1.15 * once.cycles
+
+
+def test_packing_is_shared_by_the_threads():
+    gemm = GemmProblem(1024, 1024, 1024, 256, 64, 512)
+    one, two = (analyze(Candidate("aCB"), gemm, DEFAULT_CACHES, t, pack_a=1).pack_cycles
+                for t in (1, 2))
+    assert two == pytest.approx(one / 2)
+
+
+@pytest.mark.parametrize("depth", [-1, 4])
+def test_pack_depth_beyond_the_nest_is_an_error(depth):
+    gemm = GemmProblem(1024, 1024, 1024, 256, 64, 512)
+    with pytest.raises(ValueError, match="not a loop depth"):
+        analyze(Candidate("acb"), gemm, DEFAULT_CACHES, 1, pack_a=depth)
+
+
+def test_parallel_loops_cost_nothing_extra_on_one_thread():
+    # TVM runs a parallel loop inline when its pool has one thread: "cBCa" is "cbca" there.
+    gemm = GemmProblem(512, 512, 512, 64, 64, 512)
+    par, seq = Candidate("cBCa", {"c": (4,)}), Candidate("cbca", {"c": (4,)})
+    assert predict(par, gemm, DEFAULT_CACHES, 1) == predict(seq, gemm, DEFAULT_CACHES, 1)
+    forks = analyze(par, gemm, DEFAULT_CACHES, 2, fork_join_cycles=1e6).cycles
+    assert forks - analyze(par, gemm, DEFAULT_CACHES, 2, fork_join_cycles=0).cycles >= 2e6

@@ -2,6 +2,7 @@
 short list), persists, reuses, and its CLI."""
 
 import json
+import time
 
 import numpy as np
 import onnx
@@ -85,7 +86,6 @@ def test_tune_cli_explain(tmp_path, dense_file, capsys):
 
 def _fake_measure(monkeypatch, seconds_of, calls=None, delay=0.0):
     """Replace building and timing by ``seconds_of(config)``; record each batch's configs."""
-    import time
 
     def fake(problem, configs, target, isa, **_):
         if calls is not None:
@@ -113,30 +113,70 @@ def test_candidate_must_beat_default_by_margin(monkeypatch, speedup, wins):
     assert result.best == (picked[0] if wins else default)
 
 
-@pytest.mark.parametrize("duel, wins", [((1.0, 0.995), False), ((1.0, 0.9), True)])
-def test_winner_must_beat_the_default_again_in_a_final_duel(monkeypatch, duel, wins):
+@pytest.mark.parametrize("final, wins", [((1.0, 0.995), False), ((1.0, 0.9), True)])
+def test_winner_must_beat_the_default_again_in_the_final_round(monkeypatch, final, wins):
     calls = []
-    times = iter([1.0, 0.9, 1.0, 1.0, 1.0, *duel])  # one batch, then the duel
+    times = iter([1.0, 0.9, 1.0, 1.0, 1.0, *final])  # one batch, then the final round
     _fake_measure(monkeypatch, lambda c: next(times), calls)
     result = tune(PROBLEM, TARGET, top_k=4)
     winner, default = calls[0][1], calls[0][0]
+    # Only the default and the candidates within FINAL_WINDOW of the best go on.
     assert calls[-1] == [default, winner] and len(calls) == 2
     assert result.best == (winner if wins else default)
-    assert result.measurements[0].seconds == 1.0  # records keep each one's best time
-    assert result.measurements[1].seconds == 0.9
+    # Contenders' records take the final round's times: equal samples for each.
+    assert [m.seconds for m in result.measurements[:2]] == list(final)
+
+
+def test_final_round_is_fair_to_candidates_timed_once(monkeypatch):
+    # The default, re-timed with every batch, once measured 0.95 (luck); the candidate
+    # measured 0.99 in its only batch.  Side by side in the final round it is 5 % faster.
+    calls = []
+    rounds = {0: iter([1.0, 0.95, 1.0]), 1: iter([0.99, 0.95])}
+    default = default_config(48, 64, 96, isa.from_name("avx2"), isa.caches(), threads=1)
+    seen = []
+
+    def seconds_of(config):
+        if config == default:
+            return next(rounds[0])
+        if config not in seen:
+            seen.append(config)
+        return next(rounds[1]) if config == seen[0] else 2.0
+
+    _fake_measure(monkeypatch, seconds_of, calls)
+    result = tune(PROBLEM, TARGET, top_k=tuner_module.BATCH + 1)
+    assert calls[-1] == [default, seen[0]]
+    assert result.best == seen[0]
+    assert [m.seconds for m in result.measurements[:2]] == [1.0, 0.95]
+
+
+def test_final_round_takes_at_most_four_contenders(monkeypatch):
+    calls = []
+    _fake_measure(monkeypatch, lambda c: 1.0, calls)
+    tune(PROBLEM, TARGET, top_k=6)
+    assert len(calls[-1]) == tuner_module._FINAL_CONTENDERS
+    assert calls[-1][0] == calls[0][0]  # the default, first
+
+
+def test_no_final_round_when_nothing_comes_near(monkeypatch):
+    calls = []
+    default = default_config(48, 64, 96, isa.from_name("avx2"), isa.caches(), threads=1)
+    _fake_measure(monkeypatch, lambda c: 1.0 if c == default else 1.2, calls)
+    result = tune(PROBLEM, TARGET, top_k=3)
+    assert len(calls) == 1 and result.best == default
 
 
 def test_incumbent_is_retimed_with_each_batch(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls)
     result = tune(PROBLEM, TARGET, top_k=2 * tuner_module.BATCH)
-    assert len(calls) >= 2 and calls[0][0] == result.best  # nothing beat the default...
-    assert all(batch[-1] == result.best for batch in calls[1:])  # ...which ran in every batch
+    batches = calls[:-1]  # the last call is the final round
+    assert len(batches) >= 2 and batches[0][0] == result.best  # nothing beat the default...
+    assert all(batch[-1] == result.best for batch in batches[1:])  # ...which ran in each batch
 
 
 def test_incumbent_record_keeps_its_best_retiming(monkeypatch):
     # Batch 1: the default (slow this time) and four slower candidates; batch 2: one more
-    # candidate and the default again, faster now.
+    # candidate and the default again, faster now.  Nothing comes near it: no final round.
     times = iter([2.0, 3.0, 3.0, 3.0, 3.0, 3.0, 1.0])
     _fake_measure(monkeypatch, lambda c: next(times))
     result = tune(PROBLEM, TARGET, top_k=5)
@@ -148,7 +188,24 @@ def test_budget_stops_after_the_first_batch(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls, delay=0.2)
     result = tune(PROBLEM, TARGET, top_k=3 * tuner_module.BATCH, budget_seconds=0.1)
-    assert len(calls) == 1 and len(result.measurements) == 2  # the default and one candidate
+    assert len(result.measurements) == 2  # the default and one candidate...
+    assert calls == [calls[0]] * 2  # ...timed in one batch and in the final round
+
+
+def test_budget_shrinks_the_final_round(monkeypatch):
+    timings = []
+
+    def fake(problem, configs, target, isa, **options):
+        time.sleep(0.05)
+        timings.append(options.get("round_seconds"))
+        return [1.0] * len(configs)
+
+    monkeypatch.setattr(tuner_module, "measure", fake)
+    tune(PROBLEM, TARGET, top_k=1, budget_seconds=0.06)  # nearly all spent on the batch
+    assert timings[-1] < 0.01 * tuner_module._FINAL_SECONDS
+    timings.clear()
+    tune(PROBLEM, TARGET, top_k=1)
+    assert timings[-1] == tuner_module._FINAL_SECONDS
 
 
 def test_budget_admits_batches_that_fit(monkeypatch):
@@ -157,7 +214,8 @@ def test_budget_admits_batches_that_fit(monkeypatch):
     result = tune(PROBLEM, TARGET, top_k=2 * tuner_module.BATCH, budget_seconds=60)
     # Batches of 2, BATCH and the rest of the 1 + top_k, each later one with the incumbent.
     rest = 1 + 2 * tuner_module.BATCH - 2 - tuner_module.BATCH
-    assert [len(c) for c in calls] == [2, tuner_module.BATCH + 1, rest + 1]
+    assert [len(c) for c in calls] == [2, tuner_module.BATCH + 1, rest + 1,
+                                       tuner_module._FINAL_CONTENDERS]
     assert len(result.measurements) == 1 + 2 * tuner_module.BATCH
 
 
