@@ -46,9 +46,9 @@ from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 
 from .blocking import default_config
-from .cost_model import rank
 from .gemm import GemmConfig, GemmProblem, schedule, workload
-from .space import Candidate, generate
+from .space import Candidate
+from .tuner import ranked_configs
 
 if TYPE_CHECKING:
     from tvm import s_tir
@@ -78,9 +78,9 @@ def space_configs(problem: GemmProblem, target: Target, top_n: int = 8,
                   max_candidates: int = 400) -> list[GemmConfig]:
     """The tuner's model-ranked candidates for the default blocking, best first.
 
-    The ``top_n`` best of :func:`~schedules.space.generate` under
-    :func:`~schedules.cost_model.rank`, plus the untuned default configuration when it is not
-    among them (as :func:`~schedules.tuner.tune` does).
+    The ``top_n`` best of :func:`schedules.tuner.ranked_configs` (the tuner's ranking of the
+    default blocking's loop orders, packing included), plus the untuned default
+    configuration when it is not among them (as :func:`~schedules.tuner.tune` does).
 
     Examples
     --------
@@ -92,11 +92,8 @@ def space_configs(problem: GemmProblem, target: Target, top_n: int = 8,
     isa, threads = _isa_and_threads(target)
     caches = _isa.caches()
     base = default_config(problem.m, problem.n, problem.k, isa, caches, threads)
-    blocked = base.blocked(problem)
-    candidates = generate(*blocked.trips, steps=(base.k_step, 1, 1),
-                          require_parallel=threads > 1, max_candidates=max_candidates)
-    ranked = rank(candidates, blocked, caches, threads)
-    configs = [base.with_candidate(c) for _, c in ranked[:top_n]]
+    ranked = ranked_configs(problem, base, isa, caches, threads, max_candidates)
+    configs = [config for _, config in ranked[:top_n]]
     if base not in configs:
         configs.append(base)
     return configs

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
 
 __all__ = ["Op", "OPS", "TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune",
-           "config_for", "problem_text", "config_text", "measure", "build",
+           "config_for", "problem_text", "config_text", "measure", "build", "ranked_configs",
            "time_interleaved", "BATCH", "MARGIN", "FINAL_WINDOW"]
 
 Problem = GemmProblem | ConvProblem | BatchGemmProblem
@@ -137,41 +137,54 @@ def _blockings(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads
     return out
 
 
+def ranked_configs(problem: GemmProblem, blocking: GemmConfig, isa: _isa.Isa,
+                   caches: _isa.Caches, threads: int, max_candidates: int = 400
+                   ) -> list[tuple[float, GemmConfig]]:
+    """PARLOOPER's loop orders (:func:`~schedules.space.generate`) with ``blocking``'s block
+    sizes and packing, as ``(predicted cycles, config)``, best predicted first.
+
+    A packed config is kept only if an N loop runs under its packing, i.e. the packed A is
+    reused; ``blocking`` itself is always ranked.
+
+    Examples
+    --------
+    >>> base = GemmConfig.of("acb", 256, 64, 512, pack_a=1)
+    >>> ranked_configs(GemmProblem(1024, 1024, 1024), base, avx512, caches, 1)[0][1].spec
+    ...                                                             # doctest: +SKIP
+    'bac'
+    """
+    # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
+    peak = 2 * 2 * isa.lanes("float32")
+    candidates = generate(*blocking.blocked(problem).trips, steps=(blocking.k_step, 1, 1),
+                          require_parallel=threads > 1, max_candidates=max_candidates)
+    configs = [cfg for cfg in map(blocking.with_candidate, candidates)
+               if cfg.pack_a is None or cfg.reuses_packed_a()]
+    if blocking not in configs:  # the sampled space left it out: rank it all the same
+        configs.append(blocking)
+    return sorted(((predict(cfg.candidate, cfg.blocked(problem), caches, threads,
+                            peak_flops_per_cycle=peak, pack_a=cfg.pack_a), cfg)
+                   for cfg in configs), key=lambda pair: pair[0])
+
+
 def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int,
                    max_candidates: int) -> tuple[list[Choice], int]:
     """The default, then the model's best loop orders of every blocking in turn, each with
     its model rank (the default's too).
 
-    The model ranks the loop orders (and where A is packed) of one blocking; it does not
-    see how block sizes change the kernel's own efficiency, so it cannot rank blockings
-    against each other: each gets its share of the measurements, and a candidate's
-    ``model_rank`` is the number of candidates of its blocking predicted strictly faster
-    (0-based; equal predictions share a rank, as the model cannot tell them apart).  A
-    packed candidate is kept only if an N loop runs under its packing, i.e. the packed A is
-    reused.
+    The model ranks the loop orders (and where A is packed) of one blocking
+    (:func:`ranked_configs`); it does not see how block sizes change the kernel's own
+    efficiency, so it cannot rank blockings against each other: each gets its share of the
+    measurements, and a candidate's ``model_rank`` is the number of candidates of its
+    blocking predicted strictly faster (0-based; equal predictions share a rank, as the
+    model cannot tell them apart).
     """
-    # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
-    peak = 2 * 2 * isa.lanes("float32")
-
-    def predicted(config: GemmConfig) -> float:
-        return predict(config.candidate, config.blocked(problem), caches, threads,
-                       peak_flops_per_cycle=peak, pack_a=config.pack_a)
-
-    families: list[list[tuple[float, GemmConfig]]] = []
     blockings = _blockings(problem, isa, caches, threads)
-    for blocking in blockings:
-        candidates = generate(*blocking.blocked(problem).trips, steps=(blocking.k_step, 1, 1),
-                              require_parallel=threads > 1, max_candidates=max_candidates)
-        configs = [blocking.with_candidate(candidate) for candidate in candidates]
-        families.append(sorted(((predicted(cfg), cfg) for cfg in configs
-                                if cfg.pack_a is None or cfg.reuses_packed_a()),
-                               key=lambda pair: pair[0]))
+    families = [ranked_configs(problem, b, isa, caches, threads, max_candidates)
+                for b in blockings]
     default = blockings[0]
     # A rank counts the candidates predicted strictly faster: bisect the sorted predictions.
     sorted_cycles = [[cycles for cycles, _ in family] for family in families]
-    cycles = next((c for c, cfg in families[0] if cfg == default), None)
-    if cycles is None:  # the sampled space left the default out
-        cycles = predicted(default)
+    cycles = next(c for c, cfg in families[0] if cfg == default)
     choices: list[Choice] = [(bisect.bisect_left(sorted_cycles[0], cycles), cycles, default)]
     for n in range(max(map(len, families))):
         choices += [(bisect.bisect_left(cycles_of, family[n][0]), *family[n])

@@ -5,9 +5,12 @@ import pytest
 import tvm
 
 import tvm_tpp
+from microkernels import isa
+from schedules.blocking import default_config
 from schedules.gemm import GemmConfig, GemmProblem, pack_weight, workload
 from schedules.ms_space import gemm_space, space_configs, tune_gemm_ms
 from schedules.space import Candidate
+from schedules.tuner import ranked_configs
 
 PROBLEM = GemmProblem(42, 80, 36)
 
@@ -40,6 +43,19 @@ def test_one_design_space_per_candidate_each_correct(target):
         assert f"tpp_brgemm_{target.attrs['model']}_float32_flat_{config.bm}x" in str(sch.trace)
         _check(sch, config.bn, target)
     assert len({str(s.trace) for s in spaces}) == len(spaces)
+
+
+def test_long_k_space_is_the_tuners_packed_ranking(target):
+    # K = 4096 on 256 rows: the default splits K and packs A; the space ranks loop orders
+    # with the copies of packing, keeps only orders that reuse the packed A, and the default.
+    problem = GemmProblem(256, 128, 4096)
+    chip = isa.from_name(target.attrs["model"])
+    base = default_config(256, 128, 4096, chip, isa.caches(), 2)
+    configs = space_configs(problem, target, top_n=3)
+    assert base.pack_a is not None and base in configs
+    assert all(c.pack_a is not None and c.reuses_packed_a() for c in configs)
+    ranked = [c for _, c in ranked_configs(problem, base, chip, isa.caches(), 2)]
+    assert configs[:3] == ranked[:3]
 
 
 def test_loop_spec_candidates_take_the_default_blocks(target):
