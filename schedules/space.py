@@ -374,6 +374,11 @@ def heuristic(
        When those panels (``trips × b × K × dtype``) exceed half of L2, block that loop.
        The block is the largest rule-2 factor whose panels fit in half of L2 and still leaves
        at least ``threads`` parallel iterations. The result looks like ``cBCa``.
+    4. When one panel fits in half of L2 but two do not, swap the two loops instead: each of
+       those panels is then read once and stays in L2 while the inner loop streams the other
+       operand, instead of being fetched anew for every block of it (2048^3: ``CBa`` 119-121
+       GFLOPS on one core and 229-243 on two, ``BCa`` 90 and 180-183).  A panel larger than
+       that is fetched once per call either way: no blocking then.
 
     Examples
     --------
@@ -381,6 +386,8 @@ def heuristic(
     Candidate('BCa', {})
     >>> heuristic(32, 32, 32, DEFAULT_CACHES, 2)  # all of B is 4 MiB: block N by 4
     Candidate('cBCa', {'c': (4,)})
+    >>> heuristic(32, 32, 4, DEFAULT_CACHES, 2, bm=64, bn=64, bk=512)  # one B panel: 512 KiB
+    Candidate('CBa', {})
     """
     for name, v in (("Mb", Mb), ("Nb", Nb), ("Kb", Kb), ("threads", threads), ("bm", bm),
                     ("bn", bn), ("bk", bk), ("dtype_bytes", dtype_bytes), ("k_step", k_step)):
@@ -392,6 +399,8 @@ def heuristic(
     par = outer.upper() + inner.upper()
     if inner_trips * panel <= caches.l2 // 2:
         return Candidate(par + "a", {}, steps)
+    if panel <= caches.l2 // 2 < 2 * panel:  # rule 4
+        return Candidate(par[::-1] + "a", {}, steps)
     fits = [f for f in block_factors(inner_trips)
             if f * panel <= caches.l2 // 2 and f * outer_trips >= threads]
     if not fits:

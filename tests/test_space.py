@@ -141,8 +141,14 @@ def test_heuristic():
     big = heuristic(32, 32, 32, DEFAULT_CACHES, 2)
     assert big == Candidate("cBCa", {"c": (4,)})
     check_rules(big, (32, 32, 32))
-    # Too small an L2 for any block: no blocking.
+    # Too small an L2 for even one panel: no blocking.
     assert heuristic(32, 32, 32, Caches(32768, 65536, 1 << 20), 2) == Candidate("BCa")
+    # 2048^3 in 64x64x512 blocks, the whole K per call: one B panel is half of L2, so the
+    # loop over B's panels goes outside (rule 4) and each panel is read once.
+    assert heuristic(32, 32, 4, DEFAULT_CACHES, 1, bm=64, bn=64, bk=512, k_step=4) == \
+        Candidate("CBa", {}, {"a": 4})
+    assert heuristic(32, 32, 2, DEFAULT_CACHES, 1, bm=64, bn=64, bk=512, k_step=2) == \
+        Candidate("cBCa", {"c": (2,)}, {"a": 2})  # 1024 x 64 panels: blocks of two fit
     assert heuristic(32, 32, 32, DEFAULT_CACHES, 2, k_step=4).step("a") == 4
     with pytest.raises(ValueError):
         heuristic(32, 32, 32, DEFAULT_CACHES, 0)
