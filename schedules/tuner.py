@@ -155,13 +155,14 @@ def ranked_configs(problem: GemmProblem, blocking: GemmConfig, isa: _isa.Isa,
     """
     # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
     peak = 2 * 2 * isa.lanes("float32")
-    candidates = generate(*blocking.blocked(problem).trips, steps=(blocking.k_step, 1, 1),
+    blocked = blocking.blocked(problem)  # the same block sizes for every loop order
+    candidates = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
                           require_parallel=threads > 1, max_candidates=max_candidates)
     configs = [cfg for cfg in map(blocking.with_candidate, candidates)
                if cfg.pack_a is None or cfg.reuses_packed_a()]
     if blocking not in configs:  # the sampled space left it out: rank it all the same
         configs.append(blocking)
-    return sorted(((predict(cfg.candidate, cfg.blocked(problem), caches, threads,
+    return sorted(((predict(cfg.candidate, blocked, caches, threads,
                             peak_flops_per_cycle=peak, pack_a=cfg.pack_a), cfg)
                    for cfg in configs), key=lambda pair: pair[0])
 
@@ -654,7 +655,8 @@ def _final_round(problem: Problem, target: Target, isa: str, measurements: list[
                    key=lambda i: measurements[i].seconds)  # type: ignore[arg-type, return-value]
     fastest = measurements[timed[0]].seconds
     near = [i for i in timed if i and measurements[i].seconds <= fastest * (1 + FINAL_WINDOW)]
-    contenders = ([0] if 0 in timed else []) + near[:_FINAL_CONTENDERS - (0 in timed)]
+    default = [0] if measurements[0].seconds is not None else []  # unless it failed to build
+    contenders = default + near[:_FINAL_CONTENDERS - len(default)]
     if len(contenders) > 1:
         again = measure(problem, [measurements[i].config for i in contenders], target, isa,
                         rounds=_FINAL_ROUNDS, round_seconds=round_seconds, built=built)
@@ -662,7 +664,7 @@ def _final_round(problem: Problem, target: Target, isa: str, measurements: list[
             if isinstance(seconds, float):
                 measurements[i] = replace(measurements[i], seconds=seconds)
     best = min(contenders, key=lambda i: measurements[i].seconds)  # type: ignore[arg-type, return-value]
-    if best and 0 in timed and \
+    if best and default and \
             not measurements[best].seconds < measurements[0].seconds * (1 - MARGIN):  # type: ignore[operator]
         best = 0
     return measurements[best]
