@@ -15,8 +15,8 @@ exactly), so they are chosen among the dimension's divisors:
   :func:`long_k_config` splits K across calls and packs A, as BLAS does (128x768x3072 on one
   core: 100 -> 115 GFLOPS measured).  Up to half of L2 the panel stays, provided the loop
   over N blocks is outside the one over M blocks (the heuristic's rule 4): 2048^3, whose
-  panel is exactly half of L2, runs 3-8 % faster on one core and 27-43 % on two that way
-  than split and packed.
+  panel is exactly half of L2, measured faster that way than split and packed, on one core
+  and more so on two (BENCHMARKS.md).
 
 Examples
 --------

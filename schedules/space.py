@@ -376,8 +376,8 @@ def heuristic(
        at least ``threads`` parallel iterations. The result looks like ``cBCa``.
     4. When one panel fits in half of L2 but two do not, swap the two loops instead: each of
        those panels is then read once and stays in L2 while the inner loop streams the other
-       operand, instead of being fetched anew for every block of it (2048^3: ``CBa`` 119-121
-       GFLOPS on one core and 229-243 on two, ``BCa`` 90 and 180-183).  A panel larger than
+       operand, instead of being fetched anew for every block of it (2048^3 measured a quarter
+       to a third faster than ``BCa``; see BENCHMARKS.md).  A panel larger than
        that is fetched once per call either way: no blocking then.
 
     Examples
