@@ -78,5 +78,11 @@ def finish_nest(sch: s_tir.Schedule, spec: LoopSpec, order: list[LoopRV],
         members = [order[index] for index in spec.parallel_groups()[0]]
         sch.parallel(sch.fuse(*members) if len(members) > 1 else members[0])
     init = sch.decompose_reduction(block, order[first])
-    sch.vectorize(sch.get_loops(init)[-1])
+    loops = sch.get_loops(init)
+    sch.vectorize(loops[-1])
+    if anchor is None and len(loops) > 1:
+        # A reduction loop outermost: zeroing is a pass of its own over the whole output,
+        # parallel as the epilogue's (serial, LLVM unrolls its constant nest into thousands
+        # of stores: 4 s to compile "abc" at 128x768x768).
+        sch.parallel(sch.fuse(*loops[:-1]))
     return init

@@ -171,3 +171,17 @@ def test_bad_pack_depth(spec, pack_a, message, position):
     assert err.value.position == position
     with pytest.raises(ValueError, match="pack_a"):
         GemmConfig.of(spec, 8, 32, 24, pack_a=-1)
+
+
+@pytest.mark.parametrize("spec", ["abc", "aBC"])
+def test_zeroing_pass_before_an_outermost_k_loop_is_parallel(spec):
+    """With K outermost, C is zeroed in a pass of its own: one fused parallel loop (a serial
+    constant nest is unrolled by LLVM into thousands of stores), and the result is right."""
+    problem = GemmProblem(48, 64, 96)
+    config = GemmConfig.of(spec, 8, 32, 24, k_step=2)
+    sch = schedule(problem, config)
+    outer, inner = sch.get_loops(sch.get_sblock("C_init"))
+    assert sch.get(outer).kind == tvm.tirx.ForKind.PARALLEL
+    assert sch.get(outer).extent == 48 * 64 // 32  # every row and vector of C, fused
+    assert sch.get(inner).kind == tvm.tirx.ForKind.VECTORIZED
+    _run(problem, config)
