@@ -19,6 +19,8 @@ Examples
 >>> p = measure_peak("avx2")  # doctest: +SKIP
 >>> round(p.peak_gflops, 1), round(p.clock_ghz, 2)  # doctest: +SKIP
 (86.3, 2.7)
+>>> flops_per_cycle("avx512")  # Zen 4: 512-bit FMAs run in two halves  # doctest: +SKIP
+32.0
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from . import isa as _isa
 if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
 
-__all__ = ["Peak", "FMA_UNITS", "FmaChains", "measure_peak", "fma_chain_func", "llvm_target"]
+__all__ = ["Peak", "FMA_UNITS", "FmaChains", "measure_peak", "fma_chain_func", "llvm_target",
+           "flops_per_cycle"]
 
 #: FMA pipes per core on every x86 core tvm-tpp targets (Haswell .. Sapphire Rapids, Zen 1-4).
 FMA_UNITS = 2
@@ -145,3 +148,29 @@ def measure_peak(isa: str | None = None, repeat: int = 200) -> Peak:
     """
     chains = FmaChains(isa)
     return chains.peak(chains.best_seconds(repeat))
+
+
+#: A 512-bit ISA whose FMA-chain rate is below this multiple of AVX2's has 256-bit FMA pipes.
+_FULL_WIDTH_RATIO = 1.4
+
+
+@functools.cache
+def flops_per_cycle(isa: str) -> float:
+    """fp32 flops per cycle of one core running ``isa``'s FMA kernels: the cost model's peak.
+
+    Nominally ``FMA_UNITS x lanes x 2`` (32 for AVX2, 64 for AVX-512).  Zen 4 executes a
+    512-bit FMA in two halves on its 256-bit pipes, so its AVX-512 kernels peak at AVX2's
+    32 (measured here: 118.2 GFLOPS either way), and a model assuming 64 sees half the
+    compute time next to the same data movement.  Flags cannot tell (Cooper Lake has the
+    same ISA and full-width pipes), so for a 512-bit ``isa`` this host runs, the FMA-chain
+    rates of ``isa`` and AVX2 are compared (about 0.4 s, once per process): below
+    1.4x AVX2's rate the pipes are 256 bits wide (Cascade Lake measures 1.78x, Zen 4 1.0x).
+    Other ISAs, and ISAs this host cannot run, get the nominal figure.
+    """
+    target = _isa.from_name(isa)
+    nominal = float(FMA_UNITS * target.lanes("float32") * 2)
+    if target.vector_bits <= 256 or target.arch != "x86_64" \
+            or not target.runs_on(_isa.host_flags()):
+        return nominal
+    ratio = measure_peak(isa).peak_gflops / measure_peak("avx2").peak_gflops
+    return nominal if ratio >= _FULL_WIDTH_RATIO else nominal / 2

@@ -44,9 +44,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from microkernels import isa as _isa
+from microkernels.peak import flops_per_cycle
 
 from . import batch_gemm, conv
 from .batch_gemm import BatchGemmConfig, BatchGemmProblem
@@ -64,12 +65,23 @@ if TYPE_CHECKING:
 
 __all__ = ["Op", "OPS", "TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune",
            "config_for", "problem_text", "config_text", "measure", "build", "ranked_configs",
-           "time_interleaved", "BATCH", "MARGIN", "FINAL_WINDOW"]
+           "time_interleaved", "BATCH", "MARGIN", "FINAL_WINDOW", "MODEL_RESOLUTION"]
 
 Problem = GemmProblem | ConvProblem | BatchGemmProblem
 Config = GemmConfig | ConvConfig | BatchGemmConfig
-#: A candidate to measure: (cost-model rank, predicted cycles, config); None, None unranked.
-Choice = tuple[int | None, float | None, Config]
+
+
+class Choice(NamedTuple):
+    """A candidate to measure, with the cost model's verdict (all None when unranked).
+
+    ``rank`` counts the candidates of its blocking predicted strictly faster, ``model_class``
+    those predicted faster by more than :data:`MODEL_RESOLUTION` (0-based both).
+    """
+
+    rank: int | None
+    model_class: int | None
+    cycles: float | None
+    config: Config
 
 
 @dataclass(frozen=True)
@@ -153,8 +165,7 @@ def ranked_configs(problem: GemmProblem, blocking: GemmConfig, isa: _isa.Isa,
     ...                                                             # doctest: +SKIP
     'bac'
     """
-    # Two FMA pipes per core, each a vector of fp32 multiply-adds per cycle.
-    peak = 2 * 2 * isa.lanes("float32")
+    peak = flops_per_cycle(isa.name)
     blocked = blocking.blocked(problem)  # the same block sizes for every loop order
     candidates = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
                           require_parallel=threads > 1, max_candidates=max_candidates)
@@ -175,27 +186,33 @@ def _dense_choices(problem: GemmProblem, isa: _isa.Isa, caches: _isa.Caches, thr
     The model ranks the loop orders (and where A is packed) of one blocking
     (:func:`ranked_configs`); it does not see how block sizes change the kernel's own
     efficiency, so it cannot rank blockings against each other: each gets its share of the
-    measurements, and a candidate's ``model_rank`` is the number of candidates of its
-    blocking predicted strictly faster (0-based; equal predictions share a rank, as the
-    model cannot tell them apart).
+    measurements.  A candidate's rank counts the candidates of its blocking predicted
+    strictly faster (equal predictions share a rank), its class those predicted faster by
+    more than the model's resolution (PARLOOPER's "modeled classes", [PL] Fig. 6).
     """
     blockings = _blockings(problem, isa, caches, threads)
     families = [ranked_configs(problem, b, isa, caches, threads, max_candidates)
                 for b in blockings]
     default = blockings[0]
-    # A rank counts the candidates predicted strictly faster: bisect the sorted predictions.
+    # Ranks count the candidates predicted faster: bisect the sorted predictions.
     sorted_cycles = [[cycles for cycles, _ in family] for family in families]
+
+    def choice(cycles: float, config: GemmConfig, cycles_of: list[float]) -> Choice:
+        return Choice(bisect.bisect_left(cycles_of, cycles),
+                      bisect.bisect_left(cycles_of, cycles * (1 - MODEL_RESOLUTION)),
+                      cycles, config)
+
     cycles = next(c for c, cfg in families[0] if cfg == default)
-    choices: list[Choice] = [(bisect.bisect_left(sorted_cycles[0], cycles), cycles, default)]
+    choices = [choice(cycles, default, sorted_cycles[0])]
     for n in range(max(map(len, families))):
-        choices += [(bisect.bisect_left(cycles_of, family[n][0]), *family[n])
+        choices += [choice(*family[n], cycles_of)
                     for family, cycles_of in zip(families, sorted_cycles, strict=True)
                     if n < len(family) and family[n][1] != default]
     return choices, sum(map(len, families))
 
 
 def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:
-    return [(None, None, config) for config in configs], len(configs)
+    return [Choice(None, None, None, config) for config in configs], len(configs)
 
 
 def _dense_to_json(config: GemmConfig) -> dict:
@@ -372,22 +389,23 @@ class Database:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One candidate: the model's rank within its blocking and prediction (None when
-    unranked), what it measured."""
+    """One candidate: the model's rank and class within its blocking and its prediction
+    (None when unranked; see :class:`Choice`), what it measured."""
 
     config: Config
     model_rank: int | None
     predicted_cycles: float | None
     seconds: float | None = None
     error: str | None = None
+    model_class: int | None = None
 
     def gflops(self, problem: Problem) -> float | None:
         return problem.flops / self.seconds / 1e9 if self.seconds else None
 
     def to_json(self) -> dict:
         return {"config": _op(self.config).to_json(self.config), "model_rank": self.model_rank,
-                "predicted_cycles": self.predicted_cycles, "seconds": self.seconds,
-                "error": self.error}
+                "model_class": self.model_class, "predicted_cycles": self.predicted_cycles,
+                "seconds": self.seconds, "error": self.error}
 
 
 @dataclass(frozen=True)
@@ -411,6 +429,9 @@ MARGIN = 0.02
 #: Seconds of samples per candidate per round (at least one run each).
 _ROUND_SECONDS = 0.05
 _ROUNDS = 3
+#: Predictions closer than this are one class: the model works at slice granularity, and its
+#: analytic engine agrees with the exact trace replay to about 1 %.
+MODEL_RESOLUTION = 0.01
 #: The final round: the default and the candidates within this fraction of the fastest
 #: (at most :data:`_FINAL_CONTENDERS` in all) are timed again side by side, the same rounds
 #: each, and that round decides.
@@ -600,7 +621,7 @@ def tune(
         if budget_seconds is not None and first and spent * (first + len(batch)) / first > \
                 budget_seconds:
             break
-        configs = [cfg for _, _, cfg in batch]
+        configs = [c.config for c in batch]
         if incumbent is not None:  # re-timed next to the newcomers
             configs.append(incumbent.config)
         results = measure(problem, configs, target, isa.name, built=built)
@@ -610,10 +631,10 @@ def tune(
                 at = measurements.index(incumbent)
                 incumbent = measurements[at] = replace(incumbent,
                                                        seconds=min(incumbent.seconds, again))
-        for (model_rank, cycles, config), result in zip(batch, results, strict=True):
-            m = (Measurement(config, model_rank, cycles, seconds=result)
-                 if isinstance(result, float)
-                 else Measurement(config, model_rank, cycles, error=result))
+        for c, result in zip(batch, results, strict=True):
+            m = Measurement(c.config, c.rank, c.cycles, model_class=c.model_class,
+                            **({"seconds": result} if isinstance(result, float)
+                               else {"error": result}))
             measurements.append(m)
             if m.seconds is not None and (incumbent is None
                                           or m.seconds < incumbent.seconds * (1 - MARGIN)):

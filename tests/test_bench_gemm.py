@@ -75,6 +75,9 @@ def test_explain_relates_model_ranks_to_measurements(bench):
         assert ex["best_model_rank"] == best["model_rank"]
         assert ex["best_in_model_top5"] == (best["model_rank"] is not None
                                             and best["model_rank"] <= 5)
+        # Classes merge predictions within the model's resolution: never behind the rank.
+        assert all(m["model_class"] <= m["model_rank"] for m in ex["measured"])
+        assert ex["best_in_model_top5_classes"] == (best["model_class"] <= 5)
         top5 = [m["gflops"] for m in ex["measured"]
                 if m["model_rank"] and m["model_rank"] <= 5 and m["gflops"]]
         assert ex["top5_within_margin"] == (max(top5) >= best["gflops"] * (1 - MARGIN))

@@ -455,6 +455,25 @@ def test_peak_formula_and_validation():
     assert p.lanes == 8 and p.fma_units == 2 and p.peak_gflops == pytest.approx(32 * p.clock_ghz)
 
 
+@pytest.mark.parametrize("avx512_gflops, expected", [(153.4, 64.0), (118.2, 32.0)])
+def test_flops_per_cycle_sees_half_width_fma_pipes(monkeypatch, avx512_gflops, expected):
+    """Cascade Lake's AVX-512 chains run 1.78x AVX2's, Zen 4's 1.0x: 64 vs 32 flops/cycle."""
+    from microkernels import peak
+
+    rates = {"avx2": 86.3 if expected == 64 else 118.2, "avx512": avx512_gflops}
+    monkeypatch.setattr(peak, "measure_peak",
+                        lambda name: peak.Peak(name, 8, rates[name] / 32))
+    monkeypatch.setattr(peak._isa, "host_flags", lambda: _isa.from_name("avx512").requires)
+    peak.flops_per_cycle.cache_clear()
+    try:
+        assert peak.flops_per_cycle("avx512") == expected
+        assert peak.flops_per_cycle("avx2") == 32.0  # 256-bit ISAs are never measured
+        assert peak.flops_per_cycle("amx") == 64.0  # not runnable here: nominal
+        assert peak.flops_per_cycle("neon") == 16.0
+    finally:
+        peak.flops_per_cycle.cache_clear()
+
+
 def test_bench_kernel_default_block_is_l1_resident():
     """Whole register tiles, and A, B and C within L1d (else the benchmark times L2)."""
     from tvm_tpp.bench_kernel import _default_shape

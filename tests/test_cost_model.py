@@ -218,3 +218,22 @@ def test_parallel_loops_cost_nothing_extra_on_one_thread():
     assert predict(par, gemm, DEFAULT_CACHES, 1) == predict(seq, gemm, DEFAULT_CACHES, 1)
     forks = analyze(par, gemm, DEFAULT_CACHES, 2, fork_join_cycles=1e6).cycles
     assert forks - analyze(par, gemm, DEFAULT_CACHES, 2, fork_join_cycles=0).cycles >= 2e6
+
+
+def test_replays_are_shared_by_nests_that_give_a_thread_the_same_share():
+    """On one thread parallel letters change nothing but fork/join (not charged there), so
+    ``aBC`` reuses the replay of ``abc``; a different order is replayed anew."""
+    from schedules import cost_model
+
+    gemm = GemmProblem(256, 256, 256, 32, 32, 32)
+    cost_model._REPLAYS.clear()
+    serial = analyze("abc", gemm, threads=1, engine="trace")
+    assert len(cost_model._REPLAYS) == 1
+    parallel = analyze("aBC", gemm, threads=1, engine="trace")
+    assert len(cost_model._REPLAYS) == 1 and parallel == serial
+    analyze("acb", gemm, threads=1, engine="trace")
+    assert len(cost_model._REPLAYS) == 2
+    # Two threads split aBC's B loop: its own replay, charged its fork/join.
+    two = analyze("aBC", gemm, threads=2, engine="trace")
+    cost_model._REPLAYS.clear()
+    assert analyze("aBC", gemm, threads=2, engine="trace") == two

@@ -2,6 +2,7 @@
 short list), persists, reuses, and its CLI."""
 
 import json
+import re
 import time
 
 import numpy as np
@@ -79,8 +80,9 @@ def test_tune_cli_explain(tmp_path, dense_file, capsys):
     from tvm_tpp.cli import main
 
     assert main(["tune", str(dense_file), "--work-dir", str(tmp_path), "--explain"]) == 0
-    out = capsys.readouterr().out
-    assert "model ranking vs measurement" in out and "top 5" in out
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps lines
+    assert "model ranking vs measurement" in out and "top 5 classes" in out
+    assert re.search(r"fastest measured is model rank \d+, class \d+", out)
     assert (tmp_path / "tuning.json").is_file()
 
 
@@ -329,9 +331,9 @@ def test_long_k_choices_measure_packed_and_unpacked_blockings():
     small_l2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)
     problem = GemmProblem(40, 64, 1024)
     choices, _ = tuner_module._dense_choices(problem, isa.from_name("avx2"), small_l2, 2, 60)
-    default = choices[0][2]
-    assert default.pack_a == 1 and choices[0][0] is not None  # the long-K default, ranked
-    configs = [cfg for _, _, cfg in choices]
+    default = choices[0].config
+    assert default.pack_a == 1 and choices[0].rank is not None  # the long-K default, ranked
+    configs = [c.config for c in choices]
     assert any(c.pack_a is None and c.k_step > 1 for c in configs)  # whole K per call
     assert any(c.pack_a is None and c.k_step == 1 for c in configs)
     packed = [c for c in configs if c.pack_a is not None]
@@ -340,8 +342,9 @@ def test_long_k_choices_measure_packed_and_unpacked_blockings():
     assert all("c" in c.spec.lower()[c.pack_a:] for c in packed)
     assert len(set(configs)) == len(configs)
     # Every blocking's best loop order is measured before any blocking's second.
-    firsts = {(c.bm, c.bk, c.k_step, c.pack_a is None) for _, _, c in choices[1:4]}
-    assert len(firsts) == 3 and [rank for rank, _, _ in choices[1:4]] == [0, 0, 0]
+    firsts = {(c.config.bm, c.config.bk, c.config.k_step, c.config.pack_a is None)
+              for c in choices[1:4]}
+    assert len(firsts) == 3 and [c.rank for c in choices[1:4]] == [0, 0, 0]
 
 
 def test_database_keeps_packing(tmp_path):
@@ -355,15 +358,35 @@ def test_database_keeps_packing(tmp_path):
 def test_tied_predictions_share_a_model_rank():
     choices, _ = tuner_module._dense_choices(GemmProblem(48, 64, 96), isa.from_name("avx2"),
                                              isa.DEFAULT_CACHES, 1, 60)
-    ranked = sorted((cycles, rank) for rank, cycles, _ in choices)  # one blocking here
+    ranked = sorted((c.cycles, c.rank) for c in choices)  # one blocking here
     assert ranked[0][1] == 0
     for (c1, r1), (c2, r2) in zip(ranked, ranked[1:], strict=False):
         assert r1 == r2 if c1 == c2 else r1 < r2
     assert any(c1 == c2 for (c1, _), (c2, _) in zip(ranked, ranked[1:], strict=False))
 
 
+def test_model_classes_merge_predictions_within_the_resolution():
+    """Rank: candidates of the blocking predicted faster; class: faster by more than
+    MODEL_RESOLUTION."""
+    problem, chip, threads = GemmProblem(256, 256, 1024), isa.from_name("avx2"), 2
+    choices, _ = tuner_module._dense_choices(problem, chip, isa.DEFAULT_CACHES, threads, 200)
+    blockings = tuner_module._blockings(problem, chip, isa.DEFAULT_CACHES, threads)
+
+    def kind(cfg):
+        return cfg.bm, cfg.bn, cfg.bk, cfg.k_step, cfg.pack_a is None
+
+    families = {kind(b): [x for x, _ in tuner_module.ranked_configs(
+        problem, b, chip, isa.DEFAULT_CACHES, threads, 200)] for b in blockings}
+    for c in choices:
+        family = families[kind(c.config)]
+        assert c.rank == sum(x < c.cycles for x in family)
+        resolved = c.cycles * (1 - tuner_module.MODEL_RESOLUTION)
+        assert c.model_class == sum(x < resolved for x in family)
+    assert any(c.model_class < c.rank for c in choices)
+
+
 def test_gemv_gets_no_packed_blocking():
     small_l2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)
     choices, _ = tuner_module._dense_choices(GemmProblem(1, 64, 1024), isa.from_name("avx2"),
                                              small_l2, 1, 60)
-    assert all(cfg.pack_a is None for _, _, cfg in choices)
+    assert all(c.config.pack_a is None for c in choices)

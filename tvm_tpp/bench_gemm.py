@@ -279,16 +279,19 @@ def _prepare_tpp(job: Job, m: int, n: int, k: int, x, w, send) -> _Prepared:
 
 
 def _explain(measured: Sequence[dict], flops: int) -> dict:
-    """The tuner's model ranking next to what it measured: 1-based ranks within each
-    blocking, the default (measured first) flagged."""
+    """The tuner's model ranking next to what it measured: 1-based ranks and classes within
+    each blocking (:class:`schedules.tuner.Choice`), the default (measured first) flagged."""
     from schedules.tuner import MARGIN, OPS, config_text
+
+    def one_based(value: int | None) -> int | None:
+        return None if value is None else value + 1
 
     rows = []
     for i, item in enumerate(measured):
-        rank = item.get("model_rank")
         seconds = item.get("seconds")
         rows.append({
-            "model_rank": None if rank is None else rank + 1,
+            "model_rank": one_based(item.get("model_rank")),
+            "model_class": one_based(item.get("model_class")),
             "default": i == 0,
             "predicted_cycles": item.get("predicted_cycles"),
             "gflops": flops / seconds / 1e9 if seconds else None,
@@ -298,10 +301,12 @@ def _explain(measured: Sequence[dict], flops: int) -> dict:
     timed = [r for r in rows if r["gflops"]]
     best = max(timed, key=lambda r: r["gflops"]) if timed else None
     rank = best["model_rank"] if best else None
+    model_class = best["model_class"] if best else None
     top5 = [r["gflops"] for r in timed if r["model_rank"] is not None and r["model_rank"] <= 5]
     # Candidates within the tuner's MARGIN of each other are equal as far as timing can tell.
-    return {"measured": rows, "best_model_rank": rank,
+    return {"measured": rows, "best_model_rank": rank, "best_model_class": model_class,
             "best_in_model_top5": rank is not None and rank <= 5,
+            "best_in_model_top5_classes": model_class is not None and model_class <= 5,
             "top5_within_margin": bool(best and top5
                                        and max(top5) >= best["gflops"] * (1 - MARGIN))}
 
@@ -882,12 +887,16 @@ def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _yes(flag: bool | None) -> str:
+    return "yes" if flag else "no"
+
+
 def print_report(result: BenchResult, explain: bool = False) -> None:
     """The results table, the per-shape summary, ``--explain`` details and wall times."""
     from rich.console import Console
     from rich.table import Table
 
-    from schedules.tuner import MARGIN
+    from schedules.tuner import MARGIN, MODEL_RESOLUTION
 
     rows, peak = result.rows, result.peak
     # Piped output would wrap at 80 columns and fold the notes.
@@ -926,20 +935,32 @@ def print_report(result: BenchResult, explain: bool = False) -> None:
             ex = r["explain"]
             detail = Table(title=f"{r['m']}x{r['n']}x{r['k']} t{r['threads']}: model ranking vs "
                                  "measurement")
-            for name in ("model rank", "predicted Mcycles", "measured GFLOPS", "config"):
+            for name in ("model rank", "class", "predicted Mcycles", "measured GFLOPS",
+                         "config"):
                 detail.add_column(name, justify="left" if name == "config" else "right")
             for item in sorted(ex["measured"], key=lambda i: i["model_rank"] or 1e9):
                 rank = _fmt(item["model_rank"], "d")
                 detail.add_row(f"{rank} (default)" if item.get("default") else rank,
+                               _fmt(item.get("model_class"), "d"),
                                _fmt(item["predicted_cycles"] and item["predicted_cycles"] / 1e6,
                                     ".2f"),
                                _fmt(item["gflops"], ".1f", item["error"] or "-"), item["config"])
             console.print(detail)
-            best = ex["best_model_rank"]
-            console.print(f"measured best is model rank {_fmt(best, 'd')}; in the "
-                          f"model's top 5: {'yes' if ex['best_in_model_top5'] else 'no'}; "
-                          f"top 5 within {100 * MARGIN:g} % of it: "
-                          f"{'yes' if ex.get('top5_within_margin') else 'no'}")
+            console.print(
+                f"measured best is model rank {_fmt(ex['best_model_rank'], 'd')}, class "
+                f"{_fmt(ex.get('best_model_class'), 'd')}; in the model's top 5: "
+                f"{_yes(ex['best_in_model_top5'])}; in its top 5 classes: "
+                f"{_yes(ex.get('best_in_model_top5_classes'))}; top 5 within "
+                f"{100 * MARGIN:g} % of it: {_yes(ex.get('top5_within_margin'))}")
+        explained = [r["explain"] for r in rows if "explain" in r]
+        counts = {key: sum(bool(ex.get(key)) for ex in explained) for key in
+                  ("best_in_model_top5", "best_in_model_top5_classes", "top5_within_margin")}
+        console.print(
+            f"model vs measurement over {len(explained)} tunings: the fastest measured is in "
+            f"the model's top 5 in {counts['best_in_model_top5']}, in its top 5 classes "
+            f"(predictions {100 * MODEL_RESOLUTION:g} % apart) in "
+            f"{counts['best_in_model_top5_classes']}, and a top-5 candidate is within "
+            f"{100 * MARGIN:g} % of it in {counts['top5_within_margin']}")
     walls = ", ".join(f"{key} {seconds:.0f} s" for key, seconds in result.wall_seconds.items())
     console.print(f"wall times (impl/tN: preparing that worker; timing/tN: the alternating "
                   f"rounds): {walls}")

@@ -180,7 +180,8 @@ def _explain(console, tuned) -> None:
         if ranked:
             default = result.measurements[0]  # always measured first
             rows = sorted(result.measurements, key=lambda m: (m.model_rank is None, m.model_rank))
-            labels = [("-" if m.model_rank is None else str(m.model_rank + 1))
+            labels = [("-" if m.model_rank is None
+                       else f"{m.model_rank + 1} (class {m.model_class + 1})")
                       + (" (default)" if m is default else "") for m in rows]
             title, columns = "model ranking vs measurement", ("model rank", "config",
                                                               "predicted Mcycles", "GFLOPS")
@@ -199,10 +200,11 @@ def _explain(console, tuned) -> None:
         console.print(table)
         kept = "* = kept, which must beat the default by the tuner's margin"
         if ranked:
-            rank = min((m for m in rows if m.seconds), key=lambda m: m.seconds).model_rank
-            verdict = "yes" if rank is not None and rank < 5 else "no"
-            kept = (f"fastest measured is model rank {rank + 1 if rank is not None else '-'} "
-                    f"(in the model's top 5: {verdict}); {kept}")
+            fastest = min((m for m in rows if m.seconds), key=lambda m: m.seconds)
+            rank, model_class = fastest.model_rank, fastest.model_class
+            kept = (f"fastest measured is model rank {rank + 1}, class {model_class + 1} "
+                    f"(in the model's top 5: {'yes' if rank < 5 else 'no'}; in its top 5 "
+                    f"classes: {'yes' if model_class < 5 else 'no'}); {kept}")
         console.print(kept)
 
 
