@@ -430,7 +430,7 @@ MARGIN = 0.02
 _ROUND_SECONDS = 0.05
 _ROUNDS = 3
 #: Predictions closer than this are one class: the model works at slice granularity, and its
-#: analytic engine agrees with the exact trace replay to about 1 %.
+#: two engines (exact replay, analytic) typically differ by about this much.
 MODEL_RESOLUTION = 0.01
 #: The final round: the default and the candidates within this fraction of the fastest
 #: (at most :data:`_FINAL_CONTENDERS` in all) are timed again side by side, the same rounds
