@@ -4,6 +4,7 @@ No timing assertions: latencies are only checked to exist and be positive.
 """
 
 import json
+import math
 import sys
 import textwrap
 
@@ -193,3 +194,18 @@ def test_metaschedule_tunes_then_reuses_database(tmp_path, symbolic_dense):
     assert second.status == "ok" and "reused" in second.notes
     assert second.tune_seconds == pytest.approx(first.tune_seconds)
     assert np.isfinite(second.median_ms)
+
+
+def test_probe_averages_short_runs_over_a_probe_duration():
+    """A first timed run slowed 10x (waking threads) must not size the samples."""
+    calls = []
+
+    def timed(number, warmup):
+        calls.append(number)
+        return 600e-6 if number == 1 else 60e-6  # one cold run, then the steady rate
+
+    built = bench_worker._Built(run=list, time=timed, compile_seconds=0.0)
+    assert bench_worker.probe_seconds(built, first=1e-3) == 60e-6
+    assert calls == [1, math.ceil(bench_worker._PROBE_SECONDS / 600e-6)]
+    calls.clear()
+    assert bench_worker.probe_seconds(built, first=2.0) == 2.0 and calls == []  # its own probe

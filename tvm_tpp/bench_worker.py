@@ -44,6 +44,8 @@ __all__ = ["IMPLS", "REFERENCE", "Job", "Unavailable", "main"]
 IMPLS = ("tpp", "tpp-tuned", "tvm-default", "metaschedule", "onnxruntime")
 #: The job that only computes ONNX Runtime's reference outputs.
 REFERENCE = "reference"
+#: Runs shorter than this are timed again over about this long before a sample is sized.
+_PROBE_SECONDS = 0.02
 
 
 class Unavailable(RuntimeError):
@@ -342,6 +344,22 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[-1].strip() if lines else ''}".rstrip(": ")
 
 
+def probe_seconds(built: _Built, first: float) -> float:
+    """Seconds of one run, from which the bench sizes its samples.
+
+    A run over a second (``first``, the first run) is its own probe.  Faster ones are timed
+    again after a warm-up, and those under :data:`_PROBE_SECONDS` over about that long: one
+    run may include waking the thread pool, up to 10x a 60-us model's run, and a probe that
+    long would shrink the samples to a tenth of the others'.
+    """
+    if first > 1.0:
+        return first
+    once = built.time(1, True)
+    if once >= _PROBE_SECONDS:
+        return once
+    return built.time(math.ceil(_PROBE_SECONDS / max(once, 1e-9)), True)
+
+
 def _setup(job: Job) -> tuple[_Built, dict[str, Any]]:
     from .onnx_import import input_specs, load_onnx
 
@@ -354,8 +372,7 @@ def _setup(job: Job) -> tuple[_Built, dict[str, Any]]:
     outputs = built.run()  # also the first warm-up
     first = time.perf_counter() - start
     np.savez(job.outputs, **{f"out{i}": np.asarray(o) for i, o in enumerate(outputs)})
-    # A run over a second is its own probe; faster ones get a steadier estimate.
-    run_seconds = first if job.impl == REFERENCE or first > 1.0 else built.time(1, True)
+    run_seconds = first if job.impl == REFERENCE else probe_seconds(built, first)
     return built, {
         "ok": True,
         "compile_seconds": built.compile_seconds,
