@@ -44,8 +44,9 @@ __all__ = ["IMPLS", "REFERENCE", "Job", "Unavailable", "main"]
 IMPLS = ("tpp", "tpp-tuned", "tvm-default", "metaschedule", "onnxruntime")
 #: The job that only computes ONNX Runtime's reference outputs.
 REFERENCE = "reference"
-#: Runs shorter than this are timed again over about this long before a sample is sized.
-_PROBE_SECONDS = 0.02
+#: Runs shorter than this are timed again over about this long (the bench's default sample
+#: length) before a sample is sized.
+_PROBE_SECONDS = 0.05
 
 
 class Unavailable(RuntimeError):
