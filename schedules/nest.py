@@ -69,20 +69,24 @@ def finish_nest(sch: s_tir.Schedule, spec: LoopSpec, order: list[LoopRV],
     if epilogue is not None:
         if anchor is not None:
             sch.reverse_compute_at(epilogue, anchor)
-        else:
-            sch.parallel(sch.fuse(*sch.get_loops(epilogue)[:-1]))
-        sch.vectorize(sch.get_loops(epilogue)[-1])
+        _vectorize(sch, epilogue, parallel=anchor is None)
     if grid_loops:
         sch.parallel(sch.fuse(*grid_loops) if len(grid_loops) > 1 else grid_loops[0])
     elif spec.parallel_groups():
         members = [order[index] for index in spec.parallel_groups()[0]]
         sch.parallel(sch.fuse(*members) if len(members) > 1 else members[0])
     init = sch.decompose_reduction(block, order[first])
-    loops = sch.get_loops(init)
-    sch.vectorize(loops[-1])
-    if anchor is None and len(loops) > 1:
-        # A reduction loop outermost: zeroing is a pass of its own over the whole output,
-        # parallel as the epilogue's (serial, LLVM unrolls its constant nest into thousands
-        # of stores: 4 s to compile "abc" at 128x768x768).
-        sch.parallel(sch.fuse(*loops[:-1]))
+    # With a reduction loop outermost, zeroing is a pass of its own over the whole output,
+    # parallel as the epilogue's (serial, LLVM unrolls its constant nest into thousands of
+    # stores: 4 s to compile "abc" at 128x768x768).
+    _vectorize(sch, init, parallel=anchor is None)
     return init
+
+
+def _vectorize(sch: s_tir.Schedule, block: SBlockRV, parallel: bool) -> None:
+    """Vectorize ``block``'s innermost loop; if ``parallel``, fuse the others into one
+    parallel loop (a pass of its own over the output)."""
+    *outer, inner = sch.get_loops(block)
+    if parallel and outer:
+        sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
+    sch.vectorize(inner)
