@@ -36,6 +36,7 @@ from tvm.relax.dpl import is_const, is_op, wildcard
 from tvm.target import Target
 
 from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.machine import machine_of
 from schedules.batch_gemm import BatchGemmProblem, schedule
 from schedules.tuner import Tuner, config_for
 
@@ -223,7 +224,7 @@ def _rewrite(orig, matches, pattern: _Pattern, bindings, builder, target, tuner,
                                x_interleaved=x_inter, b_interleaved=b_inter,
                                y_interleaved=y_inter)
     config = config_for(problem, target, tuner)
-    func = schedule(problem, config, str(target.attrs["model"])).mod["main"]
+    func = schedule(problem, config, machine_of(target).isa).mod["main"]
     # kOpaque keeps FuseOps from fusing neighbours into the kernel; is_scheduled keeps the
     # fallback schedules off it.
     func = func.without_attr("global_symbol").with_attrs(

@@ -36,8 +36,8 @@ from tvm import relax
 from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 from tvm.target import Target
 
-from microkernels import isa as _isa
 from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.machine import machine_of
 from schedules.conv import ConvConfig, ConvProblem, pack_weight, schedule, unfold_weight
 from schedules.tuner import Tuner, config_for
 
@@ -171,7 +171,7 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
     # BRGEMM call reduces S*C values instead of C.
     unfold = problem.c < _UNFOLD_BELOW and problem.s > 1
     kernel_problem = problem.unfold_width() if unfold else problem
-    isa = _isa.from_name(str(target.attrs["model"]))
+    isa = machine_of(target).isa
     config = config_for(kernel_problem, target, tuner)  # the problem the kernel computes
     sh, sw = problem.stride
     name = (f"tpp_conv2d_{n}x{c}x{h}x{w}_{k}x{r}x{s}_s{sh}x{sw}"

@@ -31,8 +31,8 @@ from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 from tvm.target import Target
 
-from microkernels import isa as _isa
 from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.machine import machine_of
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import Tuner, config_for
 
@@ -212,7 +212,7 @@ def _rewrite(orig, matches, pattern: _Pattern, builder, target, tuner, report):
     if pattern.activation:
         ops.append(_ACTIVATIONS[pattern.activation])
     problem = GemmProblem(m, n, k, epilogue=Epilogue(tuple(ops)))
-    isa = _isa.from_name(str(target.attrs["model"]))
+    isa = machine_of(target).isa
     config = config_for(problem, target, tuner)
     func = schedule(problem, config, isa).mod["main"]
     # kOpaque keeps FuseOps from fusing neighbours into the kernel; is_scheduled keeps the

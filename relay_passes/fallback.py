@@ -16,7 +16,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
-from microkernels import isa as _isa
+from microkernels.machine import is_tpp, machine_of
 
 __all__ = ["ParallelLoops", "fallback_schedules"]
 
@@ -31,8 +31,7 @@ class ParallelLoops(dl.ScheduleRule):
         infos = normalize_prim_func(sch)
         if infos is None:
             return None
-        model = str(target.attrs.get("model", ""))
-        lanes = _isa.from_name(model).lanes("float32") if model in _isa.KNOWN else 8
+        lanes = machine_of(target).isa.lanes("float32") if is_tpp(target) else 8
         for info in infos:
             kinds = info.dom_kind()
             spatial = len(kinds) - len(kinds.lstrip("S"))

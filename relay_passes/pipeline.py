@@ -19,6 +19,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.target import Target
 
+from microkernels.machine import is_tpp
 from schedules.tuner import Tuner
 
 from .batch_matmul import rewrite_batch_matmul
@@ -60,7 +61,7 @@ def tpp_pipeline(
     @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = prepare()(mod)
-        if "tpp" not in target.keys:
+        if not is_tpp(target):
             return relax.get_default_pipeline(target)(mod)
         found = report if report is not None else []
         mod = rewrite_dense(mod, target, found, tuner)

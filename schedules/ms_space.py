@@ -42,8 +42,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
+from microkernels.machine import machine_of
 
 from .blocking import default_config
 from .gemm import GemmConfig, GemmProblem, schedule, workload
@@ -66,14 +66,6 @@ __all__ = [
 ]
 
 
-def _isa_and_threads(target: Target) -> tuple[_isa.Isa, int]:
-    model = str(target.attrs.get("model", ""))
-    if model not in _isa.KNOWN:
-        raise ValueError(f"target {target} names no tpp ISA in its 'model' attribute; "
-                         "use tvm_tpp.target('tpp', num_cores=...)")
-    return _isa.from_name(model), int(target.attrs.get("num-cores", 1))
-
-
 def space_configs(problem: GemmProblem, target: Target, top_n: int = 8,
                   max_candidates: int = 400) -> list[GemmConfig]:
     """The tuner's model-ranked candidates for the default blocking, best first.
@@ -89,10 +81,9 @@ def space_configs(problem: GemmProblem, target: Target, top_n: int = 8,
     """
     if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
         raise ValueError(f"top_n must be a positive int, got {top_n!r}")
-    isa, threads = _isa_and_threads(target)
-    caches = _isa.caches()
-    base = default_config(problem.m, problem.n, problem.k, isa, caches, threads)
-    ranked = ranked_configs(problem, base, isa, caches, threads, max_candidates)
+    m = machine_of(target)
+    base = default_config(problem.m, problem.n, problem.k, m.isa, m.caches, m.threads)
+    ranked = ranked_configs(problem, base, m.isa, m.caches, m.threads, max_candidates)
     configs = [config for _, config in ranked[:top_n]]
     if base not in configs:
         configs.append(base)
@@ -105,8 +96,8 @@ def _as_configs(problem: GemmProblem, target: Target,
         return space_configs(problem, target)
     if not candidates:
         raise ValueError("candidates is empty: a design space needs at least one")
-    isa, threads = _isa_and_threads(target)
-    base = default_config(problem.m, problem.n, problem.k, isa, _isa.caches(), threads)
+    m = machine_of(target)
+    base = default_config(problem.m, problem.n, problem.k, m.isa, m.caches, m.threads)
     configs = []
     for c in candidates:
         if isinstance(c, Candidate):
@@ -156,7 +147,7 @@ def gemm_space(problem: GemmProblem, target: Target,
     """
     from tvm.s_tir import meta_schedule as ms
 
-    isa, _ = _isa_and_threads(target)
+    isa = machine_of(target).isa
     configs = _as_configs(problem, target, candidates)
     # Scheduling each config here registers its intrinsic and catches bad configs early.
     traces = [schedule(problem, c, isa.name).trace for c in configs]
@@ -291,7 +282,7 @@ def tune_gemm_ms(problem: GemmProblem, target: Target, work_dir: str | os.PathLi
     if "num-cores" not in target.attrs:
         raise ValueError("MetaSchedule needs the target's 'num-cores'; use "
                          "tvm_tpp.target('tpp', num_cores=N)")
-    isa, threads = _isa_and_threads(target)
+    threads = machine_of(target).threads
     configs = _as_configs(problem, target, candidates)
     space = gemm_space(problem, target, configs)  # also registers every intrinsic
     mod = workload(problem, configs[0].bn)

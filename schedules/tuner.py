@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from microkernels import isa as _isa
+from microkernels.machine import machine_of
 from microkernels.peak import flops_per_cycle
 
 from . import batch_gemm, conv
@@ -309,12 +310,6 @@ def config_text(config: Config) -> str:
     return _op(config).text(config)
 
 
-def _machine(target: Target) -> tuple[_isa.Isa, _isa.Caches, int]:
-    """The ISA, caches and thread count a tpp ``target`` schedules for."""
-    return (_isa.from_name(str(target.attrs["model"])), _isa.caches(),
-            int(target.attrs.get("num-cores", 1)))
-
-
 @dataclass(frozen=True)
 class TuningKey:
     """What a tuning result is valid for.
@@ -341,9 +336,8 @@ class TuningKey:
     def of(cls, problem: Problem, target: Target) -> TuningKey:
         op = _op(problem)
         shape, layout, dtype = op.key(problem)
-        attrs = target.attrs
-        where = f"{attrs.get('model', '')}/{attrs.get('mcpu', '')}/{attrs.get('num-cores', 1)}t"
-        return cls(op.name, shape, layout, dtype, problem.epilogue.name, where)
+        return cls(op.name, shape, layout, dtype, problem.epilogue.name,
+                   machine_of(target).key)
 
     def text(self) -> str:
         return (f"{self.op}|{_shape_text(self.shape, self.layout)}|{self.dtype}|"
@@ -603,7 +597,8 @@ def tune(
     if database is not None and (known := database.get(key)) is not None:
         return TuneResult(known, cached=True, tune_seconds=0.0)
     start = time.perf_counter()
-    isa, caches, threads = _machine(target)
+    machine = machine_of(target)
+    isa, caches, threads = machine.isa, machine.caches, machine.threads
     choices, generated = op.choices(problem, isa, caches, threads, max_candidates)
     chosen = choices[:1 + top_k]
 
@@ -746,5 +741,6 @@ def config_for(problem: Problem, target: Target, tuner: Tuner | None = None) -> 
     """
     config = tuner.config(problem, target) if tuner is not None else None
     if config is None:
-        config = _op(problem).default(problem, *_machine(target))
+        m = machine_of(target)
+        config = _op(problem).default(problem, m.isa, m.caches, m.threads)
     return config

@@ -5,14 +5,16 @@ import tvm
 
 import tvm_tpp
 from microkernels import isa
-from tvm_tpp.tpp_target import is_tpp, isa_of, runs_on_host
+from microkernels.machine import is_tpp, machine_of
+from tvm_tpp.tpp_target import runs_on_host
 
 
 def test_host_target():
     t = tvm_tpp.target("tpp")
     assert t.kind.name == "llvm"
     assert tuple(t.keys)[:2] == ("tpp", "cpu")
-    assert isa_of(t) == isa.detect()
+    assert machine_of(t).isa == isa.detect()
+    assert machine_of(t).threads == isa.num_cores()
     assert int(t.attrs["num-cores"]) == isa.num_cores()
     assert str(t.attrs["mcpu"]) not in ("", "generic")
     assert runs_on_host(t)
@@ -25,7 +27,7 @@ def test_host_target():
 )
 def test_foreign_isa_targets(name, mcpu, triple):
     t = tvm_tpp.target(f"tpp -isa={name}")
-    assert is_tpp(t) and isa_of(t).name == name
+    assert is_tpp(t) and machine_of(t).isa.name == name
     assert str(t.attrs["mcpu"]) == mcpu
     assert str(t.attrs["mtriple"]).startswith(triple)
     assert list(t.attrs["mattr"]) == list(isa.from_name(name).mattr)
@@ -43,7 +45,7 @@ def test_options():
 
 def test_registered_tags():
     t = tvm_tpp.target("tpp/avx512_vnni")
-    assert is_tpp(t) and isa_of(t).name == "avx512_vnni"
+    assert is_tpp(t) and machine_of(t).isa.name == "avx512_vnni"
     assert is_tpp(tvm.target.Target("tpp/amx"))
 
 
@@ -52,7 +54,7 @@ def test_passthrough_of_plain_targets():
     assert not is_tpp(plain)
     assert tvm_tpp.target(plain) is plain
     with pytest.raises(ValueError, match="not a tpp target"):
-        isa_of(plain)
+        machine_of(plain)
 
 
 @pytest.mark.parametrize(

@@ -251,11 +251,10 @@ def _tpp_build(m: int, n: int, k: int, config, target, x, w, **details: Any) -> 
     import tvm
 
     from microkernels.brgemm import BrgemmShape, find_impl
+    from microkernels.machine import machine_of
     from schedules.gemm import GemmProblem, schedule
 
-    from .tpp_target import isa_of
-
-    isa = isa_of(target)
+    isa = machine_of(target).isa
     executable = tvm.compile(schedule(GemmProblem(m, n, k), config, isa).mod, target=target)
     kernel, _ = find_impl(BrgemmShape(m=config.bm, n=config.bn, k=config.bk,
                                       batch=config.k_step, isa=isa.name))
@@ -268,14 +267,14 @@ def _tpp_build(m: int, n: int, k: int, config, target, x, w, **details: Any) -> 
 
 
 def _prepare_tpp(job: Job, m: int, n: int, k: int, x, w, send) -> _Prepared:
-    from microkernels import isa as _isa
+    from microkernels.machine import machine_of
     from schedules.blocking import default_config
 
-    from .tpp_target import isa_of, target
+    from .tpp_target import target
 
-    tgt = target("tpp", num_cores=job.threads)
-    config = default_config(m, n, k, isa_of(tgt), _isa.caches(), job.threads)
-    return _tpp_build(m, n, k, config, tgt, x, w)
+    machine = machine_of(target("tpp", num_cores=job.threads))
+    config = default_config(m, n, k, machine.isa, machine.caches, machine.threads)
+    return _tpp_build(m, n, k, config, target("tpp", num_cores=job.threads), x, w)
 
 
 def _explain(measured: Sequence[dict], flops: int) -> dict:

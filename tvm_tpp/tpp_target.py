@@ -29,8 +29,9 @@ import tvm
 from tvm.target import Target
 
 from microkernels import isa as _isa
+from microkernels.machine import is_tpp, machine_of
 
-__all__ = ["target", "isa_of", "is_tpp", "runs_on_host", "TAG_PREFIX"]
+__all__ = ["target", "is_tpp", "runs_on_host", "TAG_PREFIX"]
 
 TAG_PREFIX = "tpp/"
 _OPTIONS = ("isa", "mcpu", "num-cores")
@@ -124,27 +125,14 @@ def target(spec: str | dict | Target = "tpp", num_cores: int | None = None) -> T
     if cores < 1:
         raise ValueError(f"num-cores must be >= 1, got {cores}")
     if "isa" in options:
+        # A named ISA gets its representative CPU: LLVM's name for a VM's CPU can be one
+        # without the ISA (a Sapphire Rapids guest reads as "rocketlake", which has no AMX).
         chosen = _isa.from_name(options["isa"])
         mcpu = options.get("mcpu")
-        if mcpu is None and chosen == host_isa():
-            mcpu = _host_mcpu(chosen)
     else:
         chosen = host_isa()
         mcpu = options.get("mcpu") or _host_mcpu(chosen)
     return Target(_config(chosen, mcpu, cores))
-
-
-def is_tpp(tgt: Target) -> bool:
-    """Whether the TPP graph passes should run for this target."""
-    return "tpp" in tgt.keys
-
-
-def isa_of(tgt: Target) -> _isa.Isa:
-    """The ISA a ``tpp`` target generates microkernels for."""
-    if not is_tpp(tgt):
-        raise ValueError(f"not a tpp target: {tgt}")
-    model = str(tgt.attrs.get("model", ""))
-    return _isa.from_name(model) if model in _isa.KNOWN else host_isa()
 
 
 def runs_on_host(tgt: Target) -> bool:
@@ -154,5 +142,5 @@ def runs_on_host(tgt: Target) -> bool:
     if triple is not None and not triple.startswith(host.arch):
         return False
     if is_tpp(tgt):
-        return isa_of(tgt).runs_on(_isa.host_flags())
+        return machine_of(tgt).isa.runs_on(_isa.host_flags())
     return True

@@ -1,0 +1,103 @@
+"""The machine a target generates code for: ISA, caches, threads and compute peak.
+
+Every layer that schedules for a target asks this module, never the target's attributes: the
+graph passes (which ISA's kernels), the templates' defaults and the cost model (caches,
+threads, peak), the tuner (its database key).  It imports no TVM: a target is read through
+its ``keys`` and ``attrs`` only, so tests can describe any machine (a Sapphire Rapids with a
+2 MiB L2 on a Zen 4 host) by building a :class:`Machine` directly.
+
+Examples
+--------
+>>> from microkernels.isa import Caches, from_name
+>>> spr = Machine(from_name("amx"), Caches(48 << 10, 2 << 20, 105 << 20), threads=2,
+...               mcpu="sapphirerapids", fp32_flops_per_cycle=64.0)
+>>> spr.key, spr.peak_flops_per_cycle, spr.caches.l2 >> 20
+('amx/sapphirerapids/2t', 64.0, 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import isa as _isa
+
+__all__ = ["Machine", "host", "is_tpp", "machine_of"]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What code for one CPU is scheduled against.
+
+    Parameters
+    ----------
+    isa
+        The ISA the microkernels are generated for.
+    caches
+        Per-core data caches (L3: the shared cache) the cost model and defaults size blocks by.
+    threads
+        Threads the generated code runs on.
+    mcpu
+        LLVM's name of the CPU (part of :attr:`key`; "" when unknown).
+    fp32_flops_per_cycle
+        One core's fp32 peak; None asks :func:`microkernels.peak.flops_per_cycle` (measured
+        on this host for an ISA it runs, nominal otherwise) when first needed.
+    """
+
+    isa: _isa.Isa
+    caches: _isa.Caches
+    threads: int = 1
+    mcpu: str = ""
+    fp32_flops_per_cycle: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.isa, _isa.Isa) or not isinstance(self.caches, _isa.Caches):
+            raise TypeError("a Machine takes an Isa and a Caches")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.fp32_flops_per_cycle is not None and not self.fp32_flops_per_cycle > 0:
+            raise ValueError(f"fp32_flops_per_cycle must be > 0, got "
+                             f"{self.fp32_flops_per_cycle}")
+
+    @property
+    def peak_flops_per_cycle(self) -> float:
+        """fp32 flops per cycle of one core: the cost model's compute peak."""
+        if self.fp32_flops_per_cycle is not None:
+            return self.fp32_flops_per_cycle
+        from .peak import flops_per_cycle  # imports TVM; measures once per process
+
+        return flops_per_cycle(self.isa.name)
+
+    @property
+    def key(self) -> str:
+        """``isa/mcpu/Nt``: what a tuning result measured on this machine is valid for."""
+        return f"{self.isa.name}/{self.mcpu}/{self.threads}t"
+
+
+def host(threads: int | None = None) -> Machine:
+    """This machine: its richest ISA, its caches (sysfs), the cores this process may use."""
+    return Machine(_isa.detect(), _isa.caches(),
+                   threads if threads is not None else _isa.num_cores())
+
+
+def is_tpp(target: Any) -> bool:
+    """Whether ``target`` (a ``tvm.target.Target``) is a ``tpp`` target."""
+    return "tpp" in target.keys
+
+
+def machine_of(target: Any) -> Machine:
+    """The machine a ``tpp`` target schedules for.
+
+    The ISA comes from the target's ``model`` attribute, the thread count from ``num-cores``,
+    the caches from this host (a target names no caches).
+
+    Raises
+    ------
+    ValueError
+        If ``target`` is not a ``tpp`` target or names an unknown ISA.
+    """
+    if not is_tpp(target):
+        raise ValueError(f"not a tpp target: {target}")
+    attrs = target.attrs
+    return Machine(_isa.from_name(str(attrs.get("model", ""))), _isa.caches(),
+                   int(attrs.get("num-cores", 1)), str(attrs.get("mcpu", "")))
