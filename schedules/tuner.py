@@ -64,9 +64,10 @@ if TYPE_CHECKING:
     from tvm.target import Target
     from tvm.tirx import PrimFunc
 
-__all__ = ["Op", "OPS", "TuningKey", "Database", "Measurement", "TuneResult", "Tuner", "tune",
-           "config_for", "problem_text", "config_text", "measure", "build", "ranked_configs",
-           "time_interleaved", "BATCH", "MARGIN", "FINAL_WINDOW", "MODEL_RESOLUTION"]
+__all__ = ["Op", "OPS", "TuningKey", "Database", "Measurement", "TuneResult", "Tuner",
+           "TaskCollector", "tune", "config_for", "problem_text", "config_text", "measure",
+           "build", "ranked_configs", "time_interleaved", "BATCH", "MARGIN", "FINAL_WINDOW",
+           "MODEL_RESOLUTION"]
 
 Problem = GemmProblem | ConvProblem | BatchGemmProblem
 Config = GemmConfig | ConvConfig | BatchGemmConfig
@@ -727,6 +728,27 @@ class Tuner:
         if self.on_result is not None:
             self.on_result(problem, result)
         return result.best
+
+
+@dataclass
+class TaskCollector:
+    """Stands in for a :class:`Tuner` while a model is lowered only to find its tuning tasks:
+    records every problem the passes ask about (once per :class:`TuningKey`) and answers
+    None, so they schedule it with its default.
+
+    Examples
+    --------
+    >>> collector = TaskCollector()
+    >>> mod = tpp_pipeline(target, tuner=collector)(mod)      # doctest: +SKIP
+    >>> [problem_text(p) for p in collector.tasks.values()]  # doctest: +SKIP
+    ['dense 4x40x24 bias+relu']
+    """
+
+    tasks: dict[TuningKey, Problem] = field(default_factory=dict)
+
+    def config(self, problem: Problem, target: Target) -> None:
+        self.tasks.setdefault(TuningKey.of(problem, target), problem)
+        return None
 
 
 def config_for(problem: Problem, target: Target, tuner: Tuner | None = None) -> Config:
