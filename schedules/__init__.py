@@ -17,8 +17,8 @@ must be imported explicitly.
 
 Examples
 --------
->>> from schedules import GemmProblem, generate, rank
->>> gemm = GemmProblem(256, 256, 256, 32, 32, 32)
+>>> from schedules import BlockedGemm, generate, rank
+>>> gemm = BlockedGemm(256, 256, 256, 32, 32, 32)
 >>> best_cycles, best = rank(generate(*gemm.trips, max_candidates=20), gemm, threads=2)[0]
 >>> best.parse(*gemm.trips).mode
 'collapse'
@@ -26,12 +26,12 @@ Examples
 
 from schedules.cost_model import Bandwidths, Prediction, analyze, predict, rank
 from schedules.loop_spec import LoopDecl, LoopSpec, LoopSpecError, Occurrence, parse, simulate
-from schedules.space import Candidate, GemmProblem, gemm_loops, generate, heuristic
+from schedules.space import BlockedGemm, Candidate, gemm_loops, generate, heuristic
 
 __all__ = [
     "Bandwidths",
     "Candidate",
-    "GemmProblem",
+    "BlockedGemm",
     "LoopDecl",
     "LoopSpec",
     "LoopSpecError",

@@ -103,7 +103,7 @@ def whole_k_config(m: int, n: int, k: int, isa: Isa, caches: Caches, threads: in
     bk = pick_divisor(k, 512)
     bm = pick_divisor(m, 64)
     k_blocks = k // bk
-    candidate = heuristic(m // bm, n // bn, k_blocks, caches, threads, bm=bm, bn=bn, bk=bk,
+    candidate = heuristic(k_blocks, m // bm, n // bn, caches, threads, bm=bm, bn=bn, bk=bk,
                           k_step=k_blocks)
     return GemmConfig(bm, bn, bk, candidate)
 

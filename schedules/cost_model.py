@@ -66,7 +66,7 @@ for ranking.
 
 Examples
 --------
->>> gemm = GemmProblem(512, 512, 512, 32, 32, 32)
+>>> gemm = BlockedGemm(512, 512, 512, 32, 32, 32)
 >>> cands = [Candidate("aBC"), Candidate("BCa"), Candidate("cbaBC", {"b": (4,), "c": (4,)})]
 >>> best = rank(cands, gemm, DEFAULT_CACHES, threads=2)[0][1]
 >>> predict(best, gemm, DEFAULT_CACHES, 2) <= predict(cands[0], gemm, DEFAULT_CACHES, 2)
@@ -82,7 +82,7 @@ from types import MappingProxyType
 
 from microkernels.isa import DEFAULT_CACHES, Caches
 from schedules.loop_spec import LoopSpec, Piece, parse, simulate, work_share
-from schedules.space import Candidate, GemmProblem, gemm_loops
+from schedules.space import BlockedGemm, Candidate, gemm_loops
 
 __all__ = [
     "Bandwidths",
@@ -92,7 +92,7 @@ __all__ = [
     "rank",
     "DEFAULT_BANDWIDTHS",
     "DEFAULT_CACHES",
-    "GemmProblem",
+    "BlockedGemm",
 ]
 
 _TENSORS = ("A", "B", "C")
@@ -177,7 +177,7 @@ class _Lru:
 @dataclass
 class _Model:
     spec: LoopSpec
-    gemm: GemmProblem
+    gemm: BlockedGemm
     steps: tuple[int, int, int]
     caps: tuple[float, float, float]
     bw: tuple[float, float, float, float]
@@ -545,7 +545,7 @@ def _signature(pieces: Sequence[Piece], spec: LoopSpec) -> tuple:
     )
 
 
-def _as_spec(candidate: Candidate | LoopSpec | str, gemm: GemmProblem) -> LoopSpec:
+def _as_spec(candidate: Candidate | LoopSpec | str, gemm: BlockedGemm) -> LoopSpec:
     if isinstance(candidate, Candidate):
         return candidate.parse(*gemm.trips)
     if isinstance(candidate, str):
@@ -563,7 +563,7 @@ def _as_spec(candidate: Candidate | LoopSpec | str, gemm: GemmProblem) -> LoopSp
 
 def analyze(
     candidate: Candidate | LoopSpec | str,
-    gemm: GemmProblem,
+    gemm: BlockedGemm,
     caches: Caches = DEFAULT_CACHES,
     threads: int = 1,
     *,
@@ -657,7 +657,7 @@ def analyze(
 
 def predict(
     candidate: Candidate | LoopSpec | str,
-    gemm: GemmProblem,
+    gemm: BlockedGemm,
     caches: Caches = DEFAULT_CACHES,
     threads: int = 1,
     **options: object,
@@ -668,7 +668,7 @@ def predict(
 
 def rank(
     candidates: Iterable[Candidate],
-    gemm: GemmProblem,
+    gemm: BlockedGemm,
     caches: Caches = DEFAULT_CACHES,
     threads: int = 1,
     **options: object,

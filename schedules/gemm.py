@@ -50,8 +50,7 @@ from microkernels.epilogue import Epilogue
 
 from .loop_spec import LoopSpec, LoopSpecError, parse
 from .nest import check_exact, finish_nest, nest_loops
-from .space import Candidate
-from .space import GemmProblem as BlockedGemm
+from .space import BlockedGemm, Candidate
 
 if TYPE_CHECKING:
     from tvm import s_tir

@@ -1,4 +1,4 @@
-"""The PARLOOPER candidate space for a blocked GEMM, and a default heuristic.
+"""The PARLOOPER candidate space for a blocked GEMM (:class:`BlockedGemm`), and a default heuristic.
 
 The GEMM runs on blocked tensors ``A[Mb][Kb][bk][bm]``, ``B[Nb][Kb][bn][bk]`` and
 ``C[Nb][Mb][bn][bm]``. It has three logical loops over blocks (Listing 1):
@@ -49,7 +49,7 @@ from microkernels.isa import DEFAULT_CACHES, Caches
 from schedules.loop_spec import LoopDecl, LoopSpec, parse
 
 __all__ = [
-    "GemmProblem",
+    "BlockedGemm",
     "Candidate",
     "gemm_loops",
     "block_factors",
@@ -69,7 +69,7 @@ def _pos(value: object, what: str) -> int:
 
 
 @dataclass(frozen=True)
-class GemmProblem:
+class BlockedGemm:
     """``C[M,N] += A[M,K] @ B[K,N]`` computed on ``bm×bn`` C blocks with ``bk`` K blocks.
 
     ``dtype_bytes`` is the element size of A and B; ``out_bytes`` the one of the C
@@ -359,11 +359,11 @@ def generate(
 
 
 def heuristic(
-    Mb: int, Nb: int, Kb: int,  # noqa: N803
+    Kb: int, Mb: int, Nb: int,  # noqa: N803
     caches: Caches, threads: int, *,
     bm: int = 32, bn: int = 32, bk: int = 32, dtype_bytes: int = 4, k_step: int = 1,
 ) -> Candidate:
-    """A sensible default without tuning.
+    """A sensible default without tuning, for ``Kb × Mb × Nb`` blocks (as :func:`generate`).
 
     1. Parallelize M and N blocks as one collapse group, with the larger dimension outer.
        Each thread then owns a range of the larger operand's panels, and only the smaller
@@ -382,14 +382,14 @@ def heuristic(
 
     Examples
     --------
-    >>> heuristic(64, 8, 64, DEFAULT_CACHES, 4, bm=64, bn=64, bk=64)
+    >>> heuristic(64, 64, 8, DEFAULT_CACHES, 4, bm=64, bn=64, bk=64)
     Candidate('BCa', {})
     >>> heuristic(32, 32, 32, DEFAULT_CACHES, 2)  # all of B is 4 MiB: block N by 4
     Candidate('cBCa', {'c': (4,)})
-    >>> heuristic(32, 32, 4, DEFAULT_CACHES, 2, bm=64, bn=64, bk=512)  # one B panel: 512 KiB
+    >>> heuristic(4, 32, 32, DEFAULT_CACHES, 2, bm=64, bn=64, bk=512)  # one B panel: 512 KiB
     Candidate('CBa', {})
     """
-    for name, v in (("Mb", Mb), ("Nb", Nb), ("Kb", Kb), ("threads", threads), ("bm", bm),
+    for name, v in (("Kb", Kb), ("Mb", Mb), ("Nb", Nb), ("threads", threads), ("bm", bm),
                     ("bn", bn), ("bk", bk), ("dtype_bytes", dtype_bytes), ("k_step", k_step)):
         _pos(v, name)
     outer, inner = ("b", "c") if Mb >= Nb else ("c", "b")

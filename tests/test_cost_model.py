@@ -6,7 +6,7 @@ import pytest
 from microkernels.isa import DEFAULT_CACHES, Caches
 from schedules.cost_model import Bandwidths, analyze, predict, rank
 from schedules.loop_spec import parse, simulate
-from schedules.space import Candidate, GemmProblem, gemm_loops, generate, heuristic
+from schedules.space import BlockedGemm, Candidate, gemm_loops, generate, heuristic
 
 ENGINES = ("trace", "analytic")
 
@@ -49,7 +49,7 @@ def reference_cycles(spec, gemm, caches, threads, peak, factor=0.75):
     ("BCa", {}, 1),
 ])
 def test_trace_engine_is_an_exact_lru_replay(text, blocks, threads):
-    gemm = GemmProblem(256, 192, 224, 32, 32, 32)  # Kb=7, Mb=8, Nb=6
+    gemm = BlockedGemm(256, 192, 224, 32, 32, 32)  # Kb=7, Mb=8, Nb=6
     caches = Caches(8 * 1024, 64 * 1024, 512 * 1024)
     cand = Candidate(text, blocks, {"a": 2})
     spec = cand.parse(*gemm.trips)
@@ -62,7 +62,7 @@ def test_streaming_b_through_l3_per_m_block_is_slower_than_keeping_it_in_l2():
     # B is 1 MiB (> 0.75 MiB usable L2). "bca" re-reads all of B for each of the 4 M blocks;
     # "cba" keeps each 64 KiB B panel while it visits the M blocks.
     caches = Caches(32 * 1024, 1 << 20, 8 << 20)
-    gemm = GemmProblem(128, 512, 512, 32, 32, 32)
+    gemm = BlockedGemm(128, 512, 512, 32, 32, 32)
     for engine in ENGINES:
         stream = analyze("bca", gemm, caches, 1, engine=engine, peak_flops_per_cycle=256.0)
         keep = analyze("cba", gemm, caches, 1, engine=engine, peak_flops_per_cycle=256.0)
@@ -75,16 +75,16 @@ def test_streaming_b_through_l3_per_m_block_is_slower_than_keeping_it_in_l2():
 
 def test_monotonic_in_problem_size():
     for spec in ("aBC", "BCa", "CBa"):
-        cycles = [predict(spec, GemmProblem(n, n, n, 32, 32, 32), DEFAULT_CACHES, 2)
+        cycles = [predict(spec, BlockedGemm(n, n, n, 32, 32, 32), DEFAULT_CACHES, 2)
                   for n in (128, 256, 512, 1024)]
         assert cycles == sorted(cycles) and len(set(cycles)) == 4
-    per_k = [predict("BCa", GemmProblem(512, 512, k, 32, 32, 32), DEFAULT_CACHES, 2)
+    per_k = [predict("BCa", BlockedGemm(512, 512, k, 32, 32, 32), DEFAULT_CACHES, 2)
              for k in (64, 128, 256)]
     assert per_k == sorted(per_k)
 
 
 def test_deterministic_and_rank_sorted():
-    gemm = GemmProblem(512, 512, 512, 32, 32, 32)
+    gemm = BlockedGemm(512, 512, 512, 32, 32, 32)
     cands = generate(*gemm.trips, max_candidates=80)
     first = rank(cands, gemm, DEFAULT_CACHES, 2)
     assert first == rank(cands, gemm, DEFAULT_CACHES, 2)
@@ -95,9 +95,9 @@ def test_deterministic_and_rank_sorted():
 
 
 @pytest.mark.parametrize("gemm, steps, caches, threads", [
-    (GemmProblem(256, 384, 320, 32, 32, 32), (2, 1, 1), DEFAULT_CACHES, 2),
-    (GemmProblem(384, 384, 384, 32, 32, 32), (1, 1, 1), Caches(32768, 131072, 1 << 20), 3),
-    (GemmProblem(512, 256, 384, 32, 32, 32), (2, 1, 1), Caches(32768, 262144, 2 << 20), 4),
+    (BlockedGemm(256, 384, 320, 32, 32, 32), (2, 1, 1), DEFAULT_CACHES, 2),
+    (BlockedGemm(384, 384, 384, 32, 32, 32), (1, 1, 1), Caches(32768, 131072, 1 << 20), 3),
+    (BlockedGemm(512, 256, 384, 32, 32, 32), (2, 1, 1), Caches(32768, 262144, 2 << 20), 4),
 ])
 def test_analytic_engine_agrees_with_trace_replay(gemm, steps, caches, threads):
     cands = generate(*gemm.trips, steps=steps, max_candidates=60, seed=3)
@@ -117,13 +117,13 @@ def test_analytic_engine_agrees_with_trace_replay(gemm, steps, caches, threads):
 
 
 def test_auto_engine_depends_on_problem_not_candidate():
-    small, big = GemmProblem(128, 128, 128, 32, 32, 32), GemmProblem(1024, 1024, 1024, 32, 32, 32)
+    small, big = BlockedGemm(128, 128, 128, 32, 32, 32), BlockedGemm(1024, 1024, 1024, 32, 32, 32)
     assert {analyze(s, small, DEFAULT_CACHES, 2).engine for s in ("aBC", "CBa")} == {"trace"}
     assert {analyze(s, big, DEFAULT_CACHES, 2).engine for s in ("aBC", "CBa")} == {"analytic"}
 
 
 def test_threads_partition_work_and_idle_threads_show():
-    gemm = GemmProblem(512, 512, 512, 32, 32, 32)
+    gemm = BlockedGemm(512, 512, 512, 32, 32, 32)
     serial = analyze("abc", gemm, DEFAULT_CACHES, 2)
     parallel = analyze("aBC", gemm, DEFAULT_CACHES, 2)
     assert serial.thread_cycles[1] == 0.0 and parallel.cycles < 0.6 * serial.cycles
@@ -136,7 +136,7 @@ def test_threads_partition_work_and_idle_threads_show():
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_fork_join_is_charged_per_parallel_entry(engine):
-    gemm = GemmProblem(256, 256, 256, 32, 32, 32)  # Kb = 8
+    gemm = BlockedGemm(256, 256, 256, 32, 32, 32)  # Kb = 8
     base = analyze("aBC", gemm, DEFAULT_CACHES, 2, fork_join_cycles=0.0, engine=engine)
     more = analyze("aBC", gemm, DEFAULT_CACHES, 2, fork_join_cycles=1000.0, engine=engine)
     assert more.cycles - base.cycles == pytest.approx(8 * 1000.0)  # one fork per K step
@@ -147,7 +147,7 @@ def test_fork_join_is_charged_per_parallel_entry(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_clamped_k_tail_and_grid_mode(engine):
-    gemm = GemmProblem(192, 160, 224, 32, 32, 32)  # Kb=7 with k_step=2: last call has 1 block
+    gemm = BlockedGemm(192, 160, 224, 32, 32, 32)  # Kb=7 with k_step=2: last call has 1 block
     cand = Candidate("bC{R:2}aB{C:2}c", {"b": (2,), "c": (2,)}, {"a": 2})
     p = analyze(cand, gemm, DEFAULT_CACHES, 4, engine=engine)
     assert p.calls == pytest.approx(4 * 6 * 5)
@@ -156,7 +156,7 @@ def test_clamped_k_tail_and_grid_mode(engine):
 
 
 def test_inputs():
-    gemm = GemmProblem(128, 128, 128, 32, 32, 32)
+    gemm = BlockedGemm(128, 128, 128, 32, 32, 32)
     spec = parse("aBC", gemm_loops(*gemm.trips))
     assert predict(spec, gemm) == predict("aBC", gemm) == predict(Candidate("aBC"), gemm)
     with pytest.raises(ValueError, match="block counts"):
@@ -176,17 +176,17 @@ def test_inputs():
 
 
 def test_heuristic_is_competitive_with_the_modelled_best():
-    gemm = GemmProblem(1024, 1024, 1024, 32, 32, 32)
+    gemm = BlockedGemm(1024, 1024, 1024, 32, 32, 32)
     cands = generate(*gemm.trips, max_candidates=200)
     best = rank(cands, gemm, DEFAULT_CACHES, 2)[0][0]
-    h = heuristic(gemm.Mb, gemm.Nb, gemm.Kb, DEFAULT_CACHES, 2)
+    h = heuristic(*gemm.trips, DEFAULT_CACHES, 2)
     assert predict(h, gemm, DEFAULT_CACHES, 2) < 1.1 * best
 
 
 def test_packing_once_per_k_block_beats_repacking_under_an_n_loop():
     # 1024^3 in 256x64x512 blocks, one core: "acb" packs A's K block once (4 MiB copied in
     # all); "cacb" re-packs it for every pair of N blocks (32 MiB).  Measured 114 vs 85 GFLOPS.
-    gemm = GemmProblem(1024, 1024, 1024, 256, 64, 512)
+    gemm = BlockedGemm(1024, 1024, 1024, 256, 64, 512)
     once = analyze(Candidate("acb"), gemm, DEFAULT_CACHES, 1, peak_flops_per_cycle=64, pack_a=1)
     again = analyze(Candidate("cacb", {"c": (2,)}), gemm, DEFAULT_CACHES, 1,
                     peak_flops_per_cycle=64, pack_a=2)
@@ -198,7 +198,7 @@ def test_packing_once_per_k_block_beats_repacking_under_an_n_loop():
 
 
 def test_packing_is_shared_by_the_threads():
-    gemm = GemmProblem(1024, 1024, 1024, 256, 64, 512)
+    gemm = BlockedGemm(1024, 1024, 1024, 256, 64, 512)
     one, two = (analyze(Candidate("aCB"), gemm, DEFAULT_CACHES, t, pack_a=1).pack_cycles
                 for t in (1, 2))
     assert two == pytest.approx(one / 2)
@@ -206,14 +206,14 @@ def test_packing_is_shared_by_the_threads():
 
 @pytest.mark.parametrize("depth", [-1, 4])
 def test_pack_depth_beyond_the_nest_is_an_error(depth):
-    gemm = GemmProblem(1024, 1024, 1024, 256, 64, 512)
+    gemm = BlockedGemm(1024, 1024, 1024, 256, 64, 512)
     with pytest.raises(ValueError, match="not a loop depth"):
         analyze(Candidate("acb"), gemm, DEFAULT_CACHES, 1, pack_a=depth)
 
 
 def test_parallel_loops_cost_nothing_extra_on_one_thread():
     # TVM runs a parallel loop inline when its pool has one thread: "cBCa" is "cbca" there.
-    gemm = GemmProblem(512, 512, 512, 64, 64, 512)
+    gemm = BlockedGemm(512, 512, 512, 64, 64, 512)
     par, seq = Candidate("cBCa", {"c": (4,)}), Candidate("cbca", {"c": (4,)})
     assert predict(par, gemm, DEFAULT_CACHES, 1) == predict(seq, gemm, DEFAULT_CACHES, 1)
     forks = analyze(par, gemm, DEFAULT_CACHES, 2, fork_join_cycles=1e6).cycles
@@ -225,7 +225,7 @@ def test_replays_are_shared_by_nests_that_give_a_thread_the_same_share():
     ``aBC`` reuses the replay of ``abc``; a different order is replayed anew."""
     from schedules import cost_model
 
-    gemm = GemmProblem(256, 256, 256, 32, 32, 32)
+    gemm = BlockedGemm(256, 256, 256, 32, 32, 32)
     cost_model._REPLAYS.clear()
     serial = analyze("abc", gemm, threads=1, engine="trace")
     assert len(cost_model._REPLAYS) == 1

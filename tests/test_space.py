@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from microkernels.isa import DEFAULT_CACHES, Caches
 from schedules.loop_spec import simulate
 from schedules.space import (
+    BlockedGemm,
     Candidate,
-    GemmProblem,
     block_factors,
     gemm_loops,
     generate,
@@ -126,17 +126,17 @@ def test_candidate_value_semantics():
     assert loops[0].reduction and not loops[1].reduction
 
 
-def test_gemm_problem():
-    g = GemmProblem(100, 64, 48, 32, 32, 16, dtype_bytes=2)
+def test_blocked_gemm():
+    g = BlockedGemm(100, 64, 48, 32, 32, 16, dtype_bytes=2)
     assert (g.Mb, g.Nb, g.Kb) == (4, 2, 3) and g.trips == (3, 4, 2)
     with pytest.raises(ValueError):
-        GemmProblem(0, 1, 1, 1, 1, 1)
+        BlockedGemm(0, 1, 1, 1, 1, 1)
 
 
 def test_heuristic():
-    small = heuristic(8, 4, 8, DEFAULT_CACHES, 2)
+    small = heuristic(8, 8, 4, DEFAULT_CACHES, 2)
     assert small == Candidate("BCa")  # everything fits: collapse M (larger) outer, K innermost
-    assert heuristic(4, 8, 8, DEFAULT_CACHES, 2) == Candidate("CBa")
+    assert heuristic(8, 4, 8, DEFAULT_CACHES, 2) == Candidate("CBa")
     # All of B (32 panels of 128 KiB) overflows half of a 1 MiB L2: block N by 4 panels.
     big = heuristic(32, 32, 32, DEFAULT_CACHES, 2)
     assert big == Candidate("cBCa", {"c": (4,)})
@@ -145,9 +145,9 @@ def test_heuristic():
     assert heuristic(32, 32, 32, Caches(32768, 65536, 1 << 20), 2) == Candidate("BCa")
     # 2048^3 in 64x64x512 blocks, the whole K per call: one B panel is half of L2, so the
     # loop over B's panels goes outside (rule 4) and each panel is read once.
-    assert heuristic(32, 32, 4, DEFAULT_CACHES, 1, bm=64, bn=64, bk=512, k_step=4) == \
+    assert heuristic(4, 32, 32, DEFAULT_CACHES, 1, bm=64, bn=64, bk=512, k_step=4) == \
         Candidate("CBa", {}, {"a": 4})
-    assert heuristic(32, 32, 2, DEFAULT_CACHES, 1, bm=64, bn=64, bk=512, k_step=2) == \
+    assert heuristic(2, 32, 32, DEFAULT_CACHES, 1, bm=64, bn=64, bk=512, k_step=2) == \
         Candidate("cBCa", {"c": (2,)}, {"a": 2})  # 1024 x 64 panels: blocks of two fit
     assert heuristic(32, 32, 32, DEFAULT_CACHES, 2, k_step=4).step("a") == 4
     with pytest.raises(ValueError):
