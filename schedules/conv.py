@@ -60,6 +60,7 @@ import numpy as np
 from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
+from microkernels.pack import Packing
 
 from .blocking import divisors, near_divisors, pick_divisor
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
@@ -492,12 +493,22 @@ def pack_input(x: np.ndarray, problem: ConvProblem) -> np.ndarray:
 
 
 def pack_weight(w: np.ndarray, bk: int) -> np.ndarray:
-    """OIHW ``w`` -> ``W[K/bk][R][S][C][bk]``: a contiguous ``[C, bk]`` panel per tap."""
+    """OIHW ``w`` -> ``W[K/bk][R][S][C][bk]``: a contiguous ``[C, bk]`` panel per tap.
+
+    The filter is the GEMM operand ``B[R*S*C, K]`` packed in ``K`` blocks
+    (:meth:`~microkernels.pack.Packing.blocked_b`), each block's rows in tap order.
+
+    Examples
+    --------
+    >>> w = np.arange(2 * 3, dtype="float32").reshape(2, 3, 1, 1)   # K=2, C=3, 1x1
+    >>> pack_weight(w, 2)[0, 0, 0].tolist()                        # [C, bk] of the tap
+    [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+    """
     k, c, r, s = w.shape
     if k % bk:
         raise ValueError(f"bk={bk} does not divide K={k}")
-    blocked = w.reshape(k // bk, bk, c, r, s).transpose(0, 3, 4, 2, 1)
-    return np.ascontiguousarray(blocked, dtype=np.float32)
+    b = np.asarray(w, np.float32).transpose(2, 3, 1, 0).reshape(r * s * c, k)
+    return Packing.blocked_b(bk).pack(b).reshape(k // bk, r, s, c, bk)
 
 
 def unfold_input(x: np.ndarray, problem: ConvProblem) -> np.ndarray:

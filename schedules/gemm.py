@@ -44,9 +44,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
+from microkernels.pack import Packing
 
 from .loop_spec import LoopSpec, LoopSpecError, parse
 from .nest import check_exact, finish_nest, nest_loops
@@ -192,12 +195,21 @@ class GemmConfig:
         return BlockedGemm(problem.m, problem.n, problem.k, self.bm, self.bn, self.bk)
 
 
-def pack_weight(w, bn: int):
-    """numpy ``W[K, N] -> Wp[N/bn, K, bn]``: each N block's panel contiguous."""
+def pack_weight(w: np.ndarray, bn: int) -> np.ndarray:
+    """numpy ``W[K, N] -> Wp[N/bn, K, bn]``: each N block's panel contiguous
+    (:meth:`~microkernels.pack.Packing.blocked_b`, the flat BRGEMM's B).
+
+    Examples
+    --------
+    >>> w = np.arange(6, dtype="float32").reshape(2, 3)
+    >>> pack_weight(w, 1)[2].ravel().tolist()     # column 2 of W, one N block per column
+    [2.0, 5.0]
+    """
     k, n = w.shape
     if n % bn:
         raise ValueError(f"bn={bn} does not divide N={n}")
-    return w.reshape(k, n // bn, bn).transpose(1, 0, 2).copy()
+    # A unit bn leaves its axis out of the packing; the template's operand keeps it.
+    return Packing.blocked_b(bn).pack(w).reshape(n // bn, k, bn)
 
 
 def workload(problem: GemmProblem, bn: int) -> PrimFunc:

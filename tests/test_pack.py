@@ -146,3 +146,17 @@ def test_invalid_arguments():
         Packing.vnni_b(4).te_unpack(te.placeholder((2, 3, 2), "int8", name="Xp"), 8, 3)
     with pytest.raises(ValueError, match="positive"):
         padded(0, 4)
+
+
+def test_templates_pack_weights_with_blocked_b():
+    """The GEMM and conv templates' weight layouts are blocked_b panels (unit bn kept)."""
+    from schedules import conv, gemm
+
+    w = np.arange(5 * 7, dtype="float32").reshape(5, 7)
+    for bn in (1, 7):
+        expected = w.reshape(5, 7 // bn, bn).transpose(1, 0, 2)
+        assert np.array_equal(gemm.pack_weight(w, bn), expected)
+    oihw = np.arange(4 * 3 * 2 * 2, dtype="float32").reshape(4, 3, 2, 2)
+    packed = conv.pack_weight(oihw, 2)
+    assert packed.shape == (2, 2, 2, 3, 2)
+    assert np.array_equal(packed[1, 0, 1], oihw[2:4, :, 0, 1].T)  # [C, bk] of tap (0, 1)
