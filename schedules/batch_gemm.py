@@ -45,7 +45,9 @@ Examples
 ...                      b_interleaved=True)
 >>> q.x_shape, q.b_shape
 ((128, 768), (1, 128, 768))
->>> sch = schedule(p, default_config(p, "avx2", threads=2), "avx2")   # doctest: +SKIP
+>>> from microkernels.isa import DEFAULT_CACHES, from_name
+>>> machine = Machine(from_name("avx2"), DEFAULT_CACHES, threads=2)
+>>> sch = schedule(p, default_config(p, machine), "avx2")   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from typing import TYPE_CHECKING
 from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
+from microkernels.machine import Machine
 
 from .blocking import divisors, near_divisors
 
@@ -210,23 +213,21 @@ def _block(dim: int, limit: int, multiple: int = 1) -> int:
     return dim if 4 * best < min(dim, limit) and dim <= 4 * limit else best
 
 
-def default_config(problem: BatchGemmProblem, isa: str | _isa.Isa, threads: int
-                   ) -> BatchGemmConfig:
+def default_config(problem: BatchGemmProblem, machine: Machine) -> BatchGemmConfig:
     """Blocks following :func:`schedules.blocking.default_config`'s rules (tiles of at most
     64 x 64, two vectors wide where possible, K whole in blocks of at most 512), and parallel
     M blocks when the (batch, panel) tasks number fewer than two per thread."""
-    _positive(threads, "threads")
-    lanes = (isa if isinstance(isa, _isa.Isa) else _isa.from_name(isa)).lanes("float32")
+    lanes = machine.isa.lanes("float32")
     n = problem.n
     bn = _block(n, max(64, 2 * lanes), 2 * lanes) if n % lanes == 0 else _block(n, 64, lanes)
     bm = _block(problem.m, 64)
     bk = _block(problem.k, 512)
     tasks = problem.batch * (n // bn)
-    return BatchGemmConfig(bm, bn, bk, parallel_rows=tasks < 2 * threads and problem.m > bm)
+    return BatchGemmConfig(bm, bn, bk,
+                           parallel_rows=tasks < 2 * machine.threads and problem.m > bm)
 
 
-def candidates(problem: BatchGemmProblem, isa: str | _isa.Isa, threads: int
-               ) -> list[BatchGemmConfig]:
+def candidates(problem: BatchGemmProblem, machine: Machine) -> list[BatchGemmConfig]:
     """A short list of configurations worth measuring, :func:`default_config`'s first.
 
     Measurement only: no cost model ranks these; the tuner times them all, so the list stays
@@ -239,15 +240,17 @@ def candidates(problem: BatchGemmProblem, isa: str | _isa.Isa, threads: int
 
     Examples
     --------
+    >>> from microkernels.isa import DEFAULT_CACHES, from_name
+    >>> machine = Machine(from_name("avx2"), DEFAULT_CACHES, threads=2)
     >>> p = BatchGemmProblem(batch=12, m=128, n=128, k=64, b_transposed=True)
-    >>> found = candidates(p, "avx2", threads=2)
-    >>> found[0] == default_config(p, "avx2", threads=2)
+    >>> found = candidates(p, machine)
+    >>> found[0] == default_config(p, machine)
     True
     >>> [(c.bm, c.bn, c.bk, c.parallel_rows) for c in found[:3]]
     [(64, 64, 64, False), (64, 64, 64, True), (32, 64, 64, False)]
     """
-    base = default_config(problem, isa, threads)
-    lanes = (isa if isinstance(isa, _isa.Isa) else _isa.from_name(isa)).lanes("float32")
+    base = default_config(problem, machine)
+    lanes = machine.isa.lanes("float32")
     p = problem
     blocks = [replace(base, bm=bm) for bm in near_divisors(p.m, base.bm, 2, lo=min(8, p.m),
                                                            hi=128)]

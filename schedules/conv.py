@@ -60,6 +60,7 @@ import numpy as np
 from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
+from microkernels.machine import Machine
 from microkernels.pack import Packing
 
 from .blocking import divisors, near_divisors, pick_divisor
@@ -385,8 +386,7 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     return sch
 
 
-def default_config(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int
-                   ) -> ConvConfig:
+def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     """Blocks and loop order from the shape, the ISA's vectors and the caches.
 
     * ``bk`` — at most 64 output channels, a multiple of the vector width where possible;
@@ -404,11 +404,11 @@ def default_config(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, thr
     --------
     >>> from microkernels import isa
     >>> p = ConvProblem(1, 512, 7, 7, 512, 3, 3, padding=1)
-    >>> cfg = default_config(p, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+    >>> cfg = default_config(p, Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2))
     >>> (cfg.bq, cfg.bc, cfg.bk, cfg.spec)
     (7, 512, 64, 'ACbfgde')
     """
-    lanes = isa.lanes("float32")
+    lanes = machine.isa.lanes("float32")
     bk = pick_divisor(problem.k, 64, lanes)
     bc = pick_divisor(problem.c, 512)
     q_divisors = divisors(problem.q)
@@ -417,7 +417,8 @@ def default_config(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, thr
         bq = min(d for d in q_divisors if d >= min(7, problem.q))
     plane = problem.p * problem.q * bk * 4
     tasks = problem.n * (problem.k // bk)
-    spec = "ACbfgde" if tasks >= 2 * threads and plane <= caches.l2 // 2 else "ACDebfg"
+    spec = ("ACbfgde" if tasks >= 2 * machine.threads and plane <= machine.caches.l2 // 2
+            else "ACDebfg")
     return ConvConfig(bq=bq, bc=bc, bk=bk, spec=spec)
 
 
@@ -427,8 +428,7 @@ def default_config(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, thr
 ORDERS = ("ACDebfg", "ACbfgde", "ACDbfge", "ADEcbfg")
 
 
-def candidates(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, threads: int
-               ) -> list[ConvConfig]:
+def candidates(problem: ConvProblem, machine: Machine) -> list[ConvConfig]:
     """A short list of configurations worth measuring, :func:`default_config`'s first.
 
     Measurement only: no cost model ranks these (the cache-trace model covers GEMMs); the
@@ -447,15 +447,16 @@ def candidates(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, threads
     --------
     >>> from microkernels import isa
     >>> p = ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1)
-    >>> found = candidates(p, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
-    >>> found[0] == default_config(p, isa.from_name("avx2"), isa.DEFAULT_CACHES, 2)
+    >>> machine = Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+    >>> found = candidates(p, machine)
+    >>> found[0] == default_config(p, machine)
     True
     >>> [(c.bq, c.bk, c.spec) for c in found[:4]]  # one K block: ACbfgde has one task
     [(28, 64, 'ACDebfg'), (28, 64, 'ACDbfge'), (28, 64, 'ADEcbfg'), (28, 32, 'ACDebfg')]
     """
-    base = default_config(problem, isa, caches, threads)
+    base = default_config(problem, machine)
     blocks = [replace(base, bk=bk) for bk in near_divisors(
-        problem.k, base.bk, 1, hi=64, multiple=isa.lanes("float32"))]
+        problem.k, base.bk, 1, hi=64, multiple=machine.isa.lanes("float32"))]
     blocks += [replace(base, bq=bq) for bq in near_divisors(
         problem.q, base.bq, 2, lo=min(7, problem.q), hi=64)]
     channel_blocks = problem.c // base.bc
@@ -465,7 +466,7 @@ def candidates(problem: ConvProblem, isa: _isa.Isa, caches: _isa.Caches, threads
     found = [base]
     for config in [replace(base, spec=spec) for spec in ORDERS] + [
             replace(block, spec=spec) for spec in (base.spec, other) for block in blocks]:
-        if config not in found and _parallel_tasks(problem, config) >= threads:
+        if config not in found and _parallel_tasks(problem, config) >= machine.threads:
             found.append(config)
     return found
 

@@ -30,11 +30,38 @@ depth ``d`` read into a dense buffer under the ``d``-th loop (TVM's ``cache_read
 ``compute_at``), as BLAS packs A; the copy runs in parallel unless a parallel loop already
 encloses it.  B needs no packing: the weights are packed once, ahead of time.
 
+Default configuration (:func:`default_config`), without tuning: block sizes follow the
+microkernel and the caches, the loop order comes from :func:`schedules.space.heuristic`.
+Blocks must divide their dimension (the template tiles exactly), so they are chosen among the
+dimension's divisors:
+
+* ``bn`` — a multiple of two vectors where possible (the register tile's width), at most 64
+  floats so a ``bk x bn`` panel of B stays in L1/L2 next to A's rows;
+* ``bm`` — at most 64 rows (the kernel walks them in register tiles, remainder included);
+* ``bk`` and ``k_step`` — the whole K in one BRGEMM call (TPP's Algorithm 6), in blocks of at
+  most 512 so one batch element's panel of B stays in L2: C never leaves the registers
+  between K steps;
+* unless K is so long that the whole-K panel of B (``K x bn``) takes more than half of L2,
+  where A's rows streaming past would evict it before the next row tile re-reads it: then
+  :func:`long_k_config` splits K across calls and packs A, as BLAS does (128x768x3072 on one
+  core: 100 -> 115 GFLOPS measured).  Up to half of L2 the panel stays, provided the loop
+  over N blocks is outside the one over M blocks (the heuristic's rule 4): 2048^3, whose
+  panel is exactly half of L2, measured faster that way than split and packed, on one core
+  and more so on two (BENCHMARKS.md).
+
+Candidates (:func:`candidates`): a few blockings around the default (:func:`blockings`),
+PARLOOPER's loop orders for each (:func:`schedules.space.generate`), ranked within each
+blocking by the cache-trace model (:func:`ranked_configs`).  The model sees loop orders and
+the copies of packing, not the kernel's efficiency at each block size: measurement decides
+between the blockings.
+
 Examples
 --------
->>> from schedules.gemm import GemmProblem, GemmConfig, schedule
->>> p = GemmProblem(m=128, n=256, k=512)
->>> cfg = GemmConfig.of("bCa", bm=32, bn=64, bk=128, k_step=2)
+>>> from microkernels.isa import DEFAULT_CACHES, from_name
+>>> p = GemmProblem(m=128, n=768, k=768)
+>>> cfg = default_config(p, Machine(from_name("avx2"), DEFAULT_CACHES, threads=2))
+>>> (cfg.bm, cfg.bn, cfg.bk, cfg.k_step, cfg.spec)
+(64, 64, 384, 2, 'CBa')
 >>> sch = schedule(p, cfg, isa="avx2")    # doctest: +SKIP
 """
 
@@ -49,18 +76,23 @@ import numpy as np
 from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
+from microkernels.machine import Machine
 from microkernels.pack import Packing
 
+from .blocking import pick_divisor
+from .cost_model import predict
 from .loop_spec import LoopSpec, LoopSpecError, parse
 from .nest import check_exact, finish_nest, nest_loops
-from .space import BlockedGemm, Candidate
+from .space import BlockedGemm, Candidate, generate, heuristic
 
 if TYPE_CHECKING:
     from tvm import s_tir
     from tvm.s_tir import LoopRV, SBlockRV
     from tvm.tirx import PrimFunc
 
-__all__ = ["GemmProblem", "GemmConfig", "workload", "schedule", "pack_weight"]
+__all__ = ["GemmProblem", "GemmConfig", "workload", "schedule", "default_config", "candidates",
+           "whole_k_config", "long_k_config", "blockings", "ranked_configs",
+           "ranked_blockings", "measuring_order", "pack_weight", "GEMV_ROWS"]
 
 
 @dataclass(frozen=True)
@@ -298,3 +330,155 @@ def _parallel_pack(sch: s_tir.Schedule, spec: LoopSpec, pack: SBlockRV, depth: i
     enclosed = depth > 0 and (grid or bool(groups) and depth - 1 >= groups[0][0])
     if not enclosed:
         sch.parallel(rows)
+
+
+#: Up to this many rows (a register tile or so) the kernel reads B's panel about once anyway,
+#: so splitting K and packing A would only add traffic.
+GEMV_ROWS = 8
+
+
+def default_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
+    """The untuned configuration: blocks from the shape, the ISA's vectors and the caches,
+    the whole K per call unless its panel of B outgrows half of L2 (module docstring).
+
+    Examples
+    --------
+    >>> from microkernels.isa import Caches, from_name
+    >>> small_l2 = Machine(from_name("avx2"), Caches(32 << 10, 64 << 10, 1 << 20), threads=2)
+    >>> default_config(GemmProblem(40, 64, 1024), small_l2).pack_a
+    1
+    """
+    whole = whole_k_config(problem, machine)
+    if whole.k_step > 1 and problem.m > GEMV_ROWS and \
+            problem.k * whole.bn * 4 > machine.caches.l2 // 2:
+        return long_k_config(problem.m, whole.bn, whole.bk, machine.threads)
+    return whole
+
+
+def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
+    """The whole K in one BRGEMM call, blocks and loop order as the module describes."""
+    m, n, k = problem.m, problem.n, problem.k
+    lanes = machine.isa.lanes("float32")
+    if n % lanes == 0:
+        bn = pick_divisor(n, max(64, 2 * lanes), 2 * lanes)
+    else:
+        bn = pick_divisor(n, 64, lanes)
+    bk = pick_divisor(k, 512)
+    bm = pick_divisor(m, 64)
+    k_blocks = k // bk
+    candidate = heuristic(k_blocks, m // bm, n // bn, machine.caches, machine.threads, bm=bm,
+                          bn=bn, bk=bk, k_step=k_blocks)
+    return GemmConfig(bm, bn, bk, candidate)
+
+
+def long_k_config(m: int, bn: int, bk: int, threads: int) -> GemmConfig:
+    """BLAS's ``kc`` loop, for a K too long for one BRGEMM call.
+
+    K blocks run outermost, one per call, and each K block's columns of ``X`` are packed
+    once (``pack_a=1``) and reused by every N block; under them N and M blocks are
+    parallel.  A ``bk x bn`` panel of B stays in L2 while the call walks its ``bm`` rows.
+
+    Examples
+    --------
+    >>> long_k_config(2048, 64, 512, threads=2)
+    GemmConfig(bm=256, bn=64, bk=512, candidate=Candidate('aCB', {}), pack_a=1)
+    """
+    return GemmConfig(pick_divisor(m, 256), bn, bk, Candidate("aCB" if threads > 1 else "acb"),
+                      pack_a=1)
+
+
+def blockings(problem: GemmProblem, machine: Machine) -> list[GemmConfig]:
+    """The default first, then the other blockings whose loop orders are generated: when
+    K spans several blocks, the whole K per call, one K block per call, and (beyond a GEMV's
+    rows) one K block per call with A packed under the outermost K loop
+    (:func:`long_k_config`)."""
+    base = default_config(problem, machine)
+    out = [base]
+    if problem.k // base.bk > 1:
+        whole = whole_k_config(problem, machine)
+        split = GemmConfig(whole.bm, whole.bn, whole.bk, Candidate("BCa"))
+        packed = (long_k_config(problem.m, base.bn, base.bk, machine.threads)
+                  if problem.m > GEMV_ROWS else None)
+        out += [c for c in (whole, split, packed) if c is not None and c != base]
+    return out
+
+
+def ranked_configs(problem: GemmProblem, blocking: GemmConfig, machine: Machine,
+                   max_candidates: int = 400) -> list[tuple[float, GemmConfig]]:
+    """PARLOOPER's loop orders (:func:`~schedules.space.generate`) with ``blocking``'s block
+    sizes and packing, as ``(predicted cycles, config)``, best predicted first.
+
+    A packed config is kept only if an N loop runs under its packing, i.e. the packed A is
+    reused; ``blocking`` itself is always ranked.
+
+    Examples
+    --------
+    >>> from microkernels.isa import DEFAULT_CACHES, from_name
+    >>> one_core = Machine(from_name("avx512"), DEFAULT_CACHES, 1, fp32_flops_per_cycle=64.0)
+    >>> base = GemmConfig.of("acb", 256, 64, 512, pack_a=1)
+    >>> ranked_configs(GemmProblem(1024, 1024, 1024), base, one_core)[0][1].spec
+    'bac'
+    """
+    blocked = blocking.blocked(problem)  # the same block sizes for every loop order
+    generated = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
+                         require_parallel=machine.threads > 1, max_candidates=max_candidates)
+    configs = [cfg for cfg in map(blocking.with_candidate, generated)
+               if cfg.pack_a is None or cfg.reuses_packed_a()]
+    if blocking not in configs:  # the sampled space left it out: rank it all the same
+        configs.append(blocking)
+    peak = machine.peak_flops_per_cycle
+    return sorted(((predict(cfg.candidate, blocked, machine.caches, machine.threads,
+                            peak_flops_per_cycle=peak, pack_a=cfg.pack_a), cfg)
+                   for cfg in configs), key=lambda pair: pair[0])
+
+
+def ranked_blockings(problem: GemmProblem, machine: Machine, max_candidates: int = 400
+                     ) -> list[list[tuple[float, GemmConfig]]]:
+    """:func:`ranked_configs` of each of the :func:`blockings`, the default's first."""
+    return [ranked_configs(problem, b, machine, max_candidates)
+            for b in blockings(problem, machine)]
+
+
+def measuring_order(default: GemmConfig, families: list[list[tuple[float, GemmConfig]]]
+                    ) -> list[GemmConfig]:
+    """The default, then the model's best loop order of every blocking in turn, then the
+    second of each, and so on.
+
+    The model ranks the loop orders (and where A is packed) of one blocking; it does not
+    see how block sizes change the kernel's own efficiency, so it cannot rank blockings
+    against each other: each gets its share of the measurements.
+
+    Examples
+    --------
+    >>> a, b, c = (GemmConfig.of(spec, 8, 8, 8) for spec in ("BCa", "CBa", "aBC"))
+    >>> [x.spec for x in measuring_order(b, [[(1.0, a), (2.0, b)], [(1.5, c)]])]
+    ['CBa', 'BCa', 'aBC']
+    """
+    order = [default]
+    for n in range(max(map(len, families))):
+        order += [family[n][1] for family in families
+                  if n < len(family) and family[n][1] != default]
+    return order
+
+
+def candidates(problem: GemmProblem, machine: Machine, max_candidates: int = 400
+               ) -> list[GemmConfig]:
+    """Configurations worth measuring in the order to measure them, :func:`default_config`'s
+    first (:func:`measuring_order` of :func:`ranked_blockings`).
+
+    Parameters
+    ----------
+    max_candidates
+        Cap on the loop orders generated per blocking.
+
+    Examples
+    --------
+    >>> from microkernels.isa import DEFAULT_CACHES, from_name
+    >>> machine = Machine(from_name("avx2"), DEFAULT_CACHES, 2, fp32_flops_per_cycle=32.0)
+    >>> p = GemmProblem(48, 64, 96)
+    >>> found = candidates(p, machine, max_candidates=20)
+    >>> found[0] == default_config(p, machine), len(found) == len(set(found))
+    (True, True)
+    """
+    families = ranked_blockings(problem, machine, max_candidates)
+    return measuring_order(default_config(problem, machine), families)

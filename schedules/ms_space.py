@@ -1,6 +1,6 @@
 """The loop_spec space as a MetaSchedule design space, so MetaSchedule can measure it.
 
-:func:`schedules.tuner.tune` times its candidates in-process.  This module hands the same
+:func:`schedules.search.tune` times its candidates in-process.  This module hands the same
 candidates to MetaSchedule instead, which brings its builders and runners (local or RPC, e.g.
 a board on the network), its JSON database and its task scheduler:
 
@@ -43,12 +43,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from microkernels.brgemm import BrgemmShape, dispatch
-from microkernels.machine import machine_of
+from microkernels.machine import Machine, machine_of
 
-from .blocking import default_config
-from .gemm import GemmConfig, GemmProblem, schedule, workload
+from .gemm import GemmConfig, GemmProblem, default_config, ranked_configs, schedule, workload
 from .space import Candidate
-from .tuner import ranked_configs
 
 if TYPE_CHECKING:
     from tvm import s_tir
@@ -66,38 +64,38 @@ __all__ = [
 ]
 
 
-def space_configs(problem: GemmProblem, target: Target, top_n: int = 8,
+def space_configs(problem: GemmProblem, machine: Machine, top_n: int = 8,
                   max_candidates: int = 400) -> list[GemmConfig]:
     """The tuner's model-ranked candidates for the default blocking, best first.
 
-    The ``top_n`` best of :func:`schedules.tuner.ranked_configs` (the tuner's ranking of the
+    The ``top_n`` best of :func:`schedules.gemm.ranked_configs` (the tuner's ranking of the
     default blocking's loop orders, packing included), plus the untuned default
-    configuration when it is not among them (as :func:`~schedules.tuner.tune` does).
+    configuration when it is not among them (as :func:`~schedules.search.tune` does).
 
     Examples
     --------
-    >>> len(space_configs(GemmProblem(96, 128, 64), target, top_n=3)) in (3, 4)  # doctest: +SKIP
+    >>> from microkernels.isa import DEFAULT_CACHES, from_name
+    >>> machine = Machine(from_name("avx2"), DEFAULT_CACHES, 2, fp32_flops_per_cycle=32.0)
+    >>> len(space_configs(GemmProblem(96, 128, 64), machine, top_n=3)) in (3, 4)
     True
     """
     if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
         raise ValueError(f"top_n must be a positive int, got {top_n!r}")
-    m = machine_of(target)
-    base = default_config(problem.m, problem.n, problem.k, m.isa, m.caches, m.threads)
-    ranked = ranked_configs(problem, base, m.isa, m.caches, m.threads, max_candidates)
+    base = default_config(problem, machine)
+    ranked = ranked_configs(problem, base, machine, max_candidates)
     configs = [config for _, config in ranked[:top_n]]
     if base not in configs:
         configs.append(base)
     return configs
 
 
-def _as_configs(problem: GemmProblem, target: Target,
+def _as_configs(problem: GemmProblem, machine: Machine,
                 candidates: Sequence[GemmConfig | Candidate] | None) -> list[GemmConfig]:
     if candidates is None:
-        return space_configs(problem, target)
+        return space_configs(problem, machine)
     if not candidates:
         raise ValueError("candidates is empty: a design space needs at least one")
-    m = machine_of(target)
-    base = default_config(problem.m, problem.n, problem.k, m.isa, m.caches, m.threads)
+    base = default_config(problem, machine)
     configs = []
     for c in candidates:
         if isinstance(c, Candidate):
@@ -147,10 +145,10 @@ def gemm_space(problem: GemmProblem, target: Target,
     """
     from tvm.s_tir import meta_schedule as ms
 
-    isa = machine_of(target).isa
-    configs = _as_configs(problem, target, candidates)
+    machine = machine_of(target)
+    configs = _as_configs(problem, machine, candidates)
     # Scheduling each config here registers its intrinsic and catches bad configs early.
-    traces = [schedule(problem, c, isa.name).trace for c in configs]
+    traces = [schedule(problem, c, machine.isa).trace for c in configs]
 
     def design_spaces(sch: s_tir.Schedule) -> list[s_tir.Schedule]:
         spaces = []
@@ -282,14 +280,15 @@ def tune_gemm_ms(problem: GemmProblem, target: Target, work_dir: str | os.PathLi
     if "num-cores" not in target.attrs:
         raise ValueError("MetaSchedule needs the target's 'num-cores'; use "
                          "tvm_tpp.target('tpp', num_cores=N)")
-    threads = machine_of(target).threads
-    configs = _as_configs(problem, target, candidates)
+    machine = machine_of(target)
+    configs = _as_configs(problem, machine, candidates)
     space = gemm_space(problem, target, configs)  # also registers every intrinsic
     mod = workload(problem, configs[0].bn)
     batch = num_trials_per_iter or (min(max_trials, len(configs)) if strategy == "enumerate"
                                     else max_trials)
     if runner is None:
-        runner = ms.runner.LocalRunner(initializer=functools.partial(_set_threads, threads))
+        runner = ms.runner.LocalRunner(initializer=functools.partial(_set_threads,
+                                                                     machine.threads))
     database = ms.tune_tir(
         mod=mod, target=target, work_dir=str(work_dir), max_trials_global=max_trials,
         num_trials_per_iter=batch, space=space,

@@ -12,6 +12,7 @@ from tvm import relax
 
 from microkernels import isa as _isa
 from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.machine import Machine
 from relay_passes.batch_matmul import rewrite_batch_matmul
 from relay_passes.dense import rewrite_dense
 from relay_passes.pipeline import prepare
@@ -34,9 +35,13 @@ SCALE = Epilogue((EpilogueOp("scale", value=0.125),))
 SCALE_BIAS = Epilogue((EpilogueOp("scale", value=1 / math.sqrt(7)), EpilogueOp("bias")))
 
 
+def _machine(threads: int, isa: str = "avx2") -> Machine:
+    return Machine(_isa.from_name(isa), _isa.DEFAULT_CACHES, threads)
+
+
 def _run(problem, config=None, isa="avx2", target=HASWELL, seed=0, func=None):
     """Run ``problem`` (``func`` when already built) and compare with numpy."""
-    config = config or default_config(problem, isa, threads=2)
+    config = config or default_config(problem, _machine(2, isa))
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(problem.x_shape).astype("float32")
     b = rng.standard_normal(problem.b_shape).astype("float32")
@@ -77,7 +82,7 @@ def test_interleaved_layouts(transposed, x, b, y):
 
 def test_parallel_rows_when_few_tasks():
     problem = BatchGemmProblem(1, 96, 16, 8, epilogue=SCALE)
-    config = default_config(problem, "avx2", threads=2)
+    config = default_config(problem, _machine(2))
     assert config.parallel_rows and config.bm < problem.m
     _run(problem, config)
     _run(problem, BatchGemmConfig(8, 16, 8, parallel_rows=False))
@@ -90,8 +95,8 @@ def test_parallel_rows_when_few_tasks():
 ], ids=lambda p: p.name)
 def test_candidates_are_correct(problem):
     """Every configuration the tuner may pick computes the batch GEMM (one module for all)."""
-    found = candidates(problem, "avx2", threads=1)
-    assert found[0] == default_config(problem, "avx2", threads=1)
+    found = candidates(problem, _machine(1))
+    assert found[0] == default_config(problem, _machine(1))
     assert len(set(found)) == len(found) <= 12 and any(c.parallel_rows for c in found)
     for config, func in zip(found, build(problem, found, HASWELL, "avx2"), strict=True):
         _run(problem, config, func=func)
@@ -108,7 +113,7 @@ def test_avx512_kernel():
 def test_default_config_tiles_exactly():
     for m, n, k in [(128, 128, 64), (197, 197, 64), (13, 17, 9), (384, 64, 1024)]:
         problem = BatchGemmProblem(4, m, n, k)
-        config = default_config(problem, "avx2", threads=2)
+        config = default_config(problem, _machine(2))
         config.check(problem)
         assert config.bm > 1 and config.bn > 1, config
 

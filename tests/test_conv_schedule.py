@@ -12,6 +12,7 @@ import tvm
 from microkernels import isa
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.epilogue import reference as epilogue_reference
+from microkernels.machine import Machine
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
@@ -31,6 +32,9 @@ TARGETS = {"avx2": {"kind": "llvm", "mcpu": "haswell"},
            "avx512": {"kind": "llvm", "mcpu": "skylake-avx512"}}
 BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
 BIAS_RES_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("residual"), EpilogueOp("relu")))
+#: L2 sizes the defaults are checked against: 1 MiB (Skylake-SP, Zen 4), 2 MiB (Sapphire Rapids).
+L2_1MIB = isa.Caches(32 * 1024, 1 << 20, 32 << 20)
+L2_2MIB = isa.Caches(48 * 1024, 2 << 20, 105 << 20)
 
 
 def _run(problem, config, isa_name="avx2", seed=0, unfold=False, func=None):
@@ -57,8 +61,12 @@ def _run(problem, config, isa_name="avx2", seed=0, unfold=False, func=None):
     assert np.abs(y.numpy()).max() > 0
 
 
+def _machine(isa_name="avx2", caches=isa.DEFAULT_CACHES, threads=2):
+    return Machine(isa.from_name(isa_name), caches, threads)
+
+
 def _default(problem, isa_name="avx2"):
-    return default_config(problem, isa.from_name(isa_name), isa.DEFAULT_CACHES, threads=2)
+    return default_config(problem, _machine(isa_name))
 
 
 @pytest.mark.parametrize(
@@ -122,7 +130,7 @@ def test_loop_specs(spec, c_step, block_steps):
 )
 def test_candidates_are_correct(problem):
     """Every configuration the tuner may pick computes the conv (all built in one module)."""
-    found = candidates(problem, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+    found = candidates(problem, _machine())
     assert found[0] == _default(problem) and len(set(found)) == len(found) <= 12
     assert len({c.spec for c in found}) > 1 and len({(c.bq, c.bk, c.c_step) for c in found}) > 1
     funcs = build(problem, found, tvm.target.Target(TARGETS["avx2"]), "avx2")
@@ -137,14 +145,19 @@ def test_avx512_kernel():
     _run(problem, _default(problem, "avx512"), "avx512")
 
 
-def test_default_config_choices():
-    avx2, caches = isa.from_name("avx2"), isa.DEFAULT_CACHES
-    deep = default_config(ConvProblem(1, 512, 7, 7, 512, 3, 3, padding=1), avx2, caches, 2)
+@pytest.mark.parametrize("caches", [L2_1MIB, L2_2MIB], ids=["l2-1MiB", "l2-2MiB"])
+def test_default_config_choices(caches):
+    machine = _machine(caches=caches)
+    deep = default_config(ConvProblem(1, 512, 7, 7, 512, 3, 3, padding=1), machine)
     assert (deep.bq, deep.bc, deep.bk, deep.spec) == (7, 512, 64, "ACbfgde")
-    wide = default_config(ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1), avx2, caches, 2)
+    wide = default_config(ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1), machine)
     assert (wide.bq, wide.bc, wide.bk, wide.spec) == (28, 64, 64, "ACDebfg")
-    prime = default_config(ConvProblem(1, 8, 29, 29, 8, 1, 1), avx2, caches, 2)
+    prime = default_config(ConvProblem(1, 8, 29, 29, 8, 1, 1), machine)
     assert prime.bq == 29  # no divisor of 29 between 7 and 28: one block
+    # Eight K blocks give each thread two tasks; a K block's 28 x 28 output plane (196 KiB)
+    # fits in half of either L2, so each weight panel sweeps the whole plane.
+    mid = default_config(ConvProblem(1, 128, 28, 28, 512, 1, 1), machine)
+    assert mid.spec == "ACbfgde"
 
 
 @pytest.mark.parametrize(

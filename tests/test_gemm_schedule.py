@@ -8,14 +8,25 @@ import numpy as np
 import pytest
 import tvm
 
+from microkernels import isa
 from microkernels.epilogue import Epilogue, EpilogueOp, reference
-from schedules.blocking import default_config, divisors
-from schedules.gemm import GemmConfig, GemmProblem, pack_weight, schedule
+from microkernels.machine import Machine
+from schedules.blocking import divisors
+from schedules.gemm import GemmConfig, GemmProblem, default_config, pack_weight, schedule
 from schedules.loop_spec import LoopSpecError
 from schedules.space import generate
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
 BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
+#: L2 sizes the defaults are checked against: 1 MiB (Skylake-SP, Zen 4), 2 MiB (Sapphire
+#: Rapids), and a small 64 KiB one.
+L2_1MIB = isa.Caches(32 * 1024, 1 << 20, 32 << 20)
+L2_2MIB = isa.Caches(48 * 1024, 2 << 20, 105 << 20)
+SMALL_L2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)
+
+
+def _avx2(caches: isa.Caches, threads: int = 2) -> Machine:
+    return Machine(isa.from_name("avx2"), caches, threads)
 
 
 def _run(problem, config, isa="avx2", seed=0):
@@ -72,10 +83,8 @@ def test_generated_candidates_all_correct():
     ],
 )
 def test_default_config_odd_shapes(m, n, k, epilogue):
-    from microkernels import isa
-
-    config = default_config(m, n, k, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
-    _run(GemmProblem(m, n, k, epilogue=epilogue), config)
+    problem = GemmProblem(m, n, k, epilogue=epilogue)
+    _run(problem, default_config(problem, _avx2(isa.DEFAULT_CACHES)))
 
 
 def test_divisors():
@@ -135,14 +144,25 @@ def test_packed_a_odd_sizes():
 
 
 def test_long_k_default_packs_a():
-    from microkernels import isa
-
-    small_l2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)  # K x bn panel > L2 / 4
-    config = default_config(40, 64, 1024, isa.from_name("avx2"), small_l2, threads=2)
+    problem = GemmProblem(40, 64, 1024, epilogue=BIAS_RELU)
+    config = default_config(problem, _avx2(SMALL_L2))  # K x bn panel > L2 / 2
     assert config.pack_a == 1 and config.k_step == 1 and config.spec.startswith("a")
-    _run(GemmProblem(40, 64, 1024, epilogue=BIAS_RELU), config)
-    roomy = default_config(40, 64, 1024, isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+    _run(problem, config)
+    roomy = default_config(problem, _avx2(isa.DEFAULT_CACHES))
     assert roomy.pack_a is None and roomy.k_step == 1024 // roomy.bk
+
+
+@pytest.mark.parametrize("caches, long_k", [(L2_1MIB, True), (L2_2MIB, False)],
+                         ids=["l2-1MiB", "l2-2MiB"])
+def test_default_splits_k_when_its_panel_outgrows_half_of_l2(caches, long_k):
+    # 256 x 128 x 4096: bn = 64, so the whole-K panel of B is 4096 x 64 floats = 1 MiB.
+    config = default_config(GemmProblem(256, 128, 4096), _avx2(caches))
+    if long_k:
+        assert (config.bm, config.bn, config.bk, config.spec, config.pack_a) == \
+            (256, 64, 512, "aCB", 1)
+    else:
+        assert (config.bm, config.bn, config.bk, config.k_step, config.pack_a) == \
+            (64, 64, 512, 8, None)
 
 
 def test_with_candidate_packs_under_the_outermost_k_loop():

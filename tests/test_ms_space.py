@@ -6,13 +6,23 @@ import tvm
 
 import tvm_tpp
 from microkernels import isa
-from schedules.blocking import default_config
-from schedules.gemm import GemmConfig, GemmProblem, pack_weight, workload
+from microkernels.machine import Machine, machine_of
+from schedules.gemm import (
+    GemmConfig,
+    GemmProblem,
+    default_config,
+    pack_weight,
+    ranked_configs,
+    workload,
+)
 from schedules.ms_space import gemm_space, space_configs, tune_gemm_ms
 from schedules.space import Candidate
-from schedules.tuner import ranked_configs
 
 PROBLEM = GemmProblem(42, 80, 36)
+#: L2 sizes of the machines the long-K test describes: 1 MiB (Skylake-SP, Zen 4) and
+#: 2 MiB (Sapphire Rapids).
+L2_1MIB = isa.Caches(48 * 1024, 1 << 20, 32 << 20)
+L2_2MIB = isa.Caches(48 * 1024, 2 << 20, 105 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +42,7 @@ def _check(sch, bn: int, target) -> None:
 
 
 def test_one_design_space_per_candidate_each_correct(target):
-    configs = space_configs(PROBLEM, target, top_n=4)
+    configs = space_configs(PROBLEM, machine_of(target), top_n=4)
     assert 4 <= len(configs) <= 5 and len(set(configs)) == len(configs)
     space = gemm_space(PROBLEM, target, configs)
     mod = tvm.IRModule({"main": workload(PROBLEM, configs[0].bn)})
@@ -45,21 +55,26 @@ def test_one_design_space_per_candidate_each_correct(target):
     assert len({str(s.trace) for s in spaces}) == len(spaces)
 
 
-def test_long_k_space_is_the_tuners_packed_ranking(target):
-    # K = 4096 on 256 rows: the default splits K and packs A; the space ranks loop orders
-    # with the copies of packing, keeps only orders that reuse the packed A, and the default.
+@pytest.mark.parametrize("caches, packed", [(L2_1MIB, True), (L2_2MIB, False)],
+                         ids=["l2-1MiB", "l2-2MiB"])
+def test_long_k_space_is_the_tuners_ranking(caches, packed):
+    # K = 4096 on 256 rows: the whole-K panel of B (4096 x 64 floats, 1 MiB) outgrows half of
+    # a 1 MiB L2, so the default splits K and packs A; the space ranks loop orders with the
+    # copies of packing and keeps only orders that reuse the packed A.  Half of a 2 MiB L2
+    # holds the panel: the whole K per call, nothing packed.
+    machine = Machine(isa.from_name("avx512"), caches, 2, fp32_flops_per_cycle=64.0)
     problem = GemmProblem(256, 128, 4096)
-    chip = isa.from_name(target.attrs["model"])
-    base = default_config(256, 128, 4096, chip, isa.caches(), 2)
-    configs = space_configs(problem, target, top_n=3)
-    assert base.pack_a is not None and base in configs
-    assert all(c.pack_a is not None and c.reuses_packed_a() for c in configs)
-    ranked = [c for _, c in ranked_configs(problem, base, chip, isa.caches(), 2)]
+    base = default_config(problem, machine)
+    configs = space_configs(problem, machine, top_n=3)
+    assert (base.pack_a is not None) == packed and base in configs
+    assert all((c.pack_a is not None) == packed for c in configs)
+    assert all(c.reuses_packed_a() for c in configs) or not packed
+    ranked = [c for _, c in ranked_configs(problem, base, machine)]
     assert configs[:3] == ranked[:3]
 
 
 def test_loop_spec_candidates_take_the_default_blocks(target):
-    base = space_configs(PROBLEM, target, top_n=1)[0]
+    base = space_configs(PROBLEM, machine_of(target), top_n=1)[0]
     space = gemm_space(PROBLEM, target, [Candidate("BCa"), Candidate("bCa")])
     spaces = space.generate_design_space(tvm.IRModule({"main": workload(PROBLEM, base.bn)}))
     assert len(spaces) == 2
@@ -94,7 +109,7 @@ def test_tune_gemm_ms_measures_each_space_once(target, tmp_path):
 
     # One tune_tir per pytest process: a second one trips over pytest's log-capture handlers
     # left on MetaSchedule's logger (AttributeError in meta_schedule.logging).
-    configs = space_configs(PROBLEM, target, top_n=3)
+    configs = space_configs(PROBLEM, machine_of(target), top_n=3)
     best, database = tune_gemm_ms(PROBLEM, target, tmp_path, max_trials=4, candidates=configs)
     records = database.get_all_tuning_records()
     assert len(records) == min(4, len(configs))

@@ -14,10 +14,10 @@ from onnx import TensorProto, helper, numpy_helper
 import tvm_tpp
 from microkernels import isa
 from microkernels.epilogue import Epilogue, EpilogueOp
-from schedules import batch_gemm, conv
-from schedules import tuner as tuner_module
-from schedules.blocking import default_config
+from microkernels.machine import Machine, machine_of
+from schedules import batch_gemm, conv, gemm, search
 from schedules.gemm import GemmConfig, GemmProblem, pack_weight, schedule
+from schedules.ops import MODEL_RESOLUTION, OPS
 from schedules.tuner import (
     MARGIN,
     Database,
@@ -25,6 +25,7 @@ from schedules.tuner import (
     TuningKey,
     build,
     config_for,
+    config_text,
     time_interleaved,
     tune,
 )
@@ -36,6 +37,15 @@ BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
 CONV = conv.ConvProblem(2, 6, 9, 14, 16, 3, 3, padding=1, epilogue=BIAS_RELU)
 BATCH_GEMM = batch_gemm.BatchGemmProblem(2, 24, 40, 16, b_transposed=True,
                                          epilogue=Epilogue((EpilogueOp("scale", value=0.5),)))
+#: The default the tuner measures first for PROBLEM on TARGET.
+DEFAULT = gemm.default_config(PROBLEM, machine_of(TARGET))
+#: A small L2 (64 KiB), where a K of 1024 is long.
+SMALL_L2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)
+
+
+def _machine(threads: int, caches: isa.Caches = isa.DEFAULT_CACHES) -> Machine:
+    """An AVX2 machine at its nominal peak: the model's rankings do not depend on the host."""
+    return Machine(isa.from_name("avx2"), caches, threads, fp32_flops_per_cycle=32.0)
 
 
 def test_tune_persists_and_second_call_is_free(tmp_path):
@@ -43,7 +53,7 @@ def test_tune_persists_and_second_call_is_free(tmp_path):
     result = tune(PROBLEM, TARGET, database=db, top_k=2)
     assert not result.cached and result.candidates > 2
     assert result.best in [m.config for m in result.measurements if m.seconds]
-    default = default_config(48, 64, 96, isa.from_name("avx2"), isa.caches(), threads=1)
+    default = DEFAULT
     assert default in [m.config for m in result.measurements]  # the default is always measured
     key = TuningKey.of(PROBLEM, TARGET).text()
     record = json.loads((tmp_path / "tuning.json").read_text())[key]
@@ -95,12 +105,12 @@ def _fake_measure(monkeypatch, seconds_of, calls=None, delay=0.0):
         time.sleep(delay)
         return [seconds_of(c) for c in configs]
 
-    monkeypatch.setattr(tuner_module, "measure", fake)
+    monkeypatch.setattr(search, "measure", fake)
 
 
 @pytest.mark.parametrize("speedup,wins", [(MARGIN / 2, False), (3 * MARGIN, True)])
 def test_candidate_must_beat_default_by_margin(monkeypatch, speedup, wins):
-    default = default_config(48, 64, 96, isa.from_name("avx2"), isa.caches(), threads=1)
+    default = DEFAULT
     picked = []
 
     def seconds_of(config):
@@ -134,7 +144,7 @@ def test_final_round_is_fair_to_candidates_timed_once(monkeypatch):
     # measured 0.99 in its only batch.  Side by side in the final round it is 5 % faster.
     calls = []
     rounds = {0: iter([1.0, 0.95, 1.0]), 1: iter([0.99, 0.95])}
-    default = default_config(48, 64, 96, isa.from_name("avx2"), isa.caches(), threads=1)
+    default = DEFAULT
     seen = []
 
     def seconds_of(config):
@@ -145,7 +155,7 @@ def test_final_round_is_fair_to_candidates_timed_once(monkeypatch):
         return next(rounds[1]) if config == seen[0] else 2.0
 
     _fake_measure(monkeypatch, seconds_of, calls)
-    result = tune(PROBLEM, TARGET, top_k=tuner_module.BATCH + 1)
+    result = tune(PROBLEM, TARGET, top_k=search.BATCH + 1)
     assert calls[-1] == [default, seen[0]]
     assert result.best == seen[0]
     assert [m.seconds for m in result.measurements[:2]] == [1.0, 0.95]
@@ -155,13 +165,13 @@ def test_final_round_takes_at_most_four_contenders(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls)
     tune(PROBLEM, TARGET, top_k=6)
-    assert len(calls[-1]) == tuner_module._FINAL_CONTENDERS
+    assert len(calls[-1]) == search._FINAL_CONTENDERS
     assert calls[-1][0] == calls[0][0]  # the default, first
 
 
 def test_no_final_round_when_nothing_comes_near(monkeypatch):
     calls = []
-    default = default_config(48, 64, 96, isa.from_name("avx2"), isa.caches(), threads=1)
+    default = DEFAULT
     _fake_measure(monkeypatch, lambda c: 1.0 if c == default else 1.2, calls)
     result = tune(PROBLEM, TARGET, top_k=3)
     assert len(calls) == 1 and result.best == default
@@ -170,7 +180,7 @@ def test_no_final_round_when_nothing_comes_near(monkeypatch):
 def test_incumbent_is_retimed_with_each_batch(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls)
-    result = tune(PROBLEM, TARGET, top_k=2 * tuner_module.BATCH)
+    result = tune(PROBLEM, TARGET, top_k=2 * search.BATCH)
     batches = calls[:-1]  # the last call is the final round
     assert len(batches) >= 2 and batches[0][0] == result.best  # nothing beat the default...
     assert all(batch[-1] == result.best for batch in batches[1:])  # ...which ran in each batch
@@ -189,7 +199,7 @@ def test_incumbent_record_keeps_its_best_retiming(monkeypatch):
 def test_budget_stops_after_the_first_batch(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls, delay=0.2)
-    result = tune(PROBLEM, TARGET, top_k=3 * tuner_module.BATCH, budget_seconds=0.1)
+    result = tune(PROBLEM, TARGET, top_k=3 * search.BATCH, budget_seconds=0.1)
     assert len(result.measurements) == 2  # the default and one candidate...
     assert calls == [calls[0]] * 2  # ...timed in one batch and in the final round
 
@@ -202,27 +212,27 @@ def test_budget_shrinks_the_final_round(monkeypatch):
         timings.append(options.get("round_seconds"))
         return [1.0] * len(configs)
 
-    monkeypatch.setattr(tuner_module, "measure", fake)
+    monkeypatch.setattr(search, "measure", fake)
     tune(PROBLEM, TARGET, top_k=1, budget_seconds=0.06)  # nearly all spent on the batch
-    assert timings[-1] < 0.01 * tuner_module._FINAL_SECONDS
+    assert timings[-1] < 0.01 * search._FINAL_SECONDS
     timings.clear()
     tune(PROBLEM, TARGET, top_k=1)
-    assert timings[-1] == tuner_module._FINAL_SECONDS
+    assert timings[-1] == search._FINAL_SECONDS
 
 
 def test_budget_admits_batches_that_fit(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls, delay=0.05)
-    result = tune(PROBLEM, TARGET, top_k=2 * tuner_module.BATCH, budget_seconds=60)
+    result = tune(PROBLEM, TARGET, top_k=2 * search.BATCH, budget_seconds=60)
     # Batches of 2, BATCH and the rest of the 1 + top_k, each later one with the incumbent.
-    rest = 1 + 2 * tuner_module.BATCH - 2 - tuner_module.BATCH
-    assert [len(c) for c in calls] == [2, tuner_module.BATCH + 1, rest + 1,
-                                       tuner_module._FINAL_CONTENDERS]
-    assert len(result.measurements) == 1 + 2 * tuner_module.BATCH
+    rest = 1 + 2 * search.BATCH - 2 - search.BATCH
+    assert [len(c) for c in calls] == [2, search.BATCH + 1, rest + 1,
+                                       search._FINAL_CONTENDERS]
+    assert len(result.measurements) == 1 + 2 * search.BATCH
 
 
 def test_build_reports_unbuildable_candidates():
-    good = default_config(48, 64, 96, isa.from_name("avx2"), isa.caches(), threads=1)
+    good = DEFAULT
     bad = GemmConfig.of("aBCa", good.bm, good.bn, good.bk)  # a parallel loop inside K's
     funcs = build(PROBLEM, [good, bad], TARGET, "avx2")
     assert callable(funcs[0]) and isinstance(funcs[1], str) and funcs[1]
@@ -261,9 +271,8 @@ def test_conv_and_batch_gemm_tune_persist_and_reuse(tmp_path, problem):
     assert Tuner(Database(path), tune_missing=False).config(problem, TARGET) is None
     result = tune(problem, TARGET, database=Database(path), top_k=2)
     default = config_for(problem, TARGET)
-    listed = (conv.candidates(problem, isa.from_name("avx2"), isa.caches(), threads=1)
-              if isinstance(problem, conv.ConvProblem)
-              else batch_gemm.candidates(problem, "avx2", threads=1))
+    template = conv if isinstance(problem, conv.ConvProblem) else batch_gemm
+    listed = template.candidates(problem, machine_of(TARGET))
     assert [m.config for m in result.measurements] == listed[:3] and listed[0] == default
     assert not result.cached and result.best in listed[:3]
     assert all(m.seconds and m.model_rank is None for m in result.measurements)
@@ -328,9 +337,8 @@ def test_tune_cli_explains_convs(tmp_path, capsys):
 
 
 def test_long_k_choices_measure_packed_and_unpacked_blockings():
-    small_l2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)
     problem = GemmProblem(40, 64, 1024)
-    choices, _ = tuner_module._dense_choices(problem, isa.from_name("avx2"), small_l2, 2, 60)
+    choices, _ = OPS["dense"].choices(problem, _machine(2, SMALL_L2), 60)
     default = choices[0].config
     assert default.pack_a == 1 and choices[0].rank is not None  # the long-K default, ranked
     configs = [c.config for c in choices]
@@ -352,12 +360,11 @@ def test_database_keeps_packing(tmp_path):
     key = TuningKey.of(PROBLEM, TARGET)
     Database(tmp_path / "t.json").put(key, config)
     assert Database(tmp_path / "t.json").get(key) == config
-    assert tuner_module.config_text(config).endswith("pack_a=1")
+    assert config_text(config).endswith("pack_a=1")
 
 
 def test_tied_predictions_share_a_model_rank():
-    choices, _ = tuner_module._dense_choices(GemmProblem(48, 64, 96), isa.from_name("avx2"),
-                                             isa.DEFAULT_CACHES, 1, 60)
+    choices, _ = OPS["dense"].choices(GemmProblem(48, 64, 96), _machine(1), 60)
     ranked = sorted((c.cycles, c.rank) for c in choices)  # one blocking here
     assert ranked[0][1] == 0
     for (c1, r1), (c2, r2) in zip(ranked, ranked[1:], strict=False):
@@ -368,25 +375,23 @@ def test_tied_predictions_share_a_model_rank():
 def test_model_classes_merge_predictions_within_the_resolution():
     """Rank: candidates of the blocking predicted faster; class: faster by more than
     MODEL_RESOLUTION."""
-    problem, chip, threads = GemmProblem(256, 256, 1024), isa.from_name("avx2"), 2
-    choices, _ = tuner_module._dense_choices(problem, chip, isa.DEFAULT_CACHES, threads, 200)
-    blockings = tuner_module._blockings(problem, chip, isa.DEFAULT_CACHES, threads)
+    problem, machine = GemmProblem(256, 256, 1024), _machine(2)
+    choices, _ = OPS["dense"].choices(problem, machine, 200)
+    blockings = gemm.blockings(problem, machine)
 
     def kind(cfg):
         return cfg.bm, cfg.bn, cfg.bk, cfg.k_step, cfg.pack_a is None
 
-    families = {kind(b): [x for x, _ in tuner_module.ranked_configs(
-        problem, b, chip, isa.DEFAULT_CACHES, threads, 200)] for b in blockings}
+    families = {kind(b): [x for x, _ in gemm.ranked_configs(problem, b, machine, 200)]
+                for b in blockings}
     for c in choices:
         family = families[kind(c.config)]
         assert c.rank == sum(x < c.cycles for x in family)
-        resolved = c.cycles * (1 - tuner_module.MODEL_RESOLUTION)
+        resolved = c.cycles * (1 - MODEL_RESOLUTION)
         assert c.model_class == sum(x < resolved for x in family)
     assert any(c.model_class < c.rank for c in choices)
 
 
 def test_gemv_gets_no_packed_blocking():
-    small_l2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)
-    choices, _ = tuner_module._dense_choices(GemmProblem(1, 64, 1024), isa.from_name("avx2"),
-                                             small_l2, 1, 60)
+    choices, _ = OPS["dense"].choices(GemmProblem(1, 64, 1024), _machine(1, SMALL_L2), 60)
     assert all(c.config.pack_a is None for c in choices)

@@ -1,0 +1,152 @@
+"""Building and timing candidate configurations in this process.
+
+:func:`build` schedules configurations and compiles them as one LLVM module (one invocation
+for several); :func:`measure` builds them and times them side by side
+(:func:`time_interleaved`), so drift of the machine's load hits every candidate alike.
+
+Examples
+--------
+>>> from schedules.gemm import GemmConfig, GemmProblem
+>>> configs = [GemmConfig.of("BCa", 48, 64, 96), GemmConfig.of("aBC", 48, 64, 96)]
+>>> measure(GemmProblem(48, 64, 96), configs, target, "avx2")   # doctest: +SKIP
+[4.1e-05, 'LoopSpecError: ...']
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .ops import Config, Problem, op_of
+
+if TYPE_CHECKING:
+    from tvm.target import Target
+    from tvm.tirx import PrimFunc
+
+__all__ = ["build", "measure", "time_interleaved", "ROUNDS", "ROUND_SECONDS"]
+
+#: Seconds of samples per candidate per round (at least one run each).
+ROUND_SECONDS = 0.05
+#: Interleaved rounds of samples.
+ROUNDS = 3
+
+
+def _error(err: Exception) -> str:
+    return f"{type(err).__name__}: {err}"[:200]
+
+
+def _scheduled(problem: Problem, configs: list[Config], isa: str) -> list[PrimFunc | str]:
+    """Per config its scheduled PrimFunc, named ``candidate<i>``, or why it has none."""
+    schedule = op_of(problem).schedule
+    out: list[PrimFunc | str] = []
+    for i, config in enumerate(configs):
+        try:
+            out.append(schedule(problem, config, isa).mod["main"].with_attr(
+                "global_symbol", f"candidate{i}"))
+        except Exception as err:  # a candidate that cannot be scheduled is recorded, skipped
+            out.append(_error(err))
+    return out
+
+
+def _compile(scheduled: list[PrimFunc | str], target: Target) -> list[Callable[..., object] | str]:
+    """Compile the PrimFuncs of ``scheduled`` as one module; errors pass through."""
+    import tvm
+
+    out: list[Callable[..., object] | str] = list(scheduled)  # type: ignore[arg-type]
+    funcs = {i: f for i, f in enumerate(scheduled) if not isinstance(f, str)}
+    if not funcs:
+        return out
+    try:
+        ex = tvm.compile(tvm.IRModule({f"candidate{i}": f for i, f in funcs.items()}),
+                         target=target)
+        for i in funcs:
+            out[i] = ex.mod[f"candidate{i}"]
+    except Exception:  # one bad function fails the module: find which, one by one
+        for i, func in funcs.items():
+            try:
+                out[i] = tvm.compile(tvm.IRModule({f"candidate{i}": func}),
+                                     target=target).mod[f"candidate{i}"]
+            except Exception as err:
+                out[i] = _error(err)
+    return out
+
+
+def build(problem: Problem, configs: list[Config], target: Target, isa: str
+          ) -> list[Callable[..., object] | str]:
+    """Schedule ``configs`` and compile them as one module: per config its function, or the
+    error that kept it from being built."""
+    return _compile(_scheduled(problem, configs, isa), target)
+
+
+def _arguments(funcs: list[PrimFunc]) -> list[list[object]]:
+    """Arguments for each of ``funcs``: random inputs and an output, both shared by every
+    function with a parameter of the same shape and dtype (a config's packed weights are
+    just another shape).  Values do not matter for timing: no packing, no padding zeros."""
+    import numpy as np
+    import tvm
+
+    rng = np.random.default_rng(0)
+    made: dict[tuple[tuple[int, ...], str, bool], object] = {}
+    out = []
+    for func in funcs:
+        args = []
+        for i, param in enumerate(func.params):
+            shape, dtype = tuple(int(d) for d in param.ty.shape), str(param.ty.dtype)
+            output = i == len(func.params) - 1  # every template's PrimFunc ends with Y
+            if (shape, dtype, output) not in made:
+                made[(shape, dtype, output)] = (
+                    tvm.runtime.empty(shape, dtype) if output
+                    else tvm.runtime.tensor(rng.standard_normal(shape).astype(dtype)))
+            args.append(made[(shape, dtype, output)])
+        out.append(args)
+    return out
+
+
+def time_interleaved(runs: list[Callable[[], None]], rounds: int = ROUNDS,
+                     round_seconds: float = ROUND_SECONDS) -> list[float]:
+    """Seconds of one call of each function: the fastest of samples taken in ``rounds``
+    interleaved rounds, so drift of the machine's load hits every candidate alike and the
+    minimum is a run that went undisturbed.
+
+    Examples
+    --------
+    >>> len(time_interleaved([lambda: None, lambda: None], rounds=1, round_seconds=0.0))
+    2
+    """
+    best = [float("inf")] * len(runs)
+    for i, run in enumerate(runs):  # warm-up, and a first estimate
+        start = time.perf_counter()
+        run()
+        best[i] = time.perf_counter() - start
+    for _ in range(rounds):
+        for i, run in enumerate(runs):
+            for _ in range(max(1, min(20, int(round_seconds / best[i])))):
+                start = time.perf_counter()
+                run()
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
+            rounds: int = ROUNDS, round_seconds: float = ROUND_SECONDS,
+            built: dict[Config, Callable[[], object]] | None = None) -> list[float | str]:
+    """Build ``configs`` together and time them interleaved (see :func:`time_interleaved`):
+    seconds of one run, or the error of a candidate that could not be built.
+
+    ``built`` maps configs to ready runs (built, with arguments): those are not built again,
+    and the new ones are added to it."""
+    built = {} if built is None else built
+    new = [c for c in dict.fromkeys(configs) if c not in built]
+    scheduled = _scheduled(problem, new, isa)
+    compiled = _compile(scheduled, target)
+    errors = {new[i]: f for i, f in enumerate(compiled) if isinstance(f, str)}
+    ok = [i for i, f in enumerate(compiled) if not isinstance(f, str)]
+    arguments = _arguments([scheduled[i] for i in ok])  # type: ignore[misc]
+    for i, args in zip(ok, arguments, strict=True):
+        built[new[i]] = functools.partial(compiled[i], *args)  # type: ignore[arg-type]
+    timed = [c for c in configs if c in built]
+    seconds = dict(zip(timed, time_interleaved([built[c] for c in timed], rounds,
+                                               round_seconds), strict=True)) if timed else {}
+    return [seconds[c] if c in seconds else errors[c] for c in configs]

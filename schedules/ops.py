@@ -1,0 +1,233 @@
+"""The operators the tuner handles: one :class:`Op` per template, in :data:`OPS`.
+
+An :class:`Op` tells the tuner, the database and the people reading its output what they
+need of one kind of operator: its key, its untuned default, its candidates in measuring
+order (with the cost model's verdict where one ranks them), its schedule, its config's JSON
+record and one-line text.  A dense GEMM's candidates are ranked by the cache-trace model
+within each blocking (:func:`schedules.gemm.ranked_blockings`); a convolution's and a batch
+GEMM's short lists are not ranked: measurement decides.
+
+Examples
+--------
+>>> op_of(ConvProblem(1, 16, 14, 14, 32, 3, 3)).name
+'conv2d'
+>>> problem_text(ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3))
+'conv2d 1x3x224x224x64x7x7/s2x2p3x3x3x3 -'
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from microkernels.machine import Machine
+
+from . import batch_gemm, conv, gemm
+from .batch_gemm import BatchGemmConfig, BatchGemmProblem
+from .conv import ConvConfig, ConvProblem
+from .gemm import GemmConfig, GemmProblem
+from .space import Candidate
+
+if TYPE_CHECKING:
+    from tvm import s_tir
+
+__all__ = ["Problem", "Config", "Choice", "Op", "OPS", "op_of", "problem_text", "config_text",
+           "shape_text", "MODEL_RESOLUTION"]
+
+Problem = GemmProblem | ConvProblem | BatchGemmProblem
+Config = GemmConfig | ConvConfig | BatchGemmConfig
+
+#: Predictions closer than this are one class: the model works at slice granularity, and its
+#: two engines (exact replay, analytic) typically differ by about this much.
+MODEL_RESOLUTION = 0.01
+
+
+class Choice(NamedTuple):
+    """A candidate to measure, with the cost model's verdict (all None when unranked).
+
+    ``rank`` counts the candidates of its blocking predicted strictly faster, ``model_class``
+    those predicted faster by more than :data:`MODEL_RESOLUTION` (0-based both).
+    """
+
+    rank: int | None
+    model_class: int | None
+    cycles: float | None
+    config: Config
+
+
+@dataclass(frozen=True)
+class Op:
+    """What the tuner needs to know of one kind of operator.
+
+    Parameters
+    ----------
+    name
+        The key's op (``"dense"``, ``"conv2d"``, ``"batch_gemm"``).
+    problem, config
+        Its problem and configuration classes.
+    key
+        ``problem -> (shape, layout, dtype)`` for the tuning key.
+    default
+        ``(problem, machine) -> config``: the untuned default.
+    choices
+        ``(problem, machine, max_candidates) -> (choices, generated)``: the candidates in
+        measuring order, the default first, and how many were considered.
+    schedule
+        ``(problem, config, isa) -> Schedule``.
+    to_json, from_json
+        A config to and from its database record.
+    text
+        A config as one short line.
+
+    Examples
+    --------
+    >>> OPS["conv2d"].text(ConvConfig(bq=28, bc=64, bk=64))
+    'ACDebfg bq=28 bc=64 bk=64 c_step=1'
+    """
+
+    name: str
+    problem: type
+    config: type
+    key: Callable[[Any], tuple[tuple[int, ...], str, str]]
+    default: Callable[[Any, Machine], Any]
+    choices: Callable[[Any, Machine, int], tuple[list[Choice], int]]
+    schedule: Callable[[Any, Any, str], s_tir.Schedule]
+    to_json: Callable[[Any], dict]
+    from_json: Callable[[dict], Any]
+    text: Callable[[Any], str]
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("an Op needs a name")
+        for f in fields(self)[3:]:
+            if not callable(getattr(self, f.name)):
+                raise TypeError(f"Op {self.name!r}: {f.name} must be callable")
+
+
+def _dense_choices(problem: GemmProblem, machine: Machine, max_candidates: int
+                   ) -> tuple[list[Choice], int]:
+    """:func:`schedules.gemm.candidates`, each with its model rank and class within its
+    blocking (the default's too).
+
+    A candidate's rank counts the candidates of its blocking predicted strictly faster (equal
+    predictions share a rank), its class those predicted faster by more than the model's
+    resolution (PARLOOPER's "modeled classes", [PL] Fig. 6).
+    """
+    families = gemm.ranked_blockings(problem, machine, max_candidates)
+    verdicts: dict[GemmConfig, tuple[int, int, float]] = {}
+    for family in families:
+        # Ranks count the candidates predicted faster: bisect the sorted predictions.
+        cycles_of = [cycles for cycles, _ in family]
+        for cycles, config in family:
+            verdicts[config] = (bisect.bisect_left(cycles_of, cycles),
+                                bisect.bisect_left(cycles_of, cycles * (1 - MODEL_RESOLUTION)),
+                                cycles)
+    order = gemm.measuring_order(gemm.default_config(problem, machine), families)
+    return [Choice(*verdicts[config], config) for config in order], sum(map(len, families))
+
+
+def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:
+    return [Choice(None, None, None, config) for config in configs], len(configs)
+
+
+def _dense_to_json(config: GemmConfig) -> dict:
+    c = config.candidate
+    return {"bm": config.bm, "bn": config.bn, "bk": config.bk, "spec": c.spec,
+            "block_steps": {k: list(v) for k, v in c.block_steps.items()},
+            "steps": dict(c.steps), "pack_a": config.pack_a}
+
+
+def _dense_from_json(data: dict) -> GemmConfig:
+    candidate = Candidate(data["spec"], {k: tuple(v) for k, v in data["block_steps"].items()},
+                          data["steps"])
+    return GemmConfig(data["bm"], data["bn"], data["bk"], candidate, data.get("pack_a"))
+
+
+def _fields_to_json(config: ConvConfig | BatchGemmConfig) -> dict:
+    """A flat config's fields (block steps as a plain dict): ``type(config)(**json)`` again."""
+    values = {f.name: getattr(config, f.name) for f in fields(config)}
+    return {name: dict(v) if isinstance(v, Mapping) else v for name, v in values.items()}
+
+
+def _steps_text(block_steps: Mapping[str, tuple[int, ...]]) -> str:
+    return f" {dict(block_steps)}" if block_steps else ""
+
+
+def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:
+    (sh, sw), pads = p.stride, "x".join(map(str, p.padding))
+    return (p.n, p.c, p.h, p.w, p.k, p.r, p.s), f"s{sh}x{sw}p{pads}", p.dtype
+
+
+#: The operators the tuner handles, by the key's op name.
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("dense", GemmProblem, GemmConfig,
+       key=lambda p: ((p.m, p.n, p.k), "", p.dtype),
+       default=gemm.default_config,
+       choices=_dense_choices,
+       schedule=gemm.schedule,
+       to_json=_dense_to_json,
+       from_json=_dense_from_json,
+       text=lambda c: (f"{c.spec} bm={c.bm} bn={c.bn} bk={c.bk} k_step={c.k_step}"
+                       + _steps_text(c.candidate.block_steps)
+                       + ("" if c.pack_a is None else f" pack_a={c.pack_a}"))),
+    Op("conv2d", ConvProblem, ConvConfig,
+       key=_conv_key,
+       default=conv.default_config,
+       choices=lambda p, machine, _: _unranked(conv.candidates(p, machine)),
+       schedule=conv.schedule,
+       to_json=_fields_to_json,
+       from_json=lambda data: ConvConfig(**data),
+       text=lambda c: (f"{c.spec} bq={c.bq} bc={c.bc} bk={c.bk} c_step={c.c_step}"
+                       + _steps_text(c.block_steps))),
+    Op("batch_gemm", BatchGemmProblem, BatchGemmConfig,
+       key=lambda p: ((p.batch, p.m, p.n, p.k), p.layout, "float32"),
+       default=batch_gemm.default_config,
+       choices=lambda p, machine, _: _unranked(batch_gemm.candidates(p, machine)),
+       schedule=batch_gemm.schedule,
+       to_json=_fields_to_json,
+       from_json=lambda data: BatchGemmConfig(**data),
+       text=lambda c: (f"bm={c.bm} bn={c.bn} bk={c.bk}"
+                       + (" parallel rows" if c.parallel_rows else ""))),
+)}
+
+
+def op_of(obj: Problem | Config) -> Op:
+    """The :class:`Op` of a problem or a config.
+
+    Raises
+    ------
+    TypeError
+        ``obj`` is no problem or config of a registered operator.
+    """
+    for op in OPS.values():
+        if isinstance(obj, (op.problem, op.config)):
+            return op
+    raise TypeError(f"the tuner handles GEMM, conv and batch GEMM problems, not "
+                    f"{type(obj).__name__}")
+
+
+def shape_text(shape: tuple[int, ...], layout: str) -> str:
+    """A key's shape and layout as people and the database read them.
+
+    >>> shape_text((4, 8, 8, 8), "tx2")
+    '4x8x8x8/tx2'
+    """
+    return "x".join(map(str, shape)) + (f"/{layout}" if layout else "")
+
+
+def problem_text(problem: Problem) -> str:
+    """One line naming ``problem`` for people: op, shape/layout and epilogue."""
+    op = op_of(problem)
+    shape, layout, _ = op.key(problem)
+    return f"{op.name} {shape_text(shape, layout)} {problem.epilogue.name or '-'}"
+
+
+def config_text(config: Config) -> str:
+    """One line describing ``config`` (loop_spec and blocks).
+
+    >>> config_text(GemmConfig.of("aCB", 8, 32, 24, pack_a=1))
+    'aCB bm=8 bn=32 bk=24 k_step=1 pack_a=1'
+    """
+    return op_of(config).text(config)

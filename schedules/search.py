@@ -1,0 +1,230 @@
+"""The tuning search: which candidates to measure, in which batches, and which one to keep.
+
+For one operator, :func:`tune`
+
+1. takes the candidates of its :class:`~schedules.ops.Op`, the untuned default first (a
+   dense GEMM's ranked by the cache-trace model within each blocking, a convolution's or a
+   batch GEMM's in their template's order);
+2. builds the default and the next ``top_k``, :data:`BATCH` per LLVM module, and times them
+   interleaved (each batch next to the best so far, which a newcomer must beat by
+   :data:`MARGIN`), within an optional time budget;
+3. times the default and the best few again in a final round (:data:`FINAL_WINDOW`), and
+4. keeps the winner in a :class:`~schedules.database.Database`, if given one.
+
+Examples
+--------
+>>> from schedules.gemm import GemmProblem
+>>> db = Database("tuning.json")                                    # doctest: +SKIP
+>>> result = tune(GemmProblem(128, 768, 768), target, database=db)  # doctest: +SKIP
+>>> result.best.spec, result.cached                                  # doctest: +SKIP
+('cBCa', False)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from microkernels.machine import machine_of
+
+from .database import Database, TuningKey
+from .measure import measure
+from .ops import Config, Problem, op_of
+
+if TYPE_CHECKING:
+    from tvm.target import Target
+
+__all__ = ["Measurement", "TuneResult", "tune", "BATCH", "MARGIN", "FINAL_WINDOW"]
+
+#: Candidates compiled per module: one LLVM invocation for several, and a budgeted tuner
+#: checks its clock between modules.
+BATCH = 5
+#: A candidate replaces the incumbent only if it is this much faster: timings of equal
+#: programs differ by about this much on a shared machine.
+MARGIN = 0.02
+#: The final round: the default and the candidates within this fraction of the fastest
+#: (at most :data:`_FINAL_CONTENDERS` in all) are timed again side by side, the same rounds
+#: each, and that round decides.
+FINAL_WINDOW = 0.05
+_FINAL_CONTENDERS = 4
+_FINAL_ROUNDS = 5
+_FINAL_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One candidate: the model's rank and class within its blocking and its prediction
+    (None when unranked; see :class:`~schedules.ops.Choice`), what it measured."""
+
+    config: Config
+    model_rank: int | None
+    predicted_cycles: float | None
+    seconds: float | None = None
+    error: str | None = None
+    model_class: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seconds is not None and self.error is not None:
+            raise ValueError("a measurement has seconds or an error, not both")
+
+    def gflops(self, problem: Problem) -> float | None:
+        return problem.flops / self.seconds / 1e9 if self.seconds else None
+
+    def to_json(self) -> dict:
+        return {"config": op_of(self.config).to_json(self.config),
+                "model_rank": self.model_rank, "model_class": self.model_class,
+                "predicted_cycles": self.predicted_cycles, "seconds": self.seconds,
+                "error": self.error}
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The kept config; when tuned now, what was measured (the default first) and how many
+    candidates were considered."""
+
+    best: Config
+    cached: bool
+    tune_seconds: float
+    measurements: tuple[Measurement, ...] = field(default=())
+    candidates: int = 0
+
+
+def tune(
+    problem: Problem,
+    target: Target,
+    *,
+    database: Database | None = None,
+    top_k: int = 8,
+    max_candidates: int = 400,
+    budget_seconds: float | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> TuneResult:
+    """The fastest configuration for ``problem`` on ``target`` (from the database if known).
+
+    The default configuration and the next candidates (the model's best for a dense GEMM,
+    the template's list for a conv or batch GEMM) are built :data:`BATCH` at a time and timed
+    interleaved with the best so far; a candidate replaces it only when :data:`MARGIN`
+    faster.  A final round times the default and the candidates within
+    :data:`FINAL_WINDOW` of the best again, side by side and the same rounds each; the
+    winner there must beat the default by the margin once more, so tuning does not keep a
+    configuration that merely measured lucky over the default.
+
+    Parameters
+    ----------
+    problem
+        A :class:`~schedules.gemm.GemmProblem`, :class:`~schedules.conv.ConvProblem` or
+        :class:`~schedules.batch_gemm.BatchGemmProblem`.
+    top_k
+        How many candidates besides the default may be built and timed.
+    max_candidates
+        Cap on generated candidates per block-size choice of a dense GEMM (the others come
+        as a list of a dozen at most).
+    budget_seconds
+        Stop starting new batches once the next one would exceed this much time at the cost
+        per candidate so far; the first batch (the default and one candidate) always runs.
+    progress
+        Called with (done, total) after each batch.
+
+    Examples
+    --------
+    >>> from schedules.conv import ConvProblem
+    >>> p = ConvProblem(1, 16, 14, 14, 32, 3, 3, padding=1)
+    >>> tune(p, target, top_k=4).best                       # doctest: +SKIP
+    ConvConfig(bq=14, bc=16, bk=32, spec='ACDbfge', c_step=1, block_steps=mappingproxy({}))
+    """
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    op = op_of(problem)
+    key = TuningKey.of(problem, target)
+    if database is not None and (known := database.get(key)) is not None:
+        return TuneResult(known, cached=True, tune_seconds=0.0)
+    start = time.perf_counter()
+    machine = machine_of(target)
+    choices, generated = op.choices(problem, machine, max_candidates)
+    chosen = choices[:1 + top_k]
+
+    measurements: list[Measurement] = []
+    incumbent: Measurement | None = None
+    built: dict[Config, Callable[[], object]] = {}  # runs kept for the final round
+    # Budgeted, a first batch of two (the default and one candidate) prices a candidate
+    # before larger batches are committed to.
+    starts = [0] + ([2] if budget_seconds is not None else [])
+    starts = [s for s in [*starts, *range(starts[-1] + BATCH, len(chosen), BATCH)]
+              if s < len(chosen)]
+    for first, end in zip(starts, [*starts[1:], len(chosen)], strict=True):
+        batch = chosen[first:end]
+        spent = time.perf_counter() - start
+        if budget_seconds is not None and first and spent * (first + len(batch)) / first > \
+                budget_seconds:
+            break
+        configs = [c.config for c in batch]
+        if incumbent is not None:  # re-timed next to the newcomers
+            configs.append(incumbent.config)
+        results = measure(problem, configs, target, machine.isa.name, built=built)
+        if incumbent is not None:
+            again = results.pop()
+            if isinstance(again, float):  # its record shows its best time, as the others'
+                at = measurements.index(incumbent)
+                incumbent = measurements[at] = replace(incumbent,
+                                                       seconds=min(incumbent.seconds, again))
+        for c, result in zip(batch, results, strict=True):
+            m = Measurement(c.config, c.rank, c.cycles, model_class=c.model_class,
+                            **({"seconds": result} if isinstance(result, float)
+                               else {"error": result}))
+            measurements.append(m)
+            if m.seconds is not None and (incumbent is None
+                                          or m.seconds < incumbent.seconds * (1 - MARGIN)):
+                incumbent = m
+        if progress is not None:
+            progress(end, len(chosen))
+    if incumbent is None:
+        raise RuntimeError(f"no candidate could be built for {key.text()}: "
+                           f"{measurements[0].error}")
+    round_seconds = _FINAL_SECONDS
+    if budget_seconds is not None:  # what is left of the budget, shared by the contenders
+        left = budget_seconds - (time.perf_counter() - start)
+        round_seconds = max(0.0, min(round_seconds, left / _FINAL_ROUNDS / _FINAL_CONTENDERS))
+    incumbent = _final_round(problem, target, machine.isa.name, measurements, built,
+                             round_seconds)
+    seconds = time.perf_counter() - start
+    if database is not None:
+        database.put(key, incumbent.config, gflops=incumbent.gflops(problem),
+                     tune_seconds=seconds, candidates=generated,
+                     measured=[m.to_json() for m in measurements])
+    return TuneResult(incumbent.config, cached=False, tune_seconds=seconds,
+                      measurements=tuple(measurements), candidates=generated)
+
+
+def _final_round(problem: Problem, target: Target, isa: str, measurements: list[Measurement],
+                 built: dict[Config, Callable[[], object]], round_seconds: float
+                 ) -> Measurement:
+    """The winner of a last, fair round: the default (``measurements[0]``) and the fastest
+    candidates within :data:`FINAL_WINDOW` of the best are timed again, interleaved, the same
+    rounds each, and their records take those times.  A candidate wins only if it beats the
+    default by :data:`MARGIN` there.
+
+    Batches time each candidate briefly, while the default and the best so far are re-timed
+    with every batch; keeping the fastest of all those samples would favour them, and a
+    short batch can flatter a candidate by more than the margin on a shared machine.  All
+    contenders are built already, so the round costs only timing: ``round_seconds`` per
+    contender and round (at least one run), which a budget shrinks to what is left of it.
+    """
+    timed = sorted((i for i, m in enumerate(measurements) if m.seconds is not None),
+                   key=lambda i: measurements[i].seconds)  # type: ignore[arg-type, return-value]
+    fastest = measurements[timed[0]].seconds
+    near = [i for i in timed if i and measurements[i].seconds <= fastest * (1 + FINAL_WINDOW)]
+    default = [0] if measurements[0].seconds is not None else []  # unless it failed to build
+    contenders = default + near[:_FINAL_CONTENDERS - len(default)]
+    if len(contenders) > 1:
+        again = measure(problem, [measurements[i].config for i in contenders], target, isa,
+                        rounds=_FINAL_ROUNDS, round_seconds=round_seconds, built=built)
+        for i, seconds in zip(contenders, again, strict=True):
+            if isinstance(seconds, float):
+                measurements[i] = replace(measurements[i], seconds=seconds)
+    best = min(contenders, key=lambda i: measurements[i].seconds)  # type: ignore[arg-type, return-value]
+    if best and default and \
+            not measurements[best].seconds < measurements[0].seconds * (1 - MARGIN):  # type: ignore[operator]
+        best = 0
+    return measurements[best]
