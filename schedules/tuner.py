@@ -12,9 +12,9 @@ the rest for them:
 :mod:`schedules.search`
     :func:`tune`: which candidates to time, and which to keep.
 
-Here: :class:`Tuner` (the passes' source of tuned configurations), :class:`TaskCollector`
-(records the operators a model would tune), :func:`config_for` (a tuned configuration or
-the untuned default).
+Here: :class:`TaskCollector` (records the operators a model would tune, to :func:`tune` them
+before the build), :class:`Tuner` (the build's lookup of tuned configurations) and
+:func:`config_for` (a tuned configuration or the untuned default).
 
 Examples
 --------
@@ -29,7 +29,6 @@ Examples
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -50,47 +49,42 @@ __all__ = ["Tuner", "TaskCollector", "config_for", "Database", "TuningKey", "tun
            "FINAL_WINDOW"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Tuner:
-    """What the graph passes call for each operator: tune it (or look it up), remember it.
+    """What the graph passes ask for each operator's configuration: the one a
+    :class:`Database` keeps, or None (the pass then uses the operator's default).
+
+    Tuning happens before the lowering, never inside it: a :class:`TaskCollector` lists a
+    model's operators, :func:`tune` measures them into the database, and a build lowers with
+    a Tuner over that database.
 
     Parameters
     ----------
     database
-        Where results persist.
-    top_k
-        Candidates measured per operator besides its default.
-    budget_seconds
-        Time budget per operator (see :func:`tune`).
+        The tuning results.
     tune_missing
-        Tune operators the database does not know; otherwise :meth:`config` returns None
-        for them.
-    on_result
-        Called with ``(problem, result)`` after each operator, e.g. to print progress.
+        Must be False (the Tuner only looks up); kept while callers still pass it.
 
     Examples
     --------
-    >>> tuner = Tuner(Database("tuning.json"), top_k=4)             # doctest: +SKIP
+    >>> tuner = Tuner(Database("tuning.json"))                      # doctest: +SKIP
     >>> tuner.config(ConvProblem(1, 16, 14, 14, 32, 3, 3), target)  # doctest: +SKIP
     ConvConfig(bq=12, bc=16, bk=32, spec='ACDebfg', c_step=1, block_steps=mappingproxy({}))
     """
 
     database: Database
-    top_k: int = 8
-    budget_seconds: float | None = None
-    tune_missing: bool = True
-    on_result: Callable[[Problem, TuneResult], None] | None = None
+    tune_missing: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.database, Database):
+            raise TypeError(f"a Tuner takes a Database, got {type(self.database).__name__}")
+        if self.tune_missing:
+            raise ValueError("a Tuner only looks configs up: tune the TaskCollector's tasks "
+                             "with tune() before lowering")
 
     def config(self, problem: Problem, target: Target) -> Config | None:
-        """``problem``'s tuned configuration (a GEMM, conv or batch GEMM problem), tuned now
-        if the database lacks it, or None then if the tuner only looks up."""
-        if not self.tune_missing and self.database.get(TuningKey.of(problem, target)) is None:
-            return None
-        result = tune(problem, target, database=self.database, top_k=self.top_k,
-                      budget_seconds=self.budget_seconds)
-        if self.on_result is not None:
-            self.on_result(problem, result)
-        return result.best
+        """``problem``'s tuned configuration on ``target``'s machine, or None if untuned."""
+        return self.database.get(TuningKey.of(problem, target))
 
 
 @dataclass

@@ -24,7 +24,7 @@ from schedules.batch_gemm import (
     reference,
     schedule,
 )
-from schedules.tuner import Database, Tuner, TuningKey, build
+from schedules.tuner import Database, TaskCollector, Tuner, build, tune
 from tvm_tpp import models
 from tvm_tpp.compiler import import_model
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
@@ -238,20 +238,20 @@ def test_attention_heads_interleaved():
 
 
 def test_attention_tuned(tmp_path):
-    """With a tuner, each batch GEMM is tuned once (keyed by its interleaved layout), the
-    result still matches ONNX Runtime, and a second build only looks the configs up."""
+    """Each batch GEMM is one tuning task (keyed by its interleaved layout), tuned before the
+    build; built with a tuner that looks the results up, the model still matches ONNX
+    Runtime."""
     model = _attention(11, 2, 8)
-    results = []
-    tuner = Tuner(Database(tmp_path / "t.json"), top_k=2,
-                  on_result=lambda problem, result: results.append((problem, result)))
-    _check(model, 1e-5, tuner)
-    assert sorted(TuningKey.of(p, TARGET).text().split("|")[1] for p, _ in results) == [
+    collector = TaskCollector()
+    _check(model, 1e-5, collector)  # the defaults meanwhile
+    assert sorted(key.text().split("|")[1] for key in collector.tasks) == [
         "2x11x11x8/txb2", "2x11x8x11/by2"]
-    assert not any(r.cached for _, r in results) and len(tuner.database) == 2
-    lookup = Tuner(Database(tmp_path / "t.json"), tune_missing=False, on_result=tuner.on_result)
+    database = Database(tmp_path / "t.json")
+    results = {p: tune(p, TARGET, database=database, top_k=2) for p in collector.tasks.values()}
+    assert not any(r.cached for r in results.values()) and len(database) == 2
+    lookup = Tuner(Database(tmp_path / "t.json"))
+    assert all(lookup.config(p, TARGET) == r.best for p, r in results.items())
     _check(model, 1e-5, lookup)
-    assert [r.cached for _, r in results[2:]] == [True, True]
-    assert [r.best for _, r in results[2:]] == [r.best for _, r in results[:2]]
 
 
 def test_attention_plain_layout_multiply_and_bias():

@@ -75,8 +75,11 @@ def test_tuned_config_is_correct(tmp_path):
 
 
 def test_lookup_only_tuner_returns_none_for_unknown(tmp_path):
-    tuner = Tuner(Database(tmp_path / "t.json"), tune_missing=False)
+    tuner = Tuner(Database(tmp_path / "t.json"))
     assert tuner.config(PROBLEM, TARGET) is None
+    assert config_for(PROBLEM, TARGET, tuner) == DEFAULT
+    with pytest.raises(ValueError, match="only looks configs up"):
+        Tuner(Database(tmp_path / "t.json"), tune_missing=True)
 
 
 def test_corrupt_database_is_a_clear_error(tmp_path):
@@ -268,7 +271,7 @@ def test_keys_name_op_shape_and_layout():
 def test_conv_and_batch_gemm_tune_persist_and_reuse(tmp_path, problem):
     """Measured from the template's list, default first; kept in the database; looked up."""
     path = tmp_path / "tuning.json"
-    assert Tuner(Database(path), tune_missing=False).config(problem, TARGET) is None
+    assert Tuner(Database(path)).config(problem, TARGET) is None
     result = tune(problem, TARGET, database=Database(path), top_k=2)
     default = config_for(problem, TARGET)
     template = conv if isinstance(problem, conv.ConvProblem) else batch_gemm
@@ -281,7 +284,7 @@ def test_conv_and_batch_gemm_tune_persist_and_reuse(tmp_path, problem):
 
     again = tune(problem, TARGET, database=Database(path))
     assert again.cached and again.tune_seconds == 0 and again.best == result.best
-    lookup = Tuner(Database(path), tune_missing=False)
+    lookup = Tuner(Database(path))
     assert lookup.config(problem, TARGET) == config_for(problem, TARGET, lookup) == result.best
 
 
@@ -303,7 +306,8 @@ def _conv_net() -> onnx.ModelProto:
 
 def test_compile_tunes_convs(tmp_path):
     """compile(tune=True) tunes each conv kernel (the stem as it runs: unfolded), the tuned
-    model matches ONNX Runtime, and a rebuild from the work dir only looks them up."""
+    model matches ONNX Runtime, a rebuild from the work dir looks them up, and tuning again
+    finds them in the database."""
     model, seen = _conv_net(), []
     tuned = tvm_tpp.compile(model, target=TARGET, tune=True, tune_budget=0.1,
                             work_dir=tmp_path, on_tuned=lambda p, r: seen.append((p, r)))
@@ -316,10 +320,10 @@ def test_compile_tunes_convs(tmp_path):
         ["conv2d", "1x9x13x7x16x3x1/s2x1p1x0x1x0"]]  # the stem: 3 taps x 3 channels, 1 wide
     assert not any(r.cached for _, r in seen) and len(seen) == 2
 
-    rebuilt = tvm_tpp.compile(model, target=TARGET, work_dir=tmp_path,
-                              on_tuned=lambda p, r: seen.append((p, r)))
-    assert [r.cached for _, r in seen[2:]] == [True, True]
+    rebuilt = tvm_tpp.compile(model, target=TARGET, work_dir=tmp_path)
     assert max_errors(rebuilt.run(**inputs), expected)[1] <= 1e-5
+    again = tvm_tpp.tune(model, target=TARGET, work_dir=tmp_path)
+    assert [t.result.cached for t in again] == [True, True]
 
 
 def test_tune_cli_explains_convs(tmp_path, capsys):
