@@ -2,8 +2,14 @@
 
 Everything not matched keeps TVM's own lowering.  :func:`pipeline.tpp_pipeline` is the Relax
 pipeline the ``tpp`` target compiles with.
+
+Modules: :mod:`.scaffold` (what the passes share: the :class:`Offload` record, epilogue patterns,
+the rewrite loop, kernel marking, the leftover report), :mod:`.prepare` (BatchNorm folding, the
+ONNX Sum repair, :func:`~.prepare.prepare`), :mod:`.dense`, :mod:`.conv` and
+:mod:`.batch_matmul` (the three offload passes), :mod:`.layouts` (NHWC/NCHW cancellation between
+TPP convs) and :mod:`.pipeline`.
 """
 
-from .dense import Offload
+from .scaffold import Offload
 
 __all__ = ["Offload"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.dpl import is_const, is_op, wildcard
+from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
 from microkernels.epilogue import Epilogue, EpilogueOp
@@ -40,22 +40,33 @@ from microkernels.machine import machine_of
 from schedules.batch_gemm import BatchGemmProblem, schedule
 from schedules.tuner import Tuner, config_for
 
-from .dense import Offload, rewrite_patterns, static_shape
+from .scaffold import (
+    Offload,
+    add_kernel,
+    is_call_to,
+    offload_name,
+    report_leftovers,
+    rewrite_patterns,
+    static_shape,
+)
 
 __all__ = ["rewrite_batch_matmul"]
 
 
 @dataclass(frozen=True)
-class _Pattern:
-    root: object
-    matmul: object
-    scale: object | None  # the constant
+class _Chain:
+    """``matmul(x, y)``, then optionally scaled, added to and permuted: the pattern ``root``
+    and the parts to read a match by."""
+
+    root: DFPattern
+    matmul: DFPattern
+    scale: DFPattern | None  # the constant
     scale_op: str | None  # "divide" / "multiply"
-    addend: object | None
-    out_permute: object | None
+    addend: DFPattern | None
+    out_permute: DFPattern | None
 
 
-def _patterns() -> list[_Pattern]:
+def _chains() -> list[_Chain]:
     """Every chain, longest first so the whole epilogue is taken before its prefixes."""
     out = []
     for out_permute in (True, False):
@@ -75,7 +86,7 @@ def _patterns() -> list[_Pattern]:
                     node = is_op("relax.add")(node, addend) | is_op("relax.add")(addend, node)
                 if out_permute:
                     node = permute = is_op("relax.permute_dims")(node)
-                out.append(_Pattern(node, mm, scale, scale_op, addend, permute))
+                out.append(_Chain(node, mm, scale, scale_op, addend, permute))
     return out
 
 
@@ -83,7 +94,7 @@ def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload
                          tuner: Tuner | None = None) -> tvm.IRModule:
     """Replace every float32 matmul of two activations (and its epilogue) by a TPP kernel call.
 
-    Appends one :class:`~relay_passes.dense.Offload` per such matmul to ``report``: the kernel
+    Appends one :class:`~relay_passes.scaffold.Offload` per such matmul to ``report``: the kernel
     (``shape`` is ``(batch, m, n, k)``) or why it stayed with TVM (``shape`` is its output's).
     With a ``tuner`` each kernel gets its tuned configuration (tuned now if its database does
     not know it yet); without one, the default heuristic's.
@@ -93,9 +104,9 @@ def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload
         return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, builder, target,
                                               tuner, report)
 
-    new_mod = rewrite_patterns(mod, _patterns(), make_rewriter)
+    new_mod = rewrite_patterns(mod, _chains(), make_rewriter)
     new_mod = relax.transform.DeadCodeElimination()(new_mod)
-    _report_leftovers(new_mod, report)
+    report_leftovers(new_mod, report, _leftover)
     return new_mod
 
 
@@ -119,11 +130,6 @@ def _axes(call: relax.Call, rank: int) -> list[int]:
     return list(range(rank))[::-1] if axes is None else [int(a) for a in axes]
 
 
-def _is_permute(expr) -> bool:
-    return (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)
-            and expr.op.name == "relax.permute_dims")
-
-
 def _layout(axes: list[int], transposable: bool) -> tuple[bool, bool] | None:
     """(interleaved, transposed) of an operand read through the permutation ``axes``."""
     r = len(axes)
@@ -145,7 +151,7 @@ def _operand(expr, bindings: dict, transposable: bool):
     best, axes, node = (expr, False, False), list(range(rank)), expr
     while True:
         value = bindings.get(node, node)
-        if not _is_permute(value):
+        if not is_call_to(value, "relax.permute_dims"):
             return best
         # y = permute(z, P), z = permute(w, Q)  =>  y = permute(w, [Q[p] for p in P]).
         axes = [_axes(value, rank)[a] for a in axes]
@@ -187,9 +193,9 @@ def _scalar(const) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _rewrite(orig, matches, pattern: _Pattern, bindings, builder, target, tuner, report):
+def _rewrite(orig, matches, pattern: _Chain, bindings, builder, target, tuner, report):
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
-    # reported once, by _report_leftovers().
+    # reported once, by report_leftovers().
     call = matches[pattern.matmul]
     if _unsupported(call) is not None:
         return orig
@@ -224,17 +230,11 @@ def _rewrite(orig, matches, pattern: _Pattern, bindings, builder, target, tuner,
                                x_interleaved=x_inter, b_interleaved=b_inter,
                                y_interleaved=y_inter)
     config = config_for(problem, target, tuner)
-    func = schedule(problem, config, machine_of(target).isa).mod["main"]
-    # kOpaque keeps FuseOps from fusing neighbours into the kernel; is_scheduled keeps the
-    # fallback schedules off it.
-    func = func.without_attr("global_symbol").with_attrs(
-        {"op_pattern": 8, "tirx.is_scheduled": True})
     name = f"tpp_batch_matmul_{problem.name}"
-    gv = builder.add_func(func, name)
+    gv = add_kernel(builder, schedule(problem, config, machine_of(target).isa).mod["main"], name)
     args = [_view(x_src, problem.x_shape), _view(b_src, problem.b_shape), *extra]
     out = relax.call_tir(gv, args, relax.TensorType(problem.y_shape, "float32"))
-    op = "+".join(["batch_matmul", *(o.tag for o in ops)])
-    report.append(Offload(op, (batch, m, n, k), kernel=name))
+    report.append(Offload(offload_name("batch_matmul", ops), (batch, m, n, k), kernel=name))
     shape = static_shape(orig.ty.shape)
     return out if shape == problem.y_shape else relax.op.reshape(out, shape)
 
@@ -269,14 +269,9 @@ def _view(expr, shape: tuple[int, ...]):
     return expr if static_shape(expr.ty.shape) == tuple(shape) else relax.op.reshape(expr, shape)
 
 
-def _report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
-    def visit(expr) -> None:
-        if (isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op)
-                and expr.op.name == "relax.matmul"
-                and not isinstance(expr.args[1], tvm.ir.expr.Constant)):
-            reason = _unsupported(expr) or "pattern not matched"
-            report.append(Offload("matmul", static_shape(expr.ty.shape) or (), reason=reason))
-
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
+def _leftover(call: relax.Call) -> Offload | None:
+    """A matmul of two activations still in the graph: left to TVM, and why."""
+    if not is_call_to(call, "relax.matmul") or isinstance(call.args[1], tvm.ir.expr.Constant):
+        return None  # constant weights are the dense pass's to report
+    reason = _unsupported(call) or "pattern not matched"
+    return Offload("matmul", static_shape(call.ty.shape) or (), reason=reason)

@@ -1,9 +1,9 @@
 """The Relax pipeline of the ``tpp`` target.
 
-Graph preparation (inference-only decompositions, BatchNorm folded into conv weights, constant
-folding), then for targets carrying the ``tpp`` key the TPP rewrites and TVM's CPU lowering
-with schedules for what stayed with TVM (:mod:`relay_passes.fallback`); other targets get
-TVM's default CPU pipeline unchanged.
+Graph preparation (:func:`relay_passes.prepare.prepare`: inference-only decompositions,
+BatchNorm folded into conv weights, constant folding), then for targets carrying the ``tpp``
+key the TPP rewrites and TVM's CPU lowering with schedules for what stayed with TVM
+(:mod:`schedules.fallback`); other targets get TVM's default CPU pipeline unchanged.
 
 Examples
 --------
@@ -20,31 +20,16 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.target import Target
 
 from microkernels.machine import is_tpp
+from schedules.fallback import fallback_schedules
 from schedules.tuner import Tuner
 
 from .batch_matmul import rewrite_batch_matmul
-from .conv import fold_batchnorm, rewrite_conv
-from .dense import Offload, rewrite_dense
-from .fallback import fallback_schedules
+from .conv import rewrite_conv
+from .dense import rewrite_dense
+from .prepare import prepare
+from .scaffold import Offload
 
 __all__ = ["prepare", "tpp_pipeline"]
-
-
-def prepare() -> tvm.transform.Pass:
-    """Inference simplifications that expose GEMM/conv patterns with constant weights.
-
-    BatchNorm is folded into conv weights in numpy first (before DecomposeOpsForInference
-    turns it into arithmetic; TVM's FoldConstant would compile a kernel per fold).
-    """
-    return tvm.transform.Sequential(
-        [
-            tvm.transform.module_pass(lambda mod, _ctx: fold_batchnorm(mod), opt_level=0,
-                                      name="TppFoldBatchnorm"),
-            relax.transform.DecomposeOpsForInference(),
-            relax.transform.FoldConstant(),
-        ],
-        name="TppPrepare",
-    )
 
 
 def tpp_pipeline(
@@ -52,7 +37,7 @@ def tpp_pipeline(
 ) -> tvm.transform.Pass:
     """Prepare, rewrite to TPP kernels when ``target`` is a tpp target, then lower.
 
-    ``report`` (if given) receives one :class:`~relay_passes.dense.Offload` per matched
+    ``report`` (if given) receives one :class:`~relay_passes.scaffold.Offload` per matched
     operator: the kernel it became or why it stayed with TVM.  ``tuner`` picks the
     configuration of each dense GEMM, convolution and batch GEMM from its database, tuning
     the ones it does not know.

@@ -10,8 +10,10 @@ import tvm
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
-from relay_passes.conv import fold_batchnorm, rewrite_conv, simplify_layouts, sum_to_add
-from relay_passes.pipeline import prepare, tpp_pipeline
+from relay_passes.conv import rewrite_conv
+from relay_passes.layouts import simplify_layouts
+from relay_passes.pipeline import tpp_pipeline
+from relay_passes.prepare import fold_batchnorm, prepare, sum_to_add
 from tvm_tpp.compiler import CompiledModel, import_model
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 from tvm_tpp.tpp_target import target as make_target

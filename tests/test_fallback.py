@@ -4,7 +4,7 @@ import numpy as np
 import tvm
 from tvm import s_tir, te
 
-from relay_passes.fallback import Guarded, ParallelLoops, fallback_schedules
+from schedules.fallback import Guarded, ParallelLoops, fallback_schedules
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
 

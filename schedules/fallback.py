@@ -6,6 +6,16 @@ and, for everything else, :class:`ParallelLoops`: the leading spatial loops of e
 fused and run in parallel, and an injective block's innermost loop is vectorized by the widest
 of a full, half or quarter-width (4 lanes) vector that divides it.  Functions already
 scheduled (the TPP kernels) are left alone.
+
+Examples
+--------
+>>> from tvm import te
+>>> x = te.placeholder((6, 40), "float32", name="x")
+>>> f = te.create_prim_func([x, te.compute((6, 40), lambda i, j: x[i, j] * 2.0, name="y")])
+>>> with tvm.target.Target({"kind": "llvm", "mcpu": "haswell"}):
+...     mod = fallback_schedules()(tvm.IRModule({"main": f}))
+>>> bool(mod["main"].attrs["tirx.is_scheduled"])
+True
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from tvm.target import Target
 
 from microkernels.machine import is_tpp, machine_of
 
-__all__ = ["ParallelLoops", "fallback_schedules"]
+__all__ = ["Guarded", "ParallelLoops", "fallback_schedules"]
 
 
 class ParallelLoops(dl.ScheduleRule):

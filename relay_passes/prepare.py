@@ -1,0 +1,135 @@
+"""Graph preparation: the inference simplifications that expose GEMM/conv patterns with
+constant weights, before any TPP rewrite.
+
+* :func:`fold_batchnorm` folds inference BatchNorm into the conv2d weights before it, in numpy;
+* :func:`prepare` is the pass the ``tpp`` pipeline starts with: that folding, then TVM's
+  ``DecomposeOpsForInference`` and ``FoldConstant`` (transposes of constant weights go);
+* :func:`sum_to_add` repairs the ONNX importer's ``Sum``, which hides a residual add;
+  :func:`~relay_passes.conv.rewrite_conv` applies it before matching.
+
+Examples
+--------
+>>> import tvm
+>>> from relay_passes.prepare import prepare
+>>> mod = prepare()(mod)                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
+
+from .scaffold import is_call_to, static_shape
+
+__all__ = ["fold_batchnorm", "prepare", "sum_to_add"]
+
+
+def prepare() -> tvm.transform.Pass:
+    """Inference simplifications that expose GEMM/conv patterns with constant weights.
+
+    BatchNorm is folded into conv weights in numpy first (before DecomposeOpsForInference
+    turns it into arithmetic; TVM's FoldConstant would compile a kernel per fold).
+    """
+    return tvm.transform.Sequential(
+        [
+            tvm.transform.module_pass(lambda mod, _ctx: fold_batchnorm(mod), opt_level=0,
+                                      name="TppFoldBatchnorm"),
+            relax.transform.DecomposeOpsForInference(),
+            relax.transform.FoldConstant(),
+        ],
+        name="TppPrepare",
+    )
+
+
+def fold_batchnorm(mod: tvm.IRModule) -> tvm.IRModule:
+    """Fold inference BatchNorm into the constant weights of the conv2d before it, in numpy.
+
+    ``batch_norm(conv2d(x, W), g, b, m, v)[0]`` -> ``conv2d(x, W * s) + (b - m * s)`` with
+    ``s = g / sqrt(v + eps)`` per output channel.  Relax's FoldBatchnormToConv2D leaves the
+    products for FoldConstant, which compiles a kernel for each one (a minute on ResNet-50);
+    numpy does them in milliseconds.  The caller's module stays as it was.
+    """
+    mod = mod.clone()
+    conv = is_op("relax.nn.conv2d")(wildcard(), is_const())
+    stats = [is_const() for _ in range(4)]
+    norm = is_op("relax.nn.batch_norm")(conv, *stats)
+    pattern = is_tuple_get_item(norm, 0)
+
+    def rewriter(orig, matches):
+        call, bn = matches[conv], matches[norm]
+        attrs = bn.attrs
+        if attrs.training or int(attrs.axis) != 1 or str(call.attrs.kernel_layout) != "OIHW" \
+                or str(call.attrs.data_layout) != "NCHW" or call.args[1].ty.dtype != "float32":
+            return orig
+        gamma, beta, mean, var = (matches[p].value.numpy().astype(np.float64) for p in stats)
+        if not attrs.scale:
+            gamma = np.ones_like(gamma)
+        if not attrs.center:
+            beta = np.zeros_like(beta)
+        weight = call.args[1].value.numpy()
+        scale = gamma / np.sqrt(var + float(attrs.epsilon))
+        if scale.shape != (weight.shape[0],):
+            return orig
+        a = call.attrs
+        folded = relax.op.nn.conv2d(
+            call.args[0], relax.const((weight * scale[:, None, None, None]).astype(np.float32)),
+            a.strides, a.padding, a.dilation, int(a.groups), str(a.data_layout),
+            str(a.kernel_layout), str(a.out_layout), a.out_dtype)
+        bias = (beta - mean * scale).astype(np.float32).reshape(1, -1, 1, 1)
+        return relax.op.add(folded, relax.const(bias))
+
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = rewrite_call(pattern, rewriter, func)
+    return relax.transform.DeadCodeElimination()(mod)
+
+
+@relax.expr_functor.mutator
+class _SumToAdd(relax.PyExprMutator):
+    """``sum(stack((broadcast_to(a, S), broadcast_to(b, S), ...), 0), 0)`` -> ``a + b + ...``."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not is_call_to(call, "relax.sum") or call.attrs.keepdims:
+            return call
+        if call.attrs.axis is None or [int(a) for a in call.attrs.axis] != [0]:
+            return call
+        stacked = self._bound(call.args[0])
+        if not is_call_to(stacked, "relax.stack") or int(stacked.attrs.axis) != 0:
+            return call
+        fields = self._bound(stacked.args[0])
+        if not isinstance(fields, relax.Tuple):
+            return call
+        terms = []
+        for item in fields.fields:
+            value = self._bound(item)
+            if not is_call_to(value, "relax.broadcast_to"):
+                return call
+            term = value.args[0]
+            shape = static_shape(call.ty.shape)
+            if (shape is None or static_shape(term.ty.shape) != shape
+                    or term.ty.dtype != call.ty.dtype):
+                return call
+            terms.append(term)
+        total = terms[0]
+        for term in terms[1:]:
+            total = relax.op.add(total, term)
+        return total
+
+    def _bound(self, expr: relax.Expr) -> relax.Expr:
+        return self.lookup_binding(expr) if isinstance(expr, relax.Var) else expr
+
+
+def sum_to_add(mod: tvm.IRModule) -> tvm.IRModule:
+    """Turn the ONNX importer's ``Sum`` of same-shaped tensors back into chained ``add``.
+
+    The importer spells ``Sum(a, b)`` ``sum(stack(broadcast_to(a), broadcast_to(b)), 0)``,
+    where no residual-add pattern sees it.  The caller's module stays as it was.
+    """
+    mod = mod.clone()
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = _SumToAdd(mod).visit_expr(func)
+    return relax.transform.DeadCodeElimination()(mod)

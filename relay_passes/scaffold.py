@@ -1,0 +1,291 @@
+"""What the three offload passes share: the report record, the epilogue patterns, the rewrite
+loop, the leftover report and the marking of a scheduled PrimFunc as a kernel.
+
+A pass (:mod:`~relay_passes.dense`, :mod:`~relay_passes.conv`,
+:mod:`~relay_passes.batch_matmul`) lists its patterns longest first, gives
+:func:`rewrite_patterns` a callback that turns one match into a ``call_tir`` of a kernel added
+with :func:`add_kernel` (or returns the original chain, leaving it to a shorter pattern or to
+TVM), and lets :func:`report_leftovers` say why each operator still in the graph stayed with
+TVM.
+
+Examples
+--------
+>>> from tvm.relax.dpl import is_const, is_op, wildcard
+>>> chains = epilogue_patterns(lambda: is_op("relax.nn.conv2d")(wildcard(), is_const()))
+>>> len(chains), chains[0].name("conv2d"), chains[-1].name("conv2d")
+(20, 'conv2d+bias+residual+relu', 'conv2d')
+>>> static_shape((2, 3)), Offload("matmul", (4, 8), reason="pattern not matched").kernel
+((2, 3), None)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import tvm
+from tvm import relax
+from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
+
+from microkernels.epilogue import Epilogue, EpilogueOp
+
+__all__ = [
+    "ACTIVATIONS",
+    "GELU_SPELLED_OUT",
+    "EpiloguePattern",
+    "Offload",
+    "add_kernel",
+    "add_patterns",
+    "epilogue_patterns",
+    "is_call_to",
+    "is_tensor_of",
+    "offload_name",
+    "report_leftovers",
+    "rewrite_patterns",
+    "static_shape",
+]
+
+#: Activations absorbed into a kernel's epilogue: relax op -> epilogue op.
+ACTIVATIONS: Mapping[str, EpilogueOp] = {
+    "relax.nn.relu": EpilogueOp("relu"),
+    "relax.nn.gelu": EpilogueOp("gelu", variant="erf"),
+    "relax.nn.gelu_tanh": EpilogueOp("gelu", variant="tanh"),
+    "relax.sigmoid": EpilogueOp("sigmoid"),
+}
+#: ONNX exporters spell GELU out as ``x * (1 + erf(x / sqrt 2)) * 0.5``; this key names that
+#: chain where a pass accepts it (its constants are checked against ``_GELU_CONSTANTS``).
+GELU_SPELLED_OUT = "gelu_erf"
+_GELU_CONSTANTS = (math.sqrt(2.0), 1.0, 0.5)  # the divisor, the one, the half
+# relax OpPatternKind::kOpaque: FuseOps fuses nothing into (or around) such a function.
+_OP_PATTERN_OPAQUE = 8
+
+Anchor = TypeVar("Anchor")
+
+
+@dataclass(frozen=True)
+class Offload:
+    """One GEMM-like operator: the kernel it became, or why it stayed with TVM.
+
+    ``shape`` is the problem's (e.g. ``(m, n, k)`` of a dense layer) when offloaded, the
+    output shape otherwise.
+
+    Examples
+    --------
+    >>> Offload("matmul+bias", (4, 40, 24), kernel="tpp_dense_4x40x24_bias").reason is None
+    True
+    """
+
+    op: str
+    shape: tuple[int, ...]
+    kernel: str | None = None
+    reason: str | None = None
+
+
+def static_shape(shape: Any) -> tuple[int, ...] | None:
+    """A Relax shape as ints, or None when any dimension is symbolic.
+
+    Examples
+    --------
+    >>> from tvm import tirx
+    >>> static_shape([4, 8]), static_shape([tirx.Var("n", "int64"), 8])
+    ((4, 8), None)
+    """
+    try:
+        return tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def is_call_to(expr: relax.Expr, name: str) -> bool:
+    """Whether ``expr`` calls the Relax operator ``name`` (e.g. ``"relax.matmul"``).
+
+    Examples
+    --------
+    >>> x = relax.Var("x", relax.TensorType((2, 3), "float32"))
+    >>> is_call_to(relax.op.permute_dims(x), "relax.permute_dims"), is_call_to(x, "relax.add")
+    (True, False)
+    """
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
+
+
+def is_tensor_of(expr: relax.Expr, shape: tuple[int, ...]) -> bool:
+    """Whether ``expr`` is a float32 tensor of ``shape`` computed by the graph (no constant):
+    what a kernel accepts as a residual operand.
+
+    Examples
+    --------
+    >>> x = relax.Var("x", relax.TensorType((2, 3), "float32"))
+    >>> is_tensor_of(x, (2, 3)), is_tensor_of(x, (3, 2))
+    (True, False)
+    """
+    return (not isinstance(expr, tvm.ir.expr.Constant)
+            and isinstance(expr.ty, relax.TensorType)
+            and static_shape(expr.ty.shape) == shape
+            and expr.ty.dtype == "float32")
+
+
+def add_patterns(node: DFPattern, with_bias: bool,
+                 with_residual: bool) -> tuple[DFPattern, DFPattern | None, DFPattern | None]:
+    """``node``, then optionally ``+ constant bias``, then optionally ``+ residual`` tensor
+    (either operand order): returns the pattern and the bias and residual sub-patterns.
+
+    Examples
+    --------
+    >>> _, bias, residual = add_patterns(wildcard(), with_bias=True, with_residual=False)
+    >>> bias is not None, residual
+    (True, None)
+    """
+    bias = residual = None
+    if with_bias:
+        bias = is_const()
+        node = is_op("relax.add")(node, bias) | is_op("relax.add")(bias, node)
+    if with_residual:
+        residual = wildcard()
+        node = is_op("relax.add")(node, residual) | is_op("relax.add")(residual, node)
+    return node, bias, residual
+
+
+@dataclass(frozen=True)
+class EpiloguePattern(Generic[Anchor]):
+    """An anchor operator (matmul, conv2d) followed by ``+ bias``, ``+ residual`` and an
+    activation, each optional: the pattern ``root`` to match and the parts to read a match by.
+
+    ``anchor`` holds the pass's own sub-patterns of the anchor operator (its operands).
+    """
+
+    root: DFPattern
+    anchor: Anchor
+    bias: DFPattern | None
+    residual: DFPattern | None
+    activation: str | None
+    gelu_constants: tuple[DFPattern, ...] = ()  # the constants of a spelled-out GELU
+
+    def ops(self) -> tuple[EpilogueOp, ...]:
+        """The epilogue this chain computes, in order."""
+        ops = [EpilogueOp(kind) for kind, part in (("bias", self.bias),
+                                                   ("residual", self.residual))
+               if part is not None]
+        if self.activation == GELU_SPELLED_OUT:
+            ops.append(EpilogueOp("gelu", variant="erf"))
+        elif self.activation:
+            ops.append(ACTIVATIONS[self.activation])
+        return tuple(ops)
+
+    def epilogue(self) -> Epilogue:
+        """:meth:`ops` as the kernel's :class:`~microkernels.epilogue.Epilogue`."""
+        return Epilogue(self.ops())
+
+    def name(self, anchor_op: str) -> str:
+        """The report's name of the chain, e.g. ``matmul+bias+gelu_erf``."""
+        return offload_name(anchor_op, self.ops())
+
+    def gelu_matches(self, matches: Mapping[DFPattern, relax.Expr]) -> bool:
+        """Whether the matched constants of a spelled-out GELU are the ones GELU has."""
+        for const, want in zip(self.gelu_constants, _GELU_CONSTANTS, strict=False):
+            value = matches[const].value.numpy()
+            if value.size != 1 or abs(float(value.reshape(-1)[0]) - want) > 1e-6 * want:
+                return False
+        return True
+
+
+def offload_name(anchor_op: str, ops: Iterable[EpilogueOp]) -> str:
+    """The report's name of an anchor operator with its epilogue.
+
+    Examples
+    --------
+    >>> offload_name("batch_matmul", [EpilogueOp("scale", value=0.5)])
+    'batch_matmul+scale'
+    """
+    return "+".join([anchor_op, *(o.tag for o in ops)])
+
+
+def _gelu_spelled_out(node: DFPattern) -> tuple[DFPattern, tuple[DFPattern, ...]]:
+    div, one, half = is_const(), is_const(), is_const()
+    erf = is_op("relax.erf")(is_op("relax.divide")(node, div))
+    gelu = is_op("relax.multiply")(is_op("relax.multiply")(node, is_op("relax.add")(erf, one)),
+                                   half)
+    return gelu, (div, one, half)
+
+
+def epilogue_patterns(make_anchor: Callable[[], Anchor],
+                      spelled_out_gelu: bool = False,
+                      root_of: Callable[[Anchor], DFPattern] | None = None,
+                      ) -> list[EpiloguePattern[Anchor]]:
+    """Every chain of a fresh anchor and an epilogue, longest first so that the whole epilogue
+    is taken before its prefixes.
+
+    ``make_anchor()`` builds the anchor's sub-patterns (a new set per chain); ``root_of`` gives
+    the pattern of the anchor's result in them (the sub-patterns themselves by default).  With
+    ``spelled_out_gelu`` the GELU ONNX exporters write out in elementwise ops is an activation
+    too (after the relax ones, before none).
+    """
+    activations = (*ACTIVATIONS, *([GELU_SPELLED_OUT] if spelled_out_gelu else []), None)
+    out = []
+    for activation in activations:
+        for with_residual in (True, False):
+            for with_bias in (True, False):
+                anchor = make_anchor()
+                result = anchor if root_of is None else root_of(anchor)
+                node, bias, residual = add_patterns(result, with_bias, with_residual)
+                constants: tuple[DFPattern, ...] = ()
+                if activation == GELU_SPELLED_OUT:
+                    node, constants = _gelu_spelled_out(node)
+                elif activation:
+                    node = is_op(activation)(node)
+                out.append(EpiloguePattern(node, anchor, bias, residual, activation, constants))
+    return out
+
+
+def rewrite_patterns(
+    mod: tvm.IRModule,
+    patterns: Iterable[Any],
+    make_rewriter: Callable[[relax.BlockBuilder, Any, relax.Function], Callable],
+) -> tvm.IRModule:
+    """``mod`` with every Relax function rewritten by each pattern in turn (``rewrite_call``).
+
+    Each pattern has a ``root``.  ``make_rewriter(builder, pattern, func)`` gives the callback
+    for one pattern in one function (as rewritten by the patterns before it); the kernels it
+    emits through ``builder`` land in the returned module.  Dead bindings are left for the
+    caller's DeadCodeElimination.
+    """
+    builder = relax.BlockBuilder(mod)
+    functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
+    for pattern in patterns:
+        functions = {gv: rewrite_call(pattern.root, make_rewriter(builder, pattern, f), f)
+                     for gv, f in functions.items()}
+    new_mod = builder.get()  # after the rewrites: it holds the kernels they added
+    for gv, f in functions.items():
+        new_mod[gv] = f
+    return new_mod
+
+
+def add_kernel(builder: relax.BlockBuilder, func: tvm.tirx.PrimFunc,
+               name: str) -> tvm.ir.GlobalVar:
+    """Add the scheduled PrimFunc ``func`` to ``builder``'s module as the kernel ``name``.
+
+    It is marked opaque, so that FuseOps fuses no neighbour into it, and scheduled, so that
+    the fallback schedules leave it alone; its ``global_symbol`` goes (the module names it).
+    An identical kernel already added is reused.
+    """
+    kernel = func.without_attr("global_symbol").with_attrs(
+        {"op_pattern": _OP_PATTERN_OPAQUE, "tirx.is_scheduled": True})
+    return builder.add_func(kernel, name)
+
+
+def report_leftovers(mod: tvm.IRModule, report: list[Offload],
+                     describe: Callable[[relax.Call], Offload | None]) -> None:
+    """Append ``describe(call)`` to ``report`` for every operator call still in ``mod``'s
+    Relax functions, where it is not None (the pass's operators, left to TVM, and why)."""
+
+    def visit(expr: relax.Expr) -> None:
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+            entry = describe(expr)
+            if entry is not None:
+                report.append(entry)
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+
