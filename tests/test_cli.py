@@ -1,12 +1,19 @@
-"""The tvm-tpp command line: each subcommand and each error path (one line, no traceback)."""
+"""The tvm-tpp command line: each subcommand, tuned builds from a work directory, and each
+error path (a user's mistake: one line, exit 2; a bug: its traceback)."""
 
 import json
+import platform
+import re
 import subprocess
 import sys
 
 import pytest
 
+from microkernels import isa
+from tvm_tpp import compiler
 from tvm_tpp.cli import main
+
+KERNEL = "tpp_dense_4x40x24_bias_relu"  # what the dense fixture's matmul+bias+relu becomes
 
 
 def _cli(*args, check=True):
@@ -35,27 +42,105 @@ def test_info(capsys):
     assert "generic" in out
 
 
-def test_compile_to_library_and_code(tmp_path, dense_file):
+def _emit(tmp_path, dense_file, kind, *target) -> str:
+    out = tmp_path / f"m.{kind}"
+    assert main(["compile", str(dense_file), *target, "--emit", kind, "-o", str(out)]) == 0
+    return out.read_text()
+
+
+def _function(asm: str, name: str) -> str:
+    """One function's assembly: from its label to LLVM's end-of-function label."""
+    start = asm.index(f"\n{name}:")
+    return asm[start:asm.index(".Lfunc_end", start)]
+
+
+@pytest.fixture
+def no_work_dir(tmp_path, monkeypatch):
+    """A current directory without ./tvm_tpp_work, whose database builds would read."""
+    monkeypatch.chdir(tmp_path)
+
+
+def test_compile_to_library(tmp_path, dense_file, capsys, no_work_dir):
     so = tmp_path / "m.so"
-    assert main(["compile", str(dense_file), "-o", str(so)]) == 0
+    assert main(["compile", str(dense_file), "-o", str(so), "-v"]) == 0
     assert so.is_file() and (tmp_path / "m.so.json").is_file()
-    asm = tmp_path / "m.s"
-    assert main(["compile", str(dense_file), "--target", "tpp -isa=avx2", "--emit", "asm",
-                 "-o", str(asm)]) == 0
-    assert "vfmadd" in asm.read_text() or "vmulps" in asm.read_text()
-    tir = tmp_path / "m.tir"
-    assert main(["compile", str(dense_file), "--emit", "tir", "-o", str(tir)]) == 0
-    assert "T.prim_func" in tir.read_text()
-    ll = tmp_path / "m.ll"
-    assert main(["compile", str(dense_file), "--target", "tpp -isa=neon", "--emit", "llvm",
-                 "-o", str(ll)]) == 0
-    assert "aarch64" in ll.read_text()
+    out = capsys.readouterr().out
+    assert "TPP kernels  : 1 of 1 operators, default configs (no tuning database)" in out
+    assert f"matmul+bias+relu 4x40x24: {KERNEL} [" in out
 
 
-def test_run_with_check(dense_file, capsys):
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="checks x86 assembly")
+def test_emit_asm_has_the_brgemm_fma_on_host_vectors(tmp_path, dense_file):
+    """The kernel's inner product is FMAs on the registers of the host's vector width."""
+    register = {512: "zmm", 256: "ymm"}[isa.detect().vector_bits]
+    body = _function(_emit(tmp_path, dense_file, "asm"), f"{KERNEL}_compute_")
+    assert re.search(rf"vfmadd\d+ps\s[^\n]*%{register}", body), body[:2000]
+
+
+def test_emit_aarch64_asm_has_neon_fmla(tmp_path, dense_file):
+    body = _function(_emit(tmp_path, dense_file, "asm", "--target", "tpp -isa=neon"),
+                     f"{KERNEL}_compute_")
+    assert re.search(r"fmla\s+v\d+\.4s", body), body[:2000]
+
+
+def test_emit_llvm_and_tir_name_the_kernel(tmp_path, dense_file):
+    lanes = isa.detect().vector_bits // 32
+    ll = _emit(tmp_path, dense_file, "llvm")
+    assert re.search(rf"define [^\n]*@{KERNEL}_compute_\(", ll)
+    assert f"@llvm.fmuladd.v{lanes}f32" in ll
+    tir = _emit(tmp_path, dense_file, "tir")
+    assert re.search(rf"def {KERNEL}\(", tir) and f"cls.{KERNEL}(x, " in tir  # main calls it
+
+
+def test_run_with_check(dense_file, capsys, no_work_dir):
     assert main(["run", str(dense_file), "--check", "onnxruntime", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
     assert "max rel err" in out and "[OK]" in out and "latency" in out
+    assert "1 of 1 operators, default configs" in out
+
+
+def test_tune_then_compile_and_run_use_the_work_dir(tmp_path, dense_file, capsys, no_work_dir):
+    work = tmp_path / "work"
+    assert main(["tune", str(dense_file), "--work-dir", str(work), "--budget", "0.2"]) == 0
+    assert "dense 4x40x24 bias_relu -> " in " ".join(capsys.readouterr().out.split())  # rich wraps
+    # The tuner keeps the default unless a candidate beats it, so only a stored config that
+    # is not the default shows whether a build reads the database: store a measured one.
+    database = work / compiler.DATABASE
+    (key, record), = json.loads(database.read_text()).items()
+    default = record["measured"][0]["config"]
+    other = next(m["config"] for m in record["measured"]
+                 if m["seconds"] and m["config"]["spec"] != default["spec"])
+    database.write_text(json.dumps({key: {**record, "config": other}}))
+
+    so = tmp_path / "m.so"
+    for argv in (["compile", "-o", str(so)], ["run", "--repeat", "1"]):
+        assert main([*argv, str(dense_file), "--work-dir", str(work), "-v"]) == 0
+        out = capsys.readouterr().out
+        assert f"configs from {database}" in out
+        assert f"{KERNEL} [{other['spec']}" in out, out
+    assert main(["run", str(dense_file), "--repeat", "1", "-v"]) == 0  # no ./tvm_tpp_work
+    assert f"{KERNEL} [{default['spec']}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("error", [RuntimeError("internal bug"), ValueError("internal bug")])
+def test_bugs_keep_their_traceback(monkeypatch, dense_file, error):
+    """Only the project's error types become one-line messages; a ValueError from a bug too
+    propagates out of main()."""
+
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(compiler, "compile", broken)
+    with pytest.raises(type(error), match="internal bug"):
+        main(["run", str(dense_file)])
+
+
+@pytest.mark.parametrize("argv", [["run", "mlp", "--batch", "0"], ["run", "mlp", "--repeat", "0"],
+                                  ["tune", "mlp", "--budget", "-1"]])
+def test_bad_numbers_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "must be >= " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -68,19 +153,26 @@ def test_run_with_check(dense_file, capsys):
         (["run", "DENSE", "--shape", "q=1,2"], "unknown inputs"),
         (["run", "BAD"], "not a valid ONNX model|failed the checker"),
         (["run", "DENSE", "--target", "tpp -isa=neon"], "cannot run on this CPU"),
+        (["tune", "DENSE", "--target", "tpp -isa=neon"], "tuning measures on this CPU"),
+        (["run", "DENSE", "--work-dir", "EMPTY"], "no tuning database in .*; write it with"),
+        (["compile", "DENSE", "--work-dir", "CORRUPT", "-o", "EMPTY/m.so"], "is corrupt"),
+        (["compile", "DENSE", "-o", "EMPTY/no/m.so"], "cannot write"),
     ],
 )
 def test_errors_are_one_line(tmp_path, dense_file, args, message):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"garbage")
-    args = [{"DENSE": str(dense_file), "BAD": str(bad)}.get(a, a) for a in args]
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / compiler.DATABASE).write_text("{not json")
+    paths = {"DENSE": dense_file, "BAD": bad, "EMPTY": tmp_path, "CORRUPT": corrupt}
+    for name, path in paths.items():
+        args = [a.replace(name, str(path)) for a in args]
     proc = _cli(*args, check=False)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("tvm-tpp: error:")]
     assert len(lines) == 1, proc.stderr
-    import re
-
     assert re.search(message, lines[0]), lines[0]
 
 

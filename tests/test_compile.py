@@ -1,4 +1,8 @@
-"""tvm_tpp.compile: every accepted model form, run, export/load, and each error path."""
+"""tvm_tpp.compile and tune: every accepted model form, run, export/load, tuning into a work
+directory and building from it, and each error path."""
+
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -6,8 +10,8 @@ import tvm
 from conftest import make_dense_model
 
 import tvm_tpp
-from tvm_tpp.compiler import NotRunnableError, import_model
-from tvm_tpp.onnx_import import ModelError
+from tvm_tpp.compiler import DATABASE, WORK_DIR, import_model
+from tvm_tpp.errors import DatabaseError, ModelError, NotRunnableError, TppError, UsageError
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
 
@@ -39,6 +43,64 @@ def test_export_and_load(tmp_path, dense_model):
     loaded = tvm_tpp.load(path)
     assert loaded.inputs == compiled.inputs
     np.testing.assert_array_equal(loaded.run(**inputs)[0], compiled.run(**inputs)[0])
+    with pytest.raises(UsageError, match="keeps no source"):
+        loaded.source("asm")
+
+
+def test_source_kinds(dense_model):
+    compiled = tvm_tpp.compile(dense_model)
+    assert "tpp_dense_4x40x24_bias_relu_compute_:" in compiled.source("asm")
+    assert "target triple" in compiled.source("llvm")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        compiled.source("tir")
+
+
+def test_tune_then_compile_reads_the_database(tmp_path, dense_model, monkeypatch):
+    """tune writes the database; compile only reads it: from work_dir, else from
+    ./tvm_tpp_work when that has one; compile(tune=True) tunes only what is missing."""
+    work = tmp_path / "work"
+    tuned = tvm_tpp.tune(dense_model, work_dir=work, budget=0.2, top_k=1)
+    assert [t.problem.m for t in tuned] == [4] and not tuned[0].result.cached
+    assert (work / DATABASE).is_file()
+    again = tvm_tpp.tune(dense_model, work_dir=work)
+    assert again[0].result.cached and again[0].result.best == tuned[0].result.best
+
+    seen = []
+    compiled = tvm_tpp.compile(dense_model, work_dir=work, tune=True,
+                               on_tuned=lambda p, r: seen.append(r))
+    assert [r.cached for r in seen] == [True] and compiled.tune_seconds == 0
+    assert compiled.database == work / DATABASE
+    assert compiled.report[0].kernel.endswith(f"[{tuned[0].result.best.candidate.spec}]")
+    _check_against_ort(compiled, dense_model)
+
+    monkeypatch.chdir(tmp_path)
+    assert tvm_tpp.compile(dense_model).database is None  # no ./tvm_tpp_work
+    shutil.copytree(work, WORK_DIR)
+    assert tvm_tpp.compile(dense_model).database == Path(WORK_DIR, DATABASE)
+
+
+def test_work_dir_without_or_with_corrupt_database(tmp_path, dense_model):
+    with pytest.raises(DatabaseError, match="no tuning database in"):
+        tvm_tpp.compile(dense_model, work_dir=tmp_path)
+    (tmp_path / DATABASE).write_text("{not json")
+    with pytest.raises(DatabaseError, match="is corrupt"):
+        tvm_tpp.compile(dense_model, work_dir=tmp_path)
+
+
+def test_tuning_needs_a_target_this_cpu_runs(tmp_path, dense_model):
+    for tune in (lambda: tvm_tpp.tune(dense_model, "tpp -isa=neon", work_dir=tmp_path),
+                 lambda: tvm_tpp.compile(dense_model, "tpp -isa=neon", tune=True,
+                                         work_dir=tmp_path)):
+        with pytest.raises(NotRunnableError, match="tuning measures on this CPU"):
+            tune()
+    assert not (tmp_path / DATABASE).exists()
+
+
+def test_user_errors_are_tpp_errors():
+    """The command line shows these as one line; the ValueError ones stay ValueErrors."""
+    assert issubclass(ModelError, ValueError) and issubclass(DatabaseError, ValueError)
+    assert all(issubclass(e, TppError)
+               for e in (ModelError, DatabaseError, NotRunnableError, UsageError))
 
 
 def test_load_missing(tmp_path):

@@ -6,6 +6,7 @@ import tvm
 import tvm_tpp
 from microkernels import isa
 from microkernels.machine import is_tpp, machine_of
+from tvm_tpp.errors import TargetError
 from tvm_tpp.tpp_target import runs_on_host
 
 
@@ -72,5 +73,7 @@ def test_passthrough_of_plain_targets():
     ],
 )
 def test_bad_specs(spec, message):
-    with pytest.raises(ValueError, match=message):
+    """A TargetError, which the command line prints as one line, and a ValueError."""
+    with pytest.raises(TargetError, match=message) as error:
         tvm_tpp.target(spec)
+    assert isinstance(error.value, ValueError)

@@ -3,7 +3,8 @@
 Examples
 --------
 >>> import tvm_tpp
->>> model = tvm_tpp.compile("model.onnx", target="tpp")      # doctest: +SKIP
+>>> tvm_tpp.tune("model.onnx", work_dir="work", budget=5)    # doctest: +SKIP
+>>> model = tvm_tpp.compile("model.onnx", work_dir="work")   # doctest: +SKIP
 >>> outputs = model.run(input=x)                              # doctest: +SKIP
 >>> model.export("model.so"); tvm_tpp.load("model.so")        # doctest: +SKIP
 
@@ -25,11 +26,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "compile": ("tvm_tpp.compiler", "compile"),
+    "tune": ("tvm_tpp.compiler", "tune"),
     "load": ("tvm_tpp.compiler", "load"),
     "CompiledModel": ("tvm_tpp.compiler", "CompiledModel"),
     "target": ("tvm_tpp.tpp_target", "target"),
     "models": ("tvm_tpp.models", None),
     "isa": ("tvm_tpp.isa", None),
+    "errors": ("tvm_tpp.errors", None),
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,13 +1,17 @@
 """The ``tvm-tpp`` command line.
 
 Start-up stays fast: only argparse and the ISA module load before a subcommand runs; TVM,
-ONNX and the kernels are imported by the subcommand that needs them.  User errors (missing
-file, malformed ONNX, unknown ISA, bad option) print one line and exit with status 2.
+ONNX and the kernels are imported by the subcommand that needs them.  Subcommands call the
+library; its errors for a user's mistakes (:class:`~tvm_tpp.errors.TppError`: missing or
+malformed model, unknown ISA, bad option, no tuning database) print one line and exit with
+status 2, and anything else is a bug that shows its traceback.
 
 Examples
 --------
 $ tvm-tpp info
-$ tvm-tpp run resnet50 --check onnxruntime
+$ tvm-tpp tune mlp --budget 2           # writes ./tvm_tpp_work/tuning.json
+$ tvm-tpp run mlp --check onnxruntime   # built with the configs tuned in ./tvm_tpp_work
+$ tvm-tpp run resnet50 --work-dir resnet_work -v
 $ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
 $ tvm-tpp bench mlp bert --impls tpp,tvm-default,onnxruntime --json bench.json
 """
@@ -19,12 +23,28 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import TppError, UsageError
+
+if TYPE_CHECKING:
+    from .compiler import CompiledModel
 
 __all__ = ["main"]
 
 
-class UsageError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
+def _at_least(minimum: float, convert: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse type: ``convert`` the text, then check it is at least ``minimum``."""
+
+    def parse(text: str) -> float:
+        value = convert(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = convert.__name__  # argparse names it in "invalid int value: 'x'"
+    return parse
 
 
 def _shapes(values: Sequence[str] | None) -> dict[str, tuple[int, ...]] | None:
@@ -86,31 +106,48 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output(path: str) -> Path:
+    """The output file, checked before any time is spent compiling for it."""
+    out = Path(path)
+    if out.is_dir() or not out.parent.is_dir():
+        raise UsageError(f"cannot write {out}: not a file in an existing directory")
+    return out
+
+
+def _write(path: Path, text: str, kind: str) -> None:
+    path.write_text(text)
+    print(f"wrote {path} ({kind}, {len(text.splitlines())} lines)")
+
+
+def _print_kernels(compiled: CompiledModel, verbose: bool) -> None:
+    """How many operators became TPP kernels and where their configs came from; verbose,
+    each operator's kernel with its config in brackets, or why it stayed with TVM."""
+    kernels = sum(o.kernel is not None for o in compiled.report)
+    configs = (f"configs from {compiled.database}" if compiled.database is not None
+               else "default configs (no tuning database)")
+    print(f"TPP kernels  : {kernels} of {len(compiled.report)} operators, {configs}")
+    if verbose:
+        for o in compiled.report:
+            shape = "x".join(map(str, o.shape))
+            print(f"  {o.op} {shape}: {o.kernel or f'stays with TVM ({o.reason})'}")
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
-    from .compiler import compile, import_model, lower
-    from .tpp_target import target
+    from . import compiler
 
-    model = _model(args.model, args.batch)
-    if args.emit == "so":
-        out = compile(model, target=args.target, input_shapes=_shapes(args.shape))
-        path = out.export(args.output)
-        print(f"wrote {path} and {path}.json ({out.compile_seconds:.1f} s)")
-        return 0
-    tgt = target(args.target)
-    mod, _ = import_model(model, _shapes(args.shape))
+    output = _output(args.output)
+    model, shapes = _model(args.model, args.batch), _shapes(args.shape)
     if args.emit == "tir":
-        text = lower(mod, tgt).script()
+        module = compiler.lower(model, args.target, shapes, work_dir=args.work_dir)
+        _write(output, module.script(), args.emit)
+        return 0
+    compiled = compiler.compile(model, args.target, shapes, work_dir=args.work_dir)
+    if args.emit == "so":
+        compiled.export(output)
+        print(f"wrote {output} and {output}.json ({compiled.compile_seconds:.1f} s)")
     else:
-        import tvm
-
-        from relay_passes.pipeline import tpp_pipeline
-
-        executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(tgt))
-        kind = {"asm": "asm", "llvm": "ll"}[args.emit]
-        text = "\n".join(m.inspect_source(kind) for m in executable.mod.imports)
-    with open(args.output, "w") as f:
-        f.write(text)
-    print(f"wrote {args.output} ({args.emit}, {len(text.splitlines())} lines, target {tgt})")
+        _write(output, compiled.source(args.emit), args.emit)
+    _print_kernels(compiled, args.verbose)
     return 0
 
 
@@ -121,11 +158,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .reference import max_errors, random_inputs, run_onnxruntime
 
     model = _model(args.model, args.batch)
-    compiled = compiler.compile(model, target=args.target, input_shapes=_shapes(args.shape))
+    compiled = compiler.compile(model, args.target, _shapes(args.shape), work_dir=args.work_dir)
     inputs = random_inputs(compiled.inputs, seed=args.seed)
     outputs = compiled.run(**inputs)
     times = compiled.time(inputs, number=args.number, repeat=args.repeat)
     print(f"compiled in {compiled.compile_seconds:.1f} s for {compiled.target.attrs['model']}")
+    _print_kernels(compiled, args.verbose)
     print(f"latency      : median {1e3 * float(np.median(times)):.3f} ms over {args.repeat} runs")
     if args.check == "onnxruntime":
         proto = onnx_import.load_onnx(model)
@@ -145,77 +183,42 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from . import compiler
 
     console = Console()
-    tuned = []
+    work_dir = args.work_dir or compiler.WORK_DIR
 
     def on_tuned(problem, result) -> None:
         how = "database" if result.cached else f"{result.tune_seconds:.1f} s"
         console.print(f"  {problem_text(problem)} -> {config_text(result.best)} ({how})")
-        tuned.append((problem, result))
 
+    tuned = []
     for name in args.model:
         console.print(f"[bold]{name}[/bold]: tuning each GEMM, conv and batch GEMM")
         with console.status("tuning", spinner="dots"):
-            compiler.compile(_model(name, args.batch), target=args.target, tune=True,
-                             tune_budget=args.budget, work_dir=args.work_dir,
-                             on_tuned=on_tuned)
+            tuned += compiler.tune(_model(name, args.batch), args.target, work_dir=work_dir,
+                                   budget=args.budget, on_tuned=on_tuned)
     if args.explain:
         _explain(console, tuned)
+    console.print(f"tuning database: {Path(work_dir) / compiler.DATABASE} (read by "
+                  f"`tvm-tpp run/compile --work-dir {work_dir}`)")
     return 0
 
 
 def _explain(console, tuned) -> None:
-    """Per tuned operator, its measurements: next to the cost model's ranking for GEMMs, in
-    measuring order (the default first) for the operators no model ranks."""
-    from rich.table import Table
+    """Per tuned operator, its measurements next to the cost model's ranking (the report
+    ``bench-gemm --explain`` shows too)."""
+    from .bench.report import print_tuned
 
-    from schedules.tuner import config_text, problem_text
-
-    for problem, result in tuned:
-        what = problem_text(problem)
-        if result.cached:
-            console.print(f"{what}: from the database (no new measurements); delete the work "
-                          "dir to re-measure")
-            continue
-        ranked = any(m.predicted_cycles is not None for m in result.measurements)
-        if ranked:
-            default = result.measurements[0]  # always measured first
-            rows = sorted(result.measurements, key=lambda m: (m.model_rank is None, m.model_rank))
-            labels = [("-" if m.model_rank is None
-                       else f"{m.model_rank + 1} (class {m.model_class + 1})")
-                      + (" (default)" if m is default else "") for m in rows]
-            title, columns = "model ranking vs measurement", ("model rank", "config",
-                                                              "predicted Mcycles", "GFLOPS")
-        else:  # convs and batch GEMMs: measured in the order of their template's list
-            rows = list(result.measurements)
-            labels = ["default", *map(str, range(1, len(rows)))]
-            title, columns = "measured, default first, no cost model", ("#", "config", "GFLOPS")
-        table = Table(title=f"{what}: {title} ({result.candidates} candidates)")
-        for column in columns:
-            table.add_column(column, justify="right")
-        for label, m in zip(labels, rows, strict=True):
-            predicted = f"{m.predicted_cycles / 1e6:.2f}" if m.predicted_cycles else "-"
-            gflops = (f"{m.gflops(problem):.1f}" if m.seconds else m.error or "-") + (
-                " *" if m.config == result.best else "")
-            table.add_row(label, config_text(m.config), *([predicted] if ranked else []), gflops)
-        console.print(table)
-        kept = "* = kept, which must beat the default by the tuner's margin"
-        if ranked:
-            fastest = min((m for m in rows if m.seconds), key=lambda m: m.seconds)
-            rank, model_class = fastest.model_rank, fastest.model_class
-            kept = (f"fastest measured is model rank {rank + 1}, class {model_class + 1} "
-                    f"(in the model's top 5: {'yes' if rank < 5 else 'no'}; in its top 5 "
-                    f"classes: {'yes' if model_class < 5 else 'no'}); {kept}")
-        console.print(kept)
+    print_tuned(console, tuned)
 
 
 def cmd_bench_gemm(args: argparse.Namespace) -> int:
-    from .bench_gemm import run
+    from .bench.gemm import run
 
     return run(args)
 
 
 def cmd_bench_kernel(args: argparse.Namespace) -> int:
-    from .bench_kernel import bench_kernel, format_bench_kernel
+    from .bench.kernel import bench_kernel
+    from .bench.report import format_bench_kernel
 
     result = bench_kernel(dtype=args.dtype, isa=args.isa)
     print(format_bench_kernel(result))
@@ -231,7 +234,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from microkernels import isa
 
-    from .bench import BenchConfig, default_work_dir, plot, print_report, run_bench, write_json
+    from .bench.networks import BenchConfig, default_work_dir, run_bench
+    from .bench.plots import plot
+    from .bench.report import print_report, write_json
 
     try:
         batches = tuple(int(b) for b in args.batch.split(","))
@@ -272,7 +277,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--target", default="tpp", help='"tpp" (host) or "tpp -isa=NAME"')
         p.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
                        help="input shape, for symbolic dimensions (repeatable)")
-        p.add_argument("--batch", type=int, help="batch size of a bundled model")
+        p.add_argument("--batch", type=_at_least(1, int), help="batch size of a bundled model")
+        p.add_argument("--work-dir", help="build with the tuning database `tvm-tpp tune` wrote "
+                       "there (default: ./tvm_tpp_work, if it has one)")
+        p.add_argument("-v", "--verbose", action="store_true", help="list each operator's TPP "
+                       "kernel and config, or why it stayed with TVM")
 
     p = add("info", cmd_info, "host ISA, caches, target and registered microkernels")
     p.add_argument("-v", "--verbose", action="store_true", help="also print the tpp target")
@@ -287,24 +296,25 @@ def _parser() -> argparse.ArgumentParser:
     model_options(p)
     p.add_argument("--check", choices=("onnxruntime",), help="compare outputs with ONNX Runtime")
     p.add_argument("--rtol", type=float, default=1e-4, help="max relative error for --check")
-    p.add_argument("--repeat", type=int, default=10, help="timed samples")
-    p.add_argument("--number", type=int, default=1, help="runs per timed sample")
+    p.add_argument("--repeat", type=_at_least(1, int), default=10, help="timed samples")
+    p.add_argument("--number", type=_at_least(1, int), default=1, help="runs per timed sample")
     p.add_argument("--seed", type=int, default=0)
 
     p = add("tune", cmd_tune, "tune every GEMM, conv and batch GEMM of the models over their "
             "loop_spec spaces")
     p.add_argument("model", nargs="+", help="ONNX files or bundled model names")
     p.add_argument("--target", default="tpp", help='"tpp" (host) or "tpp -num-cores=N"')
-    p.add_argument("--batch", type=int, help="batch size of bundled models")
-    p.add_argument("--work-dir", default="tvm_tpp_work", help="where the database lives")
-    p.add_argument("--budget", type=float,
+    p.add_argument("--batch", type=_at_least(1, int), help="batch size of bundled models")
+    p.add_argument("--work-dir", help="where the tuning database is written "
+                   "(default: ./tvm_tpp_work)")
+    p.add_argument("--budget", type=_at_least(0, float),
                    help="seconds of tuning per operator (default: no limit)")
     p.add_argument("--explain", action="store_true",
                    help="show the measurements (next to the cost model's ranking for GEMMs)")
 
     p = add("bench-gemm", cmd_bench_gemm,
             "fp32 GEMM GFLOPS: tpp, tuned tpp, numpy, TVM default, MetaSchedule")
-    from .bench_gemm import add_arguments
+    from .bench.gemm import add_arguments
 
     add_arguments(p)
 
@@ -340,17 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except Exception as err:
-        from .compiler import NotRunnableError
-        from .onnx_import import ModelError
-
-        user_errors = (UsageError, ModelError, NotRunnableError, ValueError, FileNotFoundError)
-        if isinstance(err, user_errors):
-            message = str(err).strip().splitlines()
-            print(f"tvm-tpp: error: {message[0] if message else type(err).__name__}",
-                  file=sys.stderr)
-            return 2
-        raise
+    except TppError as err:  # a user's mistake; any other exception keeps its traceback
+        message = str(err).strip().splitlines()
+        print(f"tvm-tpp: error: {message[0] if message else type(err).__name__}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

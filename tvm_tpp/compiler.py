@@ -1,4 +1,6 @@
-"""``tvm_tpp.compile``: ONNX or Relax in, a runnable and exportable model out.
+"""Build phases of a model: import, tune (a phase of its own), lower, compile; load exports.
+
+Tuning writes a database; compiling only reads it, as with MetaSchedule.
 
 Examples
 --------
@@ -8,6 +10,9 @@ Examples
 >>> (y,) = m.run(x=np.zeros(m.inputs[0].shape, "float32"))
 >>> m.export("mlp.so")                                  # doctest: +SKIP
 >>> tvm_tpp.load("mlp.so").run(x=...)                   # doctest: +SKIP
+>>> tvm_tpp.tune(models.load("mlp"), work_dir="work")   # doctest: +SKIP
+>>> tvm_tpp.compile(models.load("mlp"), work_dir="work").report[0].kernel  # doctest: +SKIP
+'tpp_dense_1x1024x512_bias_relu [CBa]'
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import onnx
@@ -27,22 +33,43 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
-from relay_passes.dense import Offload
+from relay_passes import Offload
 from relay_passes.pipeline import tpp_pipeline
-from schedules.tuner import Database, Tuner
+from schedules import tuner as _tuner
+from schedules.tuner import Database, TaskCollector, Tuner, TuneResult
 
 from . import onnx_import
-from .onnx_import import ModelError, TensorSpec
+from .errors import DatabaseError, ModelError, NotRunnableError, UsageError
+from .onnx_import import TensorSpec
 from .tpp_target import runs_on_host
 from .tpp_target import target as make_target
 
-__all__ = ["compile", "load", "CompiledModel", "ModelError", "NotRunnableError"]
+if TYPE_CHECKING:
+    from schedules.batch_gemm import BatchGemmProblem
+    from schedules.conv import ConvProblem
+    from schedules.gemm import GemmProblem
 
+    Problem = GemmProblem | ConvProblem | BatchGemmProblem
+
+__all__ = ["compile", "tune", "lower", "load", "import_model", "CompiledModel", "Tuned",
+           "WORK_DIR", "DATABASE"]
+
+#: The work directory :func:`tune` writes by default, and :func:`compile` reads if it exists.
+WORK_DIR = Path("tvm_tpp_work")
+#: The tuning database's file name in a work directory.
+DATABASE = "tuning.json"
+_TOP_K = 8  # candidates measured per operator besides its default
 _SIDECAR = ".json"  # export writes model.so and model.so.json (inputs, target)
+_SOURCE_FORMATS = {"asm": "asm", "llvm": "ll"}  # CompiledModel.source's kinds, LLVM's names
+#: What :func:`compile` and :func:`tune` accept as a model.
+Model = str | os.PathLike | bytes | onnx.ModelProto | tvm.IRModule
 
 
-class NotRunnableError(RuntimeError):
-    """The model was built for an ISA this CPU does not execute."""
+class Tuned(NamedTuple):
+    """One operator :func:`tune` handled and its result (``result.cached``: known already)."""
+
+    problem: Problem
+    result: TuneResult
 
 
 class CompiledModel:
@@ -58,10 +85,13 @@ class CompiledModel:
         Names, shapes and dtypes of the inputs, in call order.
     compile_seconds
         Wall time of import + build, tuning included.
-    tune_seconds
-        The part of it spent tuning GEMMs (0 when the database knew them all).
     report
-        What the graph passes routed to TPP kernels and what stayed with TVM, and why.
+        What the graph passes routed to TPP kernels (their configs in brackets) and what
+        stayed with TVM, and why.
+    tune_seconds
+        The part of ``compile_seconds`` spent tuning (0 when the database knew every operator).
+    database
+        The tuning database the configs were looked up in; None: every operator's default.
     """
 
     def __init__(
@@ -72,6 +102,7 @@ class CompiledModel:
         compile_seconds: float = 0.0,
         report: Sequence[Offload] = (),
         tune_seconds: float = 0.0,
+        database: Path | None = None,
     ) -> None:
         self.executable = executable
         self.target = target
@@ -79,6 +110,7 @@ class CompiledModel:
         self.compile_seconds = compile_seconds
         self.report = list(report)
         self.tune_seconds = tune_seconds
+        self.database = database
         self._vm = None
 
     @property
@@ -127,6 +159,21 @@ class CompiledModel:
         evaluator = self._machine().time_evaluator("main", tvm.cpu(), number=number, repeat=repeat)
         return list(evaluator(*self._arguments(inputs)).results)
 
+    def source(self, kind: str = "asm") -> str:
+        """The generated code of a model compiled in this process: ``"asm"`` or ``"llvm"`` IR.
+
+        Examples
+        --------
+        >>> tvm_tpp.compile(model, target="tpp -isa=neon").source("asm")  # doctest: +SKIP
+        '...fmla\tv8.4s, v1.4s, v0.s[0]...'
+        """
+        if kind not in _SOURCE_FORMATS:
+            raise ValueError(f"kind must be one of {list(_SOURCE_FORMATS)}, got {kind!r}")
+        if not isinstance(self.executable, relax.VMExecutable):
+            raise UsageError("a loaded model keeps no source; compile it to inspect its code")
+        return "\n".join(m.inspect_source(_SOURCE_FORMATS[kind])
+                         for m in self.executable.mod.imports)
+
     def export(self, path: str | os.PathLike) -> Path:
         """Write a shared library plus ``<path>.json`` describing its inputs and target.
 
@@ -172,14 +219,8 @@ def load(path: str | os.PathLike) -> CompiledModel:
     )
 
 
-def lower(mod: tvm.IRModule, target: Target) -> tvm.IRModule:
-    """The Relax+TIR module after the target's graph pipeline (what ``--emit tir`` shows)."""
-    with target:
-        return tpp_pipeline(target)(mod)
-
-
 def import_model(
-    model: str | os.PathLike | bytes | onnx.ModelProto | tvm.IRModule,
+    model: Model,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[tvm.IRModule, list[TensorSpec]]:
     """A Relax module and its input specs from any accepted model form."""
@@ -209,15 +250,140 @@ def _relax_inputs(
     return specs
 
 
-def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
-    model: str | os.PathLike | bytes | onnx.ModelProto | tvm.IRModule,
+def _database(path: Path) -> Database:
+    try:
+        return Database(path)
+    except ValueError as err:  # corrupt JSON; the tuner's layer has no TppError to raise
+        raise DatabaseError(str(err)) from None
+
+
+def _existing_database(work_dir: str | os.PathLike | None) -> Database | None:
+    """The database to build with: ``work_dir``'s, which must exist when given, else the
+    default work directory's if it has one."""
+    path = Path(WORK_DIR if work_dir is None else work_dir) / DATABASE
+    if path.is_file():
+        return _database(path)
+    if work_dir is not None:  # asked for tuned code: building untuned would hide a typo
+        raise DatabaseError(f"no tuning database in {work_dir}; write it with "
+                            f"`tvm-tpp tune MODEL --work-dir {work_dir}` or tvm_tpp.tune")
+    return None
+
+
+def _lookup(database: Database | None) -> Tuner | None:
+    """A tuner that only looks configs up (the passes use defaults for the others)."""
+    return Tuner(database, tune_missing=False) if database is not None else None
+
+
+def _measurable(tgt: Target) -> None:
+    if not runs_on_host(tgt):
+        raise NotRunnableError(f"tuning measures on this CPU, which cannot run {tgt}")
+
+
+def _lower(mod: tvm.IRModule, tgt: Target, tuner: Tuner | TaskCollector | None,
+           report: list[Offload] | None = None) -> tvm.IRModule:
+    """The target's graph pipeline without code generation (cheap next to a build)."""
+    with tgt:
+        return tpp_pipeline(tgt, report, tuner)(mod)
+
+
+def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: float | None,
+                top_k: int, on_tuned: Callable[[Problem, TuneResult], None] | None
+                ) -> list[Tuned]:
+    # The graph passes find the operators; tuning them here, outside the lowering, keeps
+    # the measurements' own builds from running inside the model's.
+    collector = TaskCollector()
+    _lower(mod, tgt, collector)
+    tuned = []
+    for problem in collector.tasks.values():
+        result = _tuner.tune(problem, tgt, database=database, top_k=top_k,
+                             budget_seconds=budget)
+        tuned.append(Tuned(problem, result))
+        if on_tuned is not None:
+            on_tuned(problem, result)
+    return tuned
+
+
+def tune(
+    model: Model,
     target: str | dict | Target = "tpp",
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     *,
+    work_dir: str | os.PathLike = WORK_DIR,
+    budget: float | None = None,
+    top_k: int = _TOP_K,
+    on_tuned: Callable[[Problem, TuneResult], None] | None = None,
+) -> list[Tuned]:
+    """Tune each GEMM, conv and batch GEMM of a model into ``work_dir/tuning.json``.
+
+    Operators the database knows cost nothing; :func:`compile` with the same ``work_dir``
+    then builds with the tuned configurations.
+
+    Parameters
+    ----------
+    model, target, input_shapes
+        As for :func:`compile`; the target must be one this CPU runs (tuning measures).
+    work_dir
+        Where the database is written (created if missing).
+    budget
+        Seconds the tuner may spend per operator (default: measure all ``top_k``).
+    top_k
+        Candidates measured per operator besides its default.
+    on_tuned
+        Called with ``(problem, TuneResult)`` after each operator (a GemmProblem, ConvProblem
+        or BatchGemmProblem), e.g. to show progress.
+
+    Returns
+    -------
+    list of Tuned
+        One per distinct operator (its problem and result), in the order the passes met them.
+
+    Raises
+    ------
+    NotRunnableError
+        The target is not one this CPU runs.
+
+    Examples
+    --------
+    >>> from tvm_tpp import models
+    >>> [t.result.best.spec for t in tune(models.load("mlp"), budget=1.0)]  # doctest: +SKIP
+    ['BCa', 'aBC', 'BCa']
+    """
+    tgt = make_target(target)
+    _measurable(tgt)
+    mod, _ = import_model(model, input_shapes)
+    return _tune_tasks(mod, tgt, _database(Path(work_dir) / DATABASE), budget, top_k, on_tuned)
+
+
+def lower(
+    model: Model,
+    target: str | dict | Target = "tpp",
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    work_dir: str | os.PathLike | None = None,
+) -> tvm.IRModule:
+    """The Relax+TIR module after the target's graph passes, configs as :func:`compile` picks
+    them (what ``tvm-tpp compile --emit tir`` shows).
+
+    Examples
+    --------
+    >>> from tvm_tpp import models
+    >>> "tpp_dense" in lower(models.load("mlp")).script()  # doctest: +SKIP
+    True
+    """
+    tgt = make_target(target)
+    mod, _ = import_model(model, input_shapes)
+    return _lower(mod, tgt, _lookup(_existing_database(work_dir)))
+
+
+def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
+    model: Model,
+    target: str | dict | Target = "tpp",
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    work_dir: str | os.PathLike | None = None,
     tune: bool = False,
     tune_budget: float | None = None,
-    work_dir: str | os.PathLike | None = None,
-    on_tuned: Callable | None = None,
+    on_tuned: Callable[[Problem, TuneResult], None] | None = None,
 ) -> CompiledModel:
     """Import, rewrite to TPP kernels, and build a model.
 
@@ -231,42 +397,41 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         any TVM target (dict or ``Target``): non-tpp targets get TVM's plain lowering.
     input_shapes
         Shapes by input name, for inputs with symbolic dimensions.
-    tune
-        Tune the loop_spec space of each GEMM, conv and batch GEMM (seconds each; needs a
-        target this CPU runs).  Results persist in ``work_dir/tuning.json`` and are reused
-        by later compiles.
-    tune_budget
-        Seconds the tuner may spend per operator (default: measure all its candidates).
     work_dir
-        Where the tuning database lives (default ``./tvm_tpp_work``); read even without
-        ``tune`` when it holds the database, so tuned models rebuild tuned.
+        The work directory whose ``tuning.json`` gives the configurations of the operators it
+        knows (the others get their defaults); it must hold one unless ``tune``.  Default:
+        ``./tvm_tpp_work``, if it holds one.
+    tune
+        First :func:`tune` the model into ``work_dir`` (seconds per operator; needs a target
+        this CPU runs), then build with the results.
+    tune_budget
+        With ``tune``: seconds the tuner may spend per operator (default: no limit).
     on_tuned
-        Called with ``(problem, TuneResult)`` after each operator is tuned or looked up
-        (a GemmProblem, ConvProblem or BatchGemmProblem).
+        With ``tune``: called with ``(problem, TuneResult)`` after each operator.
 
     Raises
     ------
     ModelError
         Missing or malformed model, symbolic shapes, unsupported operators.
-    ValueError
+    TargetError
         Unknown ISA or malformed target spec.
+    NotRunnableError
+        ``tune`` for a target this CPU does not run.
+    DatabaseError
+        The given ``work_dir`` has no database, or its database is corrupt.
     """
     tgt = make_target(target)
-    if tune and not runs_on_host(tgt):
-        raise NotRunnableError(f"tuning measures on this CPU, which cannot run {tgt}")
-    db_path = Path(work_dir or "tvm_tpp_work") / "tuning.json"
-    use_db = tune or (work_dir is not None and db_path.is_file())
-    tuned: list[float] = []
-
-    def record(problem, result) -> None:
-        tuned.append(result.tune_seconds)
-        if on_tuned is not None:
-            on_tuned(problem, result)
-
-    tuner = Tuner(Database(db_path), budget_seconds=tune_budget, tune_missing=tune,
-                  on_result=record) if use_db else None
+    if tune:
+        _measurable(tgt)
+        database: Database | None = _database(Path(work_dir or WORK_DIR) / DATABASE)
+    else:
+        database = _existing_database(work_dir)
     start = time.perf_counter()
     mod, specs = import_model(model, input_shapes)
+    tuned = _tune_tasks(mod, tgt, database, tune_budget, _TOP_K, on_tuned) if tune else []
     report: list[Offload] = []
-    executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(tgt, report, tuner))
-    return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report, sum(tuned))
+    executable = tvm.compile(mod, target=tgt,
+                             relax_pipeline=tpp_pipeline(tgt, report, _lookup(database)))
+    return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report,
+                         sum(t.result.tune_seconds for t in tuned),
+                         database.path if database is not None else None)

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import onnx
 
-__all__ = ["TensorSpec", "ModelError", "load_onnx", "input_specs", "to_relax"]
+from .errors import ModelError
 
-
-class ModelError(ValueError):
-    """The model cannot be used: missing file, malformed ONNX, unknown or symbolic shapes."""
+__all__ = ["TensorSpec", "load_onnx", "input_specs", "to_relax"]
 
 
 @dataclass(frozen=True)

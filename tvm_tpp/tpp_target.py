@@ -16,7 +16,7 @@ Examples
 --------
 >>> import tvm_tpp
 >>> t = tvm_tpp.target("tpp -isa=avx512_vnni")
->>> t.keys, t.attrs["mcpu"], t.attrs["model"]
+>>> tuple(t.keys), t.attrs["mcpu"], t.attrs["model"]
 (('tpp', 'cpu'), 'cascadelake', 'avx512_vnni')
 """
 
@@ -30,6 +30,8 @@ from tvm.target import Target
 
 from microkernels import isa as _isa
 from microkernels.machine import is_tpp, machine_of
+
+from .errors import TargetError
 
 __all__ = ["target", "is_tpp", "runs_on_host", "TAG_PREFIX"]
 
@@ -59,6 +61,13 @@ def _register_tags() -> None:
         register_tag(TAG_PREFIX + chosen.name, _config(chosen, None, 1))
 
 
+def _isa_named(name: str) -> _isa.Isa:
+    try:
+        return _isa.from_name(name)
+    except ValueError as err:  # the ISA table lives below this layer, with no TppError
+        raise TargetError(str(err)) from None
+
+
 @functools.cache
 def host_isa() -> _isa.Isa:
     """The ISA of this machine (cached: /proc/cpuinfo does not change)."""
@@ -75,14 +84,14 @@ def _host_mcpu(chosen: _isa.Isa) -> str:
 def _parse(spec: str) -> dict[str, str]:
     words = spec.split()
     if not words or words[0] != "tpp":
-        raise ValueError(f"a tpp target spec starts with 'tpp', got {spec!r}")
+        raise TargetError(f"a tpp target spec starts with 'tpp', got {spec!r}")
     options: dict[str, str] = {}
     for word in words[1:]:
         key, eq, value = word.lstrip("-").partition("=")
         if not word.startswith("-") or not eq or not value:
-            raise ValueError(f"malformed option {word!r} in target {spec!r}; expected -key=value")
+            raise TargetError(f"malformed option {word!r} in target {spec!r}; expected -key=value")
         if key not in _OPTIONS:
-            raise ValueError(
+            raise TargetError(
                 f"unknown option -{key} in target {spec!r}; known: "
                 + ", ".join(f"-{o}" for o in _OPTIONS)
             )
@@ -103,8 +112,9 @@ def target(spec: str | dict | Target = "tpp", num_cores: int | None = None) -> T
 
     Raises
     ------
-    ValueError
-        Unknown ISA (the message lists the known ones), unknown option or malformed spec.
+    TargetError
+        Unknown ISA (the message lists the known ones), unknown option or malformed spec; a
+        ``ValueError``.
     """
     if isinstance(spec, Target):
         return spec
@@ -112,7 +122,7 @@ def target(spec: str | dict | Target = "tpp", num_cores: int | None = None) -> T
         return Target(spec)
     _register_tags()
     if spec.startswith(TAG_PREFIX):
-        _isa.from_name(spec[len(TAG_PREFIX):])
+        _isa_named(spec[len(TAG_PREFIX):])
         return Target(spec)
     options = _parse(spec)
     if "num-cores" in options:
@@ -120,14 +130,14 @@ def target(spec: str | dict | Target = "tpp", num_cores: int | None = None) -> T
             num_cores = int(options["num-cores"])
         except ValueError:
             value = options["num-cores"]
-            raise ValueError(f"-num-cores must be an integer, got {value!r}") from None
+            raise TargetError(f"-num-cores must be an integer, got {value!r}") from None
     cores = num_cores if num_cores is not None else _isa.num_cores()
     if cores < 1:
-        raise ValueError(f"num-cores must be >= 1, got {cores}")
+        raise TargetError(f"num-cores must be >= 1, got {cores}")
     if "isa" in options:
         # A named ISA gets its representative CPU: LLVM's name for a VM's CPU can be one
         # without the ISA (a Sapphire Rapids guest reads as "rocketlake", which has no AMX).
-        chosen = _isa.from_name(options["isa"])
+        chosen = _isa_named(options["isa"])
         mcpu = options.get("mcpu")
     else:
         chosen = host_isa()
