@@ -25,12 +25,12 @@ if TYPE_CHECKING:
     from tvm.target import Target
     from tvm.tirx import PrimFunc
 
-__all__ = ["build", "measure", "time_interleaved", "ROUNDS", "ROUND_SECONDS"]
+__all__ = ["build", "measure", "time_interleaved"]
 
 #: Seconds of samples per candidate per round (at least one run each).
-ROUND_SECONDS = 0.05
+_ROUND_SECONDS = 0.05
 #: Interleaved rounds of samples.
-ROUNDS = 3
+_ROUNDS = 3
 
 
 def _error(err: Exception) -> str:
@@ -104,8 +104,8 @@ def _arguments(funcs: list[PrimFunc]) -> list[list[object]]:
     return out
 
 
-def time_interleaved(runs: list[Callable[[], None]], rounds: int = ROUNDS,
-                     round_seconds: float = ROUND_SECONDS) -> list[float]:
+def time_interleaved(runs: list[Callable[[], None]], rounds: int = _ROUNDS,
+                     round_seconds: float = _ROUND_SECONDS) -> list[float]:
     """Seconds of one call of each function: the fastest of samples taken in ``rounds``
     interleaved rounds, so drift of the machine's load hits every candidate alike and the
     minimum is a run that went undisturbed.
@@ -130,7 +130,7 @@ def time_interleaved(runs: list[Callable[[], None]], rounds: int = ROUNDS,
 
 
 def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
-            rounds: int = ROUNDS, round_seconds: float = ROUND_SECONDS,
+            rounds: int = _ROUNDS, round_seconds: float = _ROUND_SECONDS,
             built: dict[Config, Callable[[], object]] | None = None) -> list[float | str]:
     """Build ``configs`` together and time them interleaved (see :func:`time_interleaved`):
     seconds of one run, or the error of a candidate that could not be built.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from microkernels.machine import Machine
@@ -128,10 +129,6 @@ def _dense_choices(problem: GemmProblem, machine: Machine, max_candidates: int
     return [Choice(*verdicts[config], config) for config in order], sum(map(len, families))
 
 
-def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:
-    return [Choice(None, None, None, config) for config in configs], len(configs)
-
-
 def _dense_to_json(config: GemmConfig) -> dict:
     c = config.candidate
     return {"bm": config.bm, "bn": config.bn, "bk": config.bk, "spec": c.spec,
@@ -160,6 +157,21 @@ def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:
     return (p.n, p.c, p.h, p.w, p.k, p.r, p.s), f"s{sh}x{sw}p{pads}", p.dtype
 
 
+def _listed(name: str, template: ModuleType, problem: type, config: type,
+            key: Callable[[Any], tuple[tuple[int, ...], str, str]],
+            text: Callable[[Any], str]) -> Op:
+    """The :class:`Op` of a template whose short list of candidates no model ranks
+    (measurement decides) and whose config is flat fields: ``config(**json)``."""
+    return Op(name, problem, config, key=key, default=template.default_config,
+              choices=lambda p, machine, _: _unranked(template.candidates(p, machine)),
+              schedule=template.schedule, to_json=_fields_to_json,
+              from_json=lambda data: config(**data), text=text)
+
+
+def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:
+    return [Choice(None, None, None, config) for config in configs], len(configs)
+
+
 #: The operators the tuner handles, by the key's op name.
 OPS: dict[str, Op] = {op.name: op for op in (
     Op("dense", GemmProblem, GemmConfig,
@@ -172,24 +184,13 @@ OPS: dict[str, Op] = {op.name: op for op in (
        text=lambda c: (f"{c.spec} bm={c.bm} bn={c.bn} bk={c.bk} k_step={c.k_step}"
                        + _steps_text(c.candidate.block_steps)
                        + ("" if c.pack_a is None else f" pack_a={c.pack_a}"))),
-    Op("conv2d", ConvProblem, ConvConfig,
-       key=_conv_key,
-       default=conv.default_config,
-       choices=lambda p, machine, _: _unranked(conv.candidates(p, machine)),
-       schedule=conv.schedule,
-       to_json=_fields_to_json,
-       from_json=lambda data: ConvConfig(**data),
-       text=lambda c: (f"{c.spec} bq={c.bq} bc={c.bc} bk={c.bk} c_step={c.c_step}"
-                       + _steps_text(c.block_steps))),
-    Op("batch_gemm", BatchGemmProblem, BatchGemmConfig,
-       key=lambda p: ((p.batch, p.m, p.n, p.k), p.layout, "float32"),
-       default=batch_gemm.default_config,
-       choices=lambda p, machine, _: _unranked(batch_gemm.candidates(p, machine)),
-       schedule=batch_gemm.schedule,
-       to_json=_fields_to_json,
-       from_json=lambda data: BatchGemmConfig(**data),
-       text=lambda c: (f"bm={c.bm} bn={c.bn} bk={c.bk}"
-                       + (" parallel rows" if c.parallel_rows else ""))),
+    _listed("conv2d", conv, ConvProblem, ConvConfig, key=_conv_key,
+            text=lambda c: (f"{c.spec} bq={c.bq} bc={c.bc} bk={c.bk} c_step={c.c_step}"
+                            + _steps_text(c.block_steps))),
+    _listed("batch_gemm", batch_gemm, BatchGemmProblem, BatchGemmConfig,
+            key=lambda p: ((p.batch, p.m, p.n, p.k), p.layout, "float32"),
+            text=lambda c: (f"bm={c.bm} bn={c.bn} bk={c.bk}"
+                            + (" parallel rows" if c.parallel_rows else ""))),
 )}
 
 
