@@ -28,7 +28,8 @@ floats apart, so a call with a short K block reads short pieces of many pages, w
 the prefetchers nor the TLB like.  ``pack_a=d`` copies the slice of ``X`` the loops below
 depth ``d`` read into a dense buffer under the ``d``-th loop (TVM's ``cache_read`` +
 ``compute_at``), as BLAS packs A; the copy runs in parallel unless a parallel loop already
-encloses it.  B needs no packing: the weights are packed once, ahead of time.
+encloses it.  B needs no packing here: the weights are packed once, ahead of time
+(:func:`pack_weight`, with :meth:`microkernels.pack.Packing.blocked_b`).
 
 Default configuration (:func:`default_config`), without tuning: block sizes follow the
 microkernel and the caches, the loop order comes from :func:`schedules.space.heuristic`.
