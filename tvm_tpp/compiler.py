@@ -271,7 +271,7 @@ def _existing_database(work_dir: str | os.PathLike | None) -> Database | None:
 
 def _lookup(database: Database | None) -> Tuner | None:
     """A tuner that only looks configs up (the passes use defaults for the others)."""
-    return Tuner(database, tune_missing=False) if database is not None else None
+    return Tuner(database) if database is not None else None
 
 
 def _measurable(tgt: Target) -> None:
