@@ -242,12 +242,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         batches = tuple(int(b) for b in args.batch.split(","))
     except ValueError:
         raise UsageError(f"--batch takes sizes like 1,8, got {args.batch!r}") from None
-    config = BenchConfig(
-        models=tuple(args.model), batches=batches, threads=args.threads or isa.num_cores(),
-        repeat=args.repeat, impls=tuple(i.strip() for i in args.impls.split(",") if i.strip()),
-        ms_trials=args.ms_trials, work_dir=Path(args.work_dir or default_work_dir()),
-        seed=args.seed, timeout=args.timeout,
-    )
+    try:
+        config = BenchConfig(
+            models=tuple(args.model), batches=batches, threads=args.threads or isa.num_cores(),
+            repeat=args.repeat,
+            impls=tuple(i.strip() for i in args.impls.split(",") if i.strip()),
+            ms_trials=args.ms_trials, work_dir=Path(args.work_dir or default_work_dir()),
+            seed=args.seed, timeout=args.timeout,
+        )
+    except ValueError as err:  # an option out of range
+        raise UsageError(str(err)) from None
     start = time.perf_counter()
     rows = run_bench(config, progress=not args.quiet)
     wall = time.perf_counter() - start

@@ -1,4 +1,4 @@
-"""tvm_tpp.workers: JSON-line worker processes (echo, environment, time-out, death)."""
+"""tvm_tpp.bench.workers: JSON-line worker processes (echo, environment, time-out, death)."""
 
 import os
 import sys
@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 import tvm_tpp
-from tvm_tpp.workers import Worker, WorkerError, last_line
+from tvm_tpp.bench.workers import Worker, WorkerError, last_line
 
 _CHILD = textwrap.dedent("""
     import json, os, sys, time

@@ -25,13 +25,16 @@ from typing import TYPE_CHECKING, Any
 from microkernels import isa as _isa
 from microkernels import x86
 from microkernels.brgemm import B_RANGES, BrgemmShape, desc_func, dispatch
+from microkernels.machine import host
 from microkernels.peak import llvm_target
+
+from .timing import tvm_timer
 
 if TYPE_CHECKING:
     import numpy as np
     from tvm.tirx import PrimFunc
 
-__all__ = ["bench_kernel", "format_bench_kernel", "kernel_timer", "repeated_workload", "DTYPES"]
+__all__ = ["bench_kernel", "kernel_timer", "repeated_workload", "DTYPES"]
 
 #: CLI dtype -> (dtype of A, accumulator, layout).
 DTYPES: dict[str, tuple[str, str, str]] = {
@@ -75,7 +78,7 @@ def _default_shape(isa: _isa.Isa) -> tuple[int, int, int, int]:
     """
     tile = x86.register_tile(BrgemmShape(m=64, n=64, k=64, isa=isa.name), x86.FP32)
     m, width = 4 * tile.rows, tile.vectors * tile.lanes
-    l1d = _isa.caches().l1d
+    l1d = host().caches.l1d
     for n, k in ((2 * width, 128), (width, 128), (width, 64), (width, 32)):
         if 4 * (m * k + k * n + m * n) <= l1d:
             break
@@ -122,8 +125,8 @@ def kernel_timer(shape: BrgemmShape, impl: Callable[[BrgemmShape], PrimFunc] | N
     sch.tensorize(sch.get_loops(sch.get_sblock("brgemm"))[1], name)
     ex = tvm.compile(sch.mod, target=llvm_target(target_isa))
     args = [tvm.runtime.tensor(x) for x in _operands(shape)]
-    timer = ex.mod.time_evaluator("main", tvm.cpu(), number=1, repeat=1)
-    return lambda: shape.flops * reps / min(timer(*args).results) / 1e9
+    timer = tvm_timer(ex.mod, "main", args)
+    return lambda: shape.flops * reps / min(timer(1, 1, True)) / 1e9
 
 
 def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None = None,
@@ -162,7 +165,7 @@ def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None =
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if rounds < 1 or runs < 1:
         raise ValueError(f"rounds and runs must be positive, got {rounds}, {runs}")
-    target_isa = _isa.detect() if isa is None else _isa.from_name(isa)
+    target_isa = host().isa if isa is None else _isa.from_name(isa)
     if target_isa.arch != "x86_64":
         raise ValueError(f"bench_kernel times x86 kernels; {target_isa.name} is not x86")
     dm, dn, dk, db = _default_shape(target_isa)
@@ -202,23 +205,3 @@ def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None =
         result["w7_gflops"] = round(best["w7"], 2)
         result["w7_ratio_to_fp32"] = round(best["w7"] / best["fp32"], 3)
     return result
-
-
-def format_bench_kernel(result: dict[str, Any]) -> str:
-    """Human-readable lines for a :func:`bench_kernel` result."""
-    m, n, k, batch = result["shape"]
-    unit = "GFLOPS" if result["dtype"] == "float32" else "GOPS"
-    lines = [
-        f"BRGEMM {result['isa']} {result['dtype']} {m}x{n}x{k}x{batch} ({result['layout']}, "
-        f"{result['impl']} kernel): {result['gflops']:.1f} {unit} = "
-        f"{100 * result['fraction_of_peak']:.1f}% of the {result['peak_gflops']:.1f} GFLOPS "
-        f"fp32 FMA peak (measured clock {result['clock_ghz']:.2f} GHz x 2 FMA units)"
-    ]
-    if "ratio_to_fp32" in result:
-        lines.append(f"  fp32 kernel, same shape: {result['fp32_gflops']:.1f} GFLOPS; "
-                     f"{result['dtype']} / fp32 = {result['ratio_to_fp32']:.2f}x")
-    if "w7_gflops" in result:
-        lines.append(f"  7-bit weights (vnni4_w7 layout, vpmaddubsw): "
-                     f"{result['w7_gflops']:.1f} GOPS = "
-                     f"{result['w7_ratio_to_fp32']:.2f}x fp32")
-    return "\n".join(lines)

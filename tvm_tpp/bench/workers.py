@@ -1,8 +1,7 @@
 """Persistent worker processes that talk JSON lines, for the benchmark harnesses.
 
-``tvm-tpp bench`` (:mod:`tvm_tpp.bench`) and ``tvm-tpp bench-gemm``
-(:mod:`tvm_tpp.bench_gemm`) build and time every implementation in a process of its own,
-with the thread-count variables set before anything loads: TVM's, ONNX Runtime's and
+Every benchmark (:mod:`tvm_tpp.bench`) builds and times each implementation in a process of
+its own, with the thread-count variables set before anything loads: TVM's, ONNX Runtime's and
 OpenBLAS's thread pools disturb each other when they share one.  A :class:`Worker` is one
 such process: requests go to its stdin and replies come from its stdout, one JSON object per
 line; its stderr goes to a log file whose last line explains a death; it runs in its own
@@ -30,30 +29,9 @@ import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
-__all__ = ["Worker", "WorkerError", "last_line", "turn_order"]
-
-_T = TypeVar("_T")
-
-
-def turn_order(items: Sequence[_T], round_: int) -> list[_T]:
-    """The order in which ``items`` are timed in round ``round_`` of an alternating benchmark.
-
-    Who goes first rotates each round, and every other round runs in reverse: a rotation
-    alone keeps each implementation behind the same neighbour, whose threads may still be
-    spinning.
-
-    Examples
-    --------
-    >>> [turn_order("abc", r) for r in range(3)]
-    [['a', 'b', 'c'], ['a', 'c', 'b'], ['c', 'a', 'b']]
-    """
-    if not items:
-        return []
-    shift = round_ % len(items)
-    order = [*items[shift:], *items[:shift]]
-    return order if round_ % 2 == 0 else order[::-1]
+__all__ = ["Worker", "WorkerError", "last_line"]
 
 
 class WorkerError(RuntimeError):
@@ -114,7 +92,7 @@ class Worker:
                  env: Mapping[str, str] | None = None) -> None:
         full_env = dict(os.environ)
         full_env.update(env or {})
-        package_root = str(Path(__file__).resolve().parents[1])
+        package_root = str(Path(__file__).resolve().parents[2])
         full_env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [package_root, full_env.get("PYTHONPATH")]))
         self.log_path = Path(log_path)

@@ -1,0 +1,443 @@
+"""How each implementation a benchmark compares is built, for a model or a GEMM workload.
+
+``tpp`` (the TPP kernels with default configurations), ``tpp-tuned`` (configurations the
+TPP tuner measured, in ``work_dir/tuning.json``: the database ``tvm-tpp tune --work-dir`` and
+``tvm_tpp.compile(work_dir=...)`` use), ``numpy`` (``np.matmul``, GEMMs only),
+``tvm-default`` (TVM's own build without schedules), ``metaschedule`` (TVM's default search
+space, :mod:`tvm_tpp.bench.metaschedule`), ``onnxruntime`` (models only) and the untimed
+``reference`` (ONNX Runtime's outputs).  :func:`build` gives a :class:`Built`: a function
+that runs it once, its :data:`~tvm_tpp.bench.timing.Timer` and what building cost.
+
+One rule for tuning time (``tune_seconds``), whoever tunes: the seconds this run spent
+searching.  A result already in a database costs 0 (the notes say it was cached and, where
+known, what its search took), and one-off process start-up (MetaSchedule's tensor-intrinsic
+import) is no search: the notes name it.  ``compile_seconds`` is the rest of the build.
+
+Examples
+--------
+>>> from tvm_tpp.bench.workloads import GemmWorkload, ModelWorkload
+>>> supports("numpy", GemmWorkload(8, 8, 8)), supports("onnxruntime", GemmWorkload(8, 8, 8))
+(True, False)
+>>> [i for i in IMPLS if supports(i, ModelWorkload("m.onnx", "i.npz", "o.npz", "m_1"))]
+['tpp', 'tpp-tuned', 'tvm-default', 'metaschedule', 'onnxruntime']
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import metaschedule
+from .timing import Timer, loop_timer, tvm_timer
+from .workloads import GemmWorkload, ModelWorkload, Workload
+
+if TYPE_CHECKING:
+    from .protocol import Job
+
+__all__ = ["IMPLS", "Built", "Unavailable", "build", "host_llvm", "supports"]
+
+#: Every implementation, in table order (each benchmark shows those its workload supports).
+IMPLS = ("tpp", "tpp-tuned", "numpy", "tvm-default", "metaschedule", "onnxruntime")
+#: Where ``tpp-tuned`` keeps its results in a work directory (as ``tvm_tpp.compile`` does).
+TUNING_DATABASE = "tuning.json"
+
+#: ``say(text)``: progress of a long build, shown by the harness.
+Say = Callable[[str], None]
+
+
+class Unavailable(RuntimeError):
+    """This implementation does not run this workload here (a skipped row, not an error)."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """A built implementation of one workload.
+
+    ``run`` gives its outputs; ``timer`` times it (None: not timed, the reference);
+    ``explain`` is the TPP tuner's model ranking next to its measurements (GEMMs).
+    """
+
+    run: Callable[[], list[np.ndarray]]
+    timer: Timer | None
+    compile_seconds: float
+    tune_seconds: float | None = None
+    target: str = ""
+    notes: str = ""
+    explain: dict[str, Any] | None = None
+
+
+def host_llvm(threads: int):
+    """TVM's plain LLVM target for this CPU (what tvm-default and MetaSchedule build for)."""
+    import tvm
+
+    return tvm.target.Target({"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu(),
+                              "num-cores": threads})
+
+
+def _tpp_target(threads: int):
+    from ..tpp_target import target
+
+    return target("tpp", num_cores=threads)
+
+
+# ------------------------------------------------------------------------------------------
+# Models.
+
+
+def _vm_built(executable, inputs: Sequence[np.ndarray], compile_seconds: float,
+              **details: Any) -> Built:
+    """A Relax executable run in a VM on ``inputs``, timed by TVM's evaluator."""
+    import tvm
+    from tvm import relax
+
+    dev = tvm.cpu()
+    vm = relax.VirtualMachine(executable, dev)
+    args = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in inputs]
+
+    def flatten(result) -> list:
+        if isinstance(result, tvm.runtime.Tensor):
+            return [result]
+        return [leaf for item in result for leaf in flatten(item)]
+
+    def run() -> list[np.ndarray]:
+        return [t.numpy() for t in flatten(vm["main"](*args))]
+
+    return Built(run, tvm_timer(vm, "main", args), compile_seconds, **details)
+
+
+def _relax_module(proto, specs):
+    """The ONNX model in Relax with inference-only decompositions (BatchNorm etc.)."""
+    from tvm import relax
+
+    from ..onnx_import import to_relax
+
+    return relax.transform.DecomposeOpsForInference()(to_relax(proto, specs))
+
+
+def _model_tpp(job: Job, workload: ModelWorkload, say: Say) -> Built:
+    from .. import compiler
+
+    proto, _, inputs = workload.load()
+    start = time.perf_counter()
+    compiled = compiler.compile(proto, target=f"tpp -num-cores={job.threads}",
+                                input_shapes=workload.input_shapes)
+    routed = sum(1 for o in compiled.report if o.kernel)
+    return _vm_built(compiled.executable, inputs, time.perf_counter() - start,
+                     target=str(compiled.target),
+                     notes=f"{routed}/{len(compiled.report)} matched operators on TPP kernels"
+                     if compiled.report else "")
+
+
+def _model_tpp_tuned(job: Job, workload: ModelWorkload, say: Say) -> Built:
+    from .. import compiler
+
+    proto, _, inputs = workload.load()
+    cached = []
+    start = time.perf_counter()
+    compiled = compiler.compile(proto, target=f"tpp -num-cores={job.threads}",
+                                input_shapes=workload.input_shapes, tune=True,
+                                tune_budget=job.tune_budget, work_dir=job.work_dir,
+                                on_tuned=lambda problem, result: cached.append(result.cached))
+    seconds = time.perf_counter() - start - compiled.tune_seconds
+    return _vm_built(compiled.executable, inputs, max(seconds, 0.0),
+                     tune_seconds=compiled.tune_seconds, target=str(compiled.target),
+                     notes=f"database {Path(job.work_dir) / TUNING_DATABASE}: "
+                     f"{cached.count(False)} operators tuned, {sum(cached)} cached")
+
+
+def _model_tvm_default(job: Job, workload: ModelWorkload, say: Say) -> Built:
+    import tvm
+    from tvm import relax
+
+    proto, specs, inputs = workload.load()
+    target = host_llvm(job.threads)
+    start = time.perf_counter()
+    executable = tvm.compile(_relax_module(proto, specs), target=target,
+                             relax_pipeline=relax.get_default_pipeline(target))
+    return _vm_built(executable, inputs, time.perf_counter() - start, target=str(target),
+                     notes="relax.get_default_pipeline: no CPU schedules (naive loops)")
+
+
+def _needs_metaschedule() -> None:
+    missing = metaschedule.missing_packages()
+    if missing:
+        raise Unavailable(f"MetaSchedule needs {', '.join(missing)}: pip install "
+                          "'tvm-tpp[tune]'")
+
+
+def _model_metaschedule(job: Job, workload: ModelWorkload, say: Say) -> Built:
+    _needs_metaschedule()
+    import tvm
+    from tvm import relax
+    from tvm.s_tir import meta_schedule as ms
+
+    # Builds without importing tvm.s_tir.tensor_intrin: LocalBuilder starts fresh workers for
+    # every batch, and that import (30-60 s) in each would dwarf the tuning itself.
+    from schedules.ms_space import local_builder
+
+    proto, specs, inputs = workload.load()
+    target = host_llvm(job.threads)
+    start = time.perf_counter()
+    mod = _relax_module(proto, specs)
+    # extract_tasks needs legalized, fused TIR; these are compile_relax's own passes, so the
+    # database keys it looks up are the ones tuned here.
+    fuse = tvm.transform.Sequential([
+        *relax.pipeline.library_dispatch_passes(target),
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+    ])
+    with target:
+        fused = fuse(mod)
+    tasks = ms.relax_integration.extract_tasks(fused, target)
+    prepare_seconds = time.perf_counter() - start
+    if not tasks:
+        raise RuntimeError("MetaSchedule found no tasks to tune in this model")
+    per_task = max(1, job.ms_trials // len(tasks))
+    say(f"MetaSchedule, {job.ms_trials} trials")
+    searched = metaschedule.search(
+        metaschedule.database_dir(job.work_dir, workload.key, job.threads),
+        {"trials": job.ms_trials, "tasks": len(tasks), "per_task": per_task,
+         "target": str(target), "seed": job.seed},
+        lambda path: ms.relax_integration.tune_relax(
+            mod=fused, params={}, target=target, work_dir=path,
+            max_trials_global=job.ms_trials, max_trials_per_task=per_task,
+            num_trials_per_iter=min(64, per_task), builder=local_builder(timeout_sec=600),
+            runner=ms.runner.LocalRunner(timeout_sec=120), cost_model="xgb", seed=job.seed))
+    start = time.perf_counter()
+    executable = ms.relax_integration.compile_relax(searched.database, mod, target, params=None)
+    return _vm_built(executable, inputs, prepare_seconds + time.perf_counter() - start,
+                     tune_seconds=searched.tune_seconds, target=str(target),
+                     notes=f"{job.ms_trials} trials over {len(tasks)} tasks = {per_task} per "
+                     f"task, xgb; {searched.note()}")
+
+
+def _model_onnxruntime(job: Job, workload: ModelWorkload, say: Say) -> Built:
+    import onnxruntime as ort
+
+    proto, specs, inputs = workload.load()
+    start = time.perf_counter()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = job.threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(proto.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    # I/O binding: inputs bound once, so timing excludes Python-side input conversion (as
+    # TVM's time_evaluator does).
+    binding = session.io_binding()
+    for spec, array in zip(specs, inputs, strict=True):
+        binding.bind_cpu_input(spec.name, array)
+    for output in session.get_outputs():
+        binding.bind_output(output.name, "cpu")
+    seconds = time.perf_counter() - start
+
+    def run() -> list[np.ndarray]:
+        session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()
+
+    return Built(run, loop_timer(lambda: session.run_with_iobinding(binding)), seconds,
+                 target=f"onnxruntime {ort.__version__} CPU", notes="run_with_iobinding")
+
+
+def _model_reference(job: Job, workload: ModelWorkload, say: Say) -> Built:
+    from ..reference import run_onnxruntime
+
+    proto, specs, inputs = workload.load()
+    named = {s.name: a for s, a in zip(specs, inputs, strict=True)}
+    return Built(lambda: run_onnxruntime(proto, named, job.threads), None, 0.0)
+
+
+# ------------------------------------------------------------------------------------------
+# GEMMs.
+
+
+def _executable_built(executable, args: list, **details: Any) -> Built:
+    """A TVM GEMM executable on ``args`` (``[X, W, Y]``), timed by TVM's evaluator."""
+
+    def run() -> list[np.ndarray]:
+        executable(*args)
+        return [args[-1].numpy()]
+
+    return Built(run, tvm_timer(executable.mod, executable.mod.entry_name, args), 0.0,
+                 **details)
+
+
+def _plain_matmul(m: int, n: int, k: int):
+    """TVM's plain ``X @ W`` PrimFunc (no schedule): tvm-default's and MetaSchedule's input."""
+    from tvm import te
+
+    x = te.placeholder((m, k), "float32", name="X")
+    w = te.placeholder((k, n), "float32", name="W")
+    r = te.reduce_axis((0, k), name="k")
+    y = te.compute((m, n), lambda i, j: te.sum(x[i, r] * w[r, j], axis=r), name="Y")
+    return te.create_prim_func([x, w, y])
+
+
+def _gemm_args(x: np.ndarray, w: np.ndarray) -> list:
+    import tvm
+
+    return [tvm.runtime.tensor(x), tvm.runtime.tensor(w),
+            tvm.runtime.empty((x.shape[0], w.shape[1]), "float32")]
+
+
+def _tpp_gemm(job: Job, workload: GemmWorkload, config, target, **details: Any) -> Built:
+    """The loop_spec GEMM of ``config``; ``W`` is packed outside the timing (as a model's
+    constant weights are)."""
+    import tvm
+
+    from microkernels.brgemm import BrgemmShape, find_impl
+    from microkernels.machine import machine_of
+    from schedules.gemm import GemmProblem, pack_weight, schedule
+
+    m, n, k = workload.m, workload.n, workload.k
+    isa = machine_of(target).isa
+    executable = tvm.compile(schedule(GemmProblem(m, n, k), config, isa).mod, target=target)
+    kernel, _ = find_impl(BrgemmShape(m=config.bm, n=config.bn, k=config.bk,
+                                      batch=config.k_step, isa=isa.name))
+    steps = dict(config.candidate.block_steps)
+    note = (f"{kernel} kernel, bm x bn x bk x k_step {config.bm}x{config.bn}x{config.bk}"
+            f"x{config.k_step} {config.spec}{' ' + str(steps) if steps else ''}"
+            f"{'' if config.pack_a is None else f' A packed at depth {config.pack_a}'}")
+    details["notes"] = "; ".join(filter(None, (details.get("notes"), note)))
+    x, w = workload.operands(job.seed)
+    args = [tvm.runtime.tensor(x), tvm.runtime.tensor(pack_weight(w, config.bn)),
+            tvm.runtime.empty((m, n), "float32")]
+    return _executable_built(executable, args, target=str(target), **details)
+
+
+def _gemm_tpp(job: Job, workload: GemmWorkload, say: Say) -> Built:
+    from microkernels.machine import machine_of
+    from schedules.gemm import GemmProblem, default_config
+
+    target = _tpp_target(job.threads)
+    config = default_config(GemmProblem(workload.m, workload.n, workload.k), machine_of(target))
+    return _tpp_gemm(job, workload, config, target)
+
+
+def _gemm_tpp_tuned(job: Job, workload: GemmWorkload, say: Say) -> Built:
+    from schedules.gemm import GemmProblem
+    from schedules.tuner import OPS, Database, Measurement, TuningKey, tune
+
+    from .report import explanation
+
+    target = _tpp_target(job.threads)
+    problem = GemmProblem(workload.m, workload.n, workload.k)
+    database = Database(Path(job.work_dir) / TUNING_DATABASE)
+    result = tune(problem, target, database=database, top_k=job.top_k,
+                  budget_seconds=job.tune_budget,
+                  progress=lambda done, total: say(f"tuning {done}/{total}"))
+    record = database.record(TuningKey.of(problem, target)) or {}
+    if result.cached:
+        earlier = record.get("tune_seconds")
+        notes = "database hit (cached" + (f": tuned earlier in {earlier:.1f} s)"
+                                          if earlier is not None else ")")
+        measurements = [Measurement(OPS["dense"].from_json(m["config"]), m.get("model_rank"),
+                                    m.get("predicted_cycles"), m.get("seconds"),
+                                    m.get("error"), m.get("model_class"))
+                        for m in record.get("measured", [])]
+    else:
+        notes = f"tuned: default + model top-{len(result.measurements) - 1}"
+        if job.tune_budget is not None:
+            notes += f" (budget {job.tune_budget:g} s)"
+        measurements = list(result.measurements)
+    return _tpp_gemm(job, workload, result.best, target, tune_seconds=result.tune_seconds,
+                     notes=notes, explain=explanation(measurements, problem, result.best))
+
+
+def _gemm_numpy(job: Job, workload: GemmWorkload, say: Say) -> Built:
+    x, w = workload.operands(job.seed)
+    out = np.empty((workload.m, workload.n), "float32")
+
+    def run() -> list[np.ndarray]:
+        np.matmul(x, w, out=out)
+        return [out]
+
+    blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    return Built(run, loop_timer(lambda: np.matmul(x, w, out=out)), 0.0,
+                 notes=f"numpy {np.__version__} with {blas.get('name')} "
+                       f"{blas.get('version', '')}".strip())
+
+
+def _gemm_tvm_default(job: Job, workload: GemmWorkload, say: Say) -> Built:
+    import tvm
+
+    m, n, k = workload.m, workload.n, workload.k
+    target = host_llvm(job.threads)
+    x, w = workload.operands(job.seed)
+    # Rows are independent in the naive loops: a run on a few rows predicts the full one.
+    rows = max(1, min(m, 4, int(2e7 // (2 * n * k))))
+    if rows < m:
+        probe = tvm.compile(_plain_matmul(rows, n, k), target=target)
+        args = _gemm_args(x[:rows], w)
+        probe(*args)  # warm-up
+        predicted = min(tvm_timer(probe.mod, probe.mod.entry_name, args)(1, 3, True)) * m / rows
+        if predicted > job.tvm_default_limit:
+            raise Unavailable(f"one run would take ~{predicted:.3g} s (> "
+                              f"{job.tvm_default_limit:g} s limit; timed on {rows} rows)")
+    executable = tvm.compile(_plain_matmul(m, n, k), target=target)
+    return _executable_built(executable, _gemm_args(x, w), target=str(target),
+                             notes="no schedule: naive serial loops")
+
+
+def _gemm_metaschedule(job: Job, workload: GemmWorkload, say: Say) -> Built:
+    _needs_metaschedule()
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    from schedules.ms_space import local_builder
+
+    target = host_llvm(job.threads)
+    func = _plain_matmul(workload.m, workload.n, workload.k)
+    say(f"MetaSchedule, {job.ms_trials} trials")
+    searched = metaschedule.search(
+        metaschedule.database_dir(job.work_dir, workload.key, job.threads),
+        {"trials": job.ms_trials, "target": str(target), "seed": job.seed},
+        lambda path: ms.tune_tir(mod=func, target=target, work_dir=path,
+                                 max_trials_global=job.ms_trials,
+                                 num_trials_per_iter=min(64, job.ms_trials),
+                                 builder=local_builder(), cost_model="xgb", seed=job.seed))
+    sch = ms.tir_integration.compile_tir(searched.database, func, target)
+    if sch is None:
+        raise RuntimeError(f"MetaSchedule found no valid schedule; logs in {searched.path}/logs")
+    x, w = workload.operands(job.seed)
+    return _executable_built(tvm.compile(sch.mod, target=target), _gemm_args(x, w),
+                             tune_seconds=searched.tune_seconds, target=str(target),
+                             notes=f"{job.ms_trials} trials, xgb; {searched.note()}")
+
+
+_BUILDERS: dict[str, dict[type, Callable[..., Built]]] = {
+    "tpp": {ModelWorkload: _model_tpp, GemmWorkload: _gemm_tpp},
+    "tpp-tuned": {ModelWorkload: _model_tpp_tuned, GemmWorkload: _gemm_tpp_tuned},
+    "numpy": {GemmWorkload: _gemm_numpy},
+    "tvm-default": {ModelWorkload: _model_tvm_default, GemmWorkload: _gemm_tvm_default},
+    "metaschedule": {ModelWorkload: _model_metaschedule, GemmWorkload: _gemm_metaschedule},
+    "onnxruntime": {ModelWorkload: _model_onnxruntime},
+    "reference": {ModelWorkload: _model_reference},
+}
+
+
+def supports(impl: str, workload: Workload) -> bool:
+    """Whether ``impl`` builds workloads of ``workload``'s kind."""
+    return type(workload) in _BUILDERS.get(impl, {})
+
+
+def build(job: Job, workload: Workload, say: Say) -> Built:
+    """``job.impl`` built for ``workload``.
+
+    Raises
+    ------
+    Unavailable
+        It cannot run here (missing packages, a run too slow to time).
+    ValueError
+        It does not build this kind of workload.
+    """
+    if not supports(job.impl, workload):
+        raise ValueError(f"{job.impl} does not build a {type(workload).__name__}")
+    return _BUILDERS[job.impl][type(workload)](job, workload, say)

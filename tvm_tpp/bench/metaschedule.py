@@ -1,0 +1,110 @@
+"""The MetaSchedule baseline's database: searched once per setting, reused while it holds.
+
+Both benchmarks tune MetaSchedule the same way: one database directory per workload and
+thread count under ``work_dir/metaschedule``, with a ``bench_meta.json`` that records the
+settings it was searched with and how long the search took.  A later run with the same
+settings reuses it (no search: tuning seconds 0, the earlier search's seconds in the notes);
+other settings would mix results, so the directory starts afresh.
+
+Examples
+--------
+>>> database_dir("wd", "64x64x64", 2).as_posix()
+'wd/metaschedule/64x64x64_t2'
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetaScheduleDatabase", "database_dir", "missing_packages", "search"]
+
+# MetaSchedule's cost model and workers: the [tune] extra.
+_NEEDS = ("xgboost", "psutil", "cloudpickle")
+_META = "bench_meta.json"
+
+
+def missing_packages() -> list[str]:
+    """The packages MetaSchedule's search needs that are not installed."""
+    return [m for m in _NEEDS if importlib.util.find_spec(m) is None]
+
+
+def database_dir(work_dir: str | os.PathLike, key: str, threads: int) -> Path:
+    """Where the database of workload ``key`` at ``threads`` lives."""
+    return Path(work_dir) / "metaschedule" / f"{key}_t{threads}"
+
+
+@dataclass(frozen=True)
+class MetaScheduleDatabase:
+    """A searched (or reused) database and what its search cost.
+
+    Attributes
+    ----------
+    database
+        The ``JSONDatabase``.
+    path
+        Its directory.
+    tune_seconds
+        Seconds searched in this run (0 when reused).
+    earlier_seconds
+        When reused: the seconds of the search that filled it.
+    startup_seconds
+        MetaSchedule's one-off tensor-intrinsic import (30-60 s per process), timed apart:
+        it is no search, and it would make the first workload's search look slower.
+    """
+
+    database: Any
+    path: Path
+    tune_seconds: float
+    earlier_seconds: float | None = None
+    startup_seconds: float = 0.0
+
+    def note(self) -> str:
+        """``database DIR`` and, when it applies, how its tuning time was counted."""
+        if self.earlier_seconds is not None:
+            return (f"database {self.path} (reused: searched earlier in "
+                    f"{self.earlier_seconds:.1f} s)")
+        extra = (f"; +{self.startup_seconds:.0f} s one-off MetaSchedule start-up not counted"
+                 if self.startup_seconds > 1 else "")
+        return f"database {self.path}{extra}"
+
+
+def search(path: Path, settings: dict[str, Any], run_search: Callable[[str], Any]
+           ) -> MetaScheduleDatabase:
+    """The database in ``path`` if it was searched with ``settings``, else a new search.
+
+    Parameters
+    ----------
+    path
+        The database directory (:func:`database_dir`).
+    settings
+        Everything that makes two searches differ (trials, target, seed, ...), as JSON values.
+    run_search
+        Searches into the directory it is given and returns the database
+        (``tune_tir`` or ``tune_relax``).
+    """
+    from tvm.s_tir import meta_schedule as ms
+
+    meta_path = path / _META
+    old = json.loads(meta_path.read_text()) if meta_path.is_file() else None
+    if old is not None and {key: old.get(key) for key in settings} == settings:
+        return MetaScheduleDatabase(ms.database.JSONDatabase(work_dir=str(path)), path, 0.0,
+                                    float(old["tune_seconds"]))
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    start = time.perf_counter()
+    import tvm.s_tir.tensor_intrin  # noqa: F401  (what TuneContext imports first)
+
+    startup = time.perf_counter() - start
+    start = time.perf_counter()
+    database = run_search(str(path))
+    tune_seconds = time.perf_counter() - start
+    meta_path.write_text(json.dumps({**settings, "tune_seconds": tune_seconds}))
+    return MetaScheduleDatabase(database, path, tune_seconds, None, startup)

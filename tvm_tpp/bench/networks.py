@@ -1,0 +1,507 @@
+"""``tvm-tpp bench``: TPP against TVM's own build, MetaSchedule and ONNX Runtime, fairly.
+
+The rules that keep the comparison fair:
+
+- every implementation builds and runs in its own worker process
+  (:mod:`tvm_tpp.bench.protocol`), because thread pools sharing a process disturb each other;
+- all use the same number of threads and the same seeded inputs;
+- after a warm-up, timed samples alternate round-robin between the live workers (one sample
+  per worker per round, in :func:`~tvm_tpp.bench.timing.turn_order`), so drift of the
+  machine hits all alike; the median, p10 and p90 of the samples are reported;
+- every output is checked against ONNX Runtime; a row whose normwise relative error exceeds
+  the tolerance is ``WRONG`` and is not ranked;
+- compile and tuning seconds are reported apart from latency (tuning seconds by the one rule
+  of :mod:`tvm_tpp.bench.impls`); ``tpp-tuned`` tunes into ``work_dir/tuning.json``, so a
+  model tuned there before (by ``tvm-tpp tune --work-dir``) is not tuned again.
+
+A worker that crashes, fails or times out becomes a row with the reason; the bench goes on.
+This module itself never imports TVM or ONNX Runtime.
+
+Examples
+--------
+>>> cfg = BenchConfig(models=("mlp",), impls=("tpp", "onnxruntime"), repeat=5)  # doctest: +SKIP
+>>> rows = run_bench(cfg)                                                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from microkernels import isa as _isa
+
+from .. import models
+from ..errors import ModelError
+from ..onnx_import import input_specs, load_onnx
+from ..reference import max_errors, random_inputs
+from . import impls as _impls
+from .progress import Progress
+from .protocol import REFERENCE, Job, TimingError, measure, prepared, start_worker, worker_command
+from .timing import PAUSE_SECONDS, Plan, SamplingPolicy, turn_order
+from .workers import Worker, WorkerError
+from .workloads import ModelWorkload
+
+__all__ = [
+    "BASELINES",
+    "IMPLS",
+    "STATUSES",
+    "TOLERANCE",
+    "BenchConfig",
+    "Row",
+    "default_work_dir",
+    "judge",
+    "run_bench",
+]
+
+#: The implementations ``tvm-tpp bench`` compares, in table order.
+IMPLS = tuple(i for i in _impls.IMPLS if i != "numpy")
+#: Implementations every other row's speedup is given against, when they were benchmarked.
+BASELINES = ("tvm-default", "metaschedule", "onnxruntime")
+#: ``ok``; ``WRONG`` (over tolerance); ``error`` (crash, failure, time-out); ``skipped``
+#: (not available here); ``unchecked`` (ONNX Runtime could not produce a reference).
+STATUSES = ("ok", "WRONG", "error", "skipped", "unchecked")
+#: Largest normwise relative error against ONNX Runtime that still counts as correct.
+TOLERANCE = 1e-4
+
+def default_work_dir() -> Path:
+    """Where models, logs and tuning databases go unless ``--work-dir`` says otherwise."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "tvm-tpp" / "bench"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to benchmark and how.
+
+    Parameters
+    ----------
+    models
+        Bundled model names (:func:`tvm_tpp.models.names`) or ONNX file paths.
+    batches
+        Batch sizes of bundled models; for files, a symbolic first dimension is set to each
+        (a file with a static batch runs once, at its own batch).
+    threads
+        Threads of every implementation; default: the cores this process may use.
+    repeat
+        Timed samples per implementation (fewer for runs over ``slow_seconds``).
+    impls
+        Implementations, a subset of :data:`IMPLS`.
+    ms_trials
+        MetaSchedule's total trial budget, split evenly over the model's tasks.
+    work_dir
+        Models, inputs, outputs, worker logs and tuning databases.
+    seed
+        Seed of the weights of bundled models, of the inputs and of MetaSchedule.
+    tolerance
+        Largest normwise relative error against ONNX Runtime that counts as correct.
+    timeout
+        Seconds a worker may take to build (and tune) before it is killed.
+    sample_seconds
+        Target length of one timed sample: fast models run back to back until it is reached.
+    slow_seconds, slow_budget
+        Runs longer than ``slow_seconds`` get no warm-up and only about
+        ``slow_budget / run`` samples (at least 3, at most ``repeat``).
+    pause
+        Seconds of quiet before each sample (:data:`~tvm_tpp.bench.timing.PAUSE_SECONDS`).
+    worker_command
+        The worker's command line; the job's JSON is appended.
+
+    Examples
+    --------
+    >>> BenchConfig(models=("mlp",), impls=("tpp", "onnxruntime")).batches
+    (1,)
+    """
+
+    models: tuple[str, ...]
+    batches: tuple[int, ...] = (1,)
+    threads: int = field(default_factory=_isa.num_cores)
+    repeat: int = 10
+    impls: tuple[str, ...] = IMPLS
+    ms_trials: int = 64
+    work_dir: Path = field(default_factory=default_work_dir)
+    seed: int = 0
+    tolerance: float = TOLERANCE
+    timeout: float = 3600.0
+    sample_seconds: float = 0.05
+    slow_seconds: float = 1.0
+    slow_budget: float = 30.0
+    pause: float = PAUSE_SECONDS
+    worker_command: tuple[str, ...] = field(default_factory=worker_command)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "batches", tuple(self.batches))
+        object.__setattr__(self, "impls", tuple(self.impls))
+        object.__setattr__(self, "work_dir", Path(self.work_dir))
+        object.__setattr__(self, "worker_command", tuple(self.worker_command))
+        if not self.models:
+            raise ValueError("give at least one model (bundled name or ONNX file)")
+        unknown = [i for i in self.impls if i not in IMPLS]
+        if unknown or not self.impls or len(set(self.impls)) != len(self.impls):
+            raise ValueError(f"implementations must be distinct names from {', '.join(IMPLS)}; "
+                             f"got {', '.join(self.impls) or 'none'}")
+        for name in ("threads", "repeat", "ms_trials"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
+            raise ValueError(f"batches must be positive ints, got {self.batches}")
+        for name in ("tolerance", "timeout", "sample_seconds", "slow_seconds", "slow_budget"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.pause < 0:
+            raise ValueError(f"pause must be >= 0, got {self.pause}")
+
+    @property
+    def sampling(self) -> SamplingPolicy:
+        """Samples of ``sample_seconds`` each; slow runs get fewer, without warm-up.
+
+        Examples
+        --------
+        >>> BenchConfig(models=("mlp",), repeat=10).sampling.plan(0.001)
+        Plan(number=50, samples=10, warmup=True)
+        """
+        return SamplingPolicy(samples=self.repeat, sample_seconds=self.sample_seconds,
+                              slow_seconds=self.slow_seconds, budget_seconds=self.slow_budget)
+
+    def command_line(self) -> str:
+        """The ``tvm-tpp bench`` command that reproduces this configuration."""
+        words = ["tvm-tpp", "bench", *self.models,
+                 "--batch", ",".join(map(str, self.batches)), "--threads", str(self.threads),
+                 "--repeat", str(self.repeat), "--impls", ",".join(self.impls),
+                 "--ms-trials", str(self.ms_trials), "--work-dir", str(self.work_dir),
+                 "--seed", str(self.seed), "--timeout", f"{self.timeout:g}"]
+        return shlex.join(words)
+
+
+
+
+@dataclass(frozen=True)
+class Row:
+    """One implementation on one model and batch; times in ms, build costs in seconds.
+
+    ``speedup`` maps each baseline of :data:`BASELINES` that ran correctly on the same model
+    and batch to ``baseline median / this median`` (filled in by :func:`judge`).
+    """
+
+    model: str
+    batch: int
+    threads: int
+    impl: str
+    median_ms: float | None = None
+    p10_ms: float | None = None
+    p90_ms: float | None = None
+    compile_seconds: float | None = None
+    tune_seconds: float | None = None
+    max_rel_err: float | None = None
+    max_abs_err: float | None = None
+    status: str = "ok"
+    error: str | None = None
+    samples: int = 0
+    runs_per_sample: int = 0
+    target: str | None = None
+    notes: str | None = None
+    speedup: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.impl not in IMPLS:
+            raise ValueError(f"unknown implementation {self.impl!r}")
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+
+
+@dataclass(frozen=True)
+class _Case:
+    """One model at one batch size, with its files."""
+
+    label: str
+    batch: int
+    model_path: Path
+    input_shapes: dict[str, list[int]] | None
+    run_dir: Path
+
+    @property
+    def key(self) -> str:
+        return f"{self.label}_{self.batch}"
+
+    @property
+    def title(self) -> str:
+        return f"{self.label} b{self.batch}"
+
+
+def _is_file_model(model: str) -> bool:
+    return os.path.exists(model) or model.endswith(".onnx")
+
+
+def _cases(cfg: BenchConfig) -> list[_Case]:
+    """Resolve every model and batch, write models and inputs; fails before any worker runs."""
+    for model in cfg.models:
+        if not _is_file_model(model) and model not in models.names():
+            raise ModelError(f"{model!r} is neither an ONNX file nor a bundled model; bundled: "
+                             + ", ".join(models.names()))
+    cases: dict[tuple[str, int], _Case] = {}
+    for model in cfg.models:
+        for batch in cfg.batches:
+            shapes = None
+            if _is_file_model(model):
+                path = Path(model).resolve()
+                proto = load_onnx(path)
+                shapes = _batched_shapes(proto, batch)
+                label = path.stem
+            else:
+                proto = models.load(model, batch=batch, seed=cfg.seed)
+                path, label = None, model
+            specs = input_specs(proto, shapes)
+            actual = specs[0].shape[0] if specs and specs[0].shape else batch
+            if (label, actual) in cases:
+                continue  # a file with a static batch: once is enough
+            run_dir = cfg.work_dir / "runs" / f"{label}_{actual}"
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            if path is None:
+                path = run_dir / "model.onnx"
+                import onnx
+
+                onnx.save(proto, str(path))
+            np.savez(run_dir / "inputs.npz", **random_inputs(specs, seed=cfg.seed))
+            cases[(label, actual)] = _Case(label, actual, path, shapes, run_dir)
+    return list(cases.values())
+
+
+def _batched_shapes(proto, batch: int) -> dict[str, list[int]] | None:
+    """Input shapes with a symbolic leading dimension set to ``batch``."""
+    initializers = {i.name for i in proto.graph.initializer}
+    shapes = {}
+    for value in proto.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name in initializers or not dims or dims[0].dim_value > 0:
+            continue
+        rest = [d.dim_value if d.dim_value > 0 else -1 for d in dims[1:]]
+        if -1 in rest:
+            return None  # more than the batch is symbolic: input_specs names the input
+        shapes[value.name] = [batch, *rest]
+    return shapes or None
+
+
+
+
+@dataclass
+class _Timed:
+    """A live worker being timed and what it reported when prepared."""
+
+    impl: str
+    worker: Worker
+    answer: dict[str, Any]
+    plan: Plan
+    rel_err: float | None
+    abs_err: float | None
+    problem: str | None
+    samples: list[float] = field(default_factory=list)
+    failure: str | None = None
+
+
+def _check(outputs_path: Path, reference: list[np.ndarray] | None
+           ) -> tuple[float | None, float | None, str | None]:
+    """(normwise relative error, absolute error, problem) of a worker's outputs."""
+    if reference is None:
+        return None, None, None
+    try:
+        got = _outputs(outputs_path)
+        abs_err, rel_err = max_errors(got, reference)
+    except (OSError, KeyError, ValueError) as err:
+        return None, None, f"outputs not comparable: {err}"
+    if not (math.isfinite(rel_err) and math.isfinite(abs_err)):
+        return None, None, "non-finite outputs"
+    return rel_err, abs_err, None
+
+
+def _outputs(path: Path) -> list[np.ndarray]:
+    with np.load(path) as stored:
+        return [stored[f"out{i}"] for i in range(len(stored.files))]
+
+
+def _workload(case: _Case, impl: str) -> ModelWorkload:
+    return ModelWorkload(str(case.model_path), str(case.run_dir / "inputs.npz"),
+                         str(case.run_dir / f"{impl}.npz"), case.key, case.input_shapes)
+
+
+def _start(cfg: BenchConfig, case: _Case, impl: str) -> Worker:
+    job = Job(impl, cfg.threads, str(cfg.work_dir), (_workload(case, impl),), seed=cfg.seed,
+              ms_trials=cfg.ms_trials)
+    return start_worker(cfg.worker_command, job, case.run_dir / "logs" / f"{impl}.log")
+
+
+def _setup(cfg: BenchConfig, case: _Case, worker: Worker, progress: Progress, impl: str
+           ) -> dict[str, Any]:
+    """The worker's ``prepared`` message (killing it if it fails to send one)."""
+
+    def on_step(index: int, step: str) -> None:
+        progress.say(f"{case.title}: {impl}: {step}")
+
+    try:
+        (answer,) = prepared(worker, cfg.timeout, on_step)
+    except WorkerError:
+        worker.close()
+        raise
+    except BaseException:  # e.g. Ctrl-C while it builds: leave no orphan behind
+        worker.kill()
+        worker.close()
+        raise
+    return answer
+
+
+def _reference(cfg: BenchConfig, case: _Case, progress: Progress
+               ) -> tuple[list[np.ndarray] | None, str | None]:
+    """ONNX Runtime's outputs, computed in a worker of their own."""
+    worker = _start(cfg, case, REFERENCE)
+    try:
+        answer = _setup(cfg, case, worker, progress, REFERENCE)
+    except WorkerError as err:
+        return None, str(err)
+    worker.close()
+    if not answer.get("ok"):
+        return None, answer.get("error", "failed")
+    return _outputs(Path(_workload(case, REFERENCE).outputs)), None
+
+
+def _bench_case(cfg: BenchConfig, case: _Case, progress: Progress) -> list[Row]:
+    base = {"model": case.label, "batch": case.batch, "threads": cfg.threads}
+    progress.say(f"{case.title}: ONNX Runtime reference")
+    reference, ref_error = _reference(cfg, case, progress)
+    progress.say(f"{case.title}: reference done", advance=1)
+    rows: dict[str, Row] = {}
+    live: list[_Timed] = []
+    try:
+        for impl in cfg.impls:
+            progress.say(f"{case.title}: building {impl}")
+            worker = _start(cfg, case, impl)
+            try:
+                answer = _setup(cfg, case, worker, progress, impl)
+            except WorkerError as err:
+                rows[impl] = Row(**base, impl=impl, status="error", error=str(err))
+                continue
+            finally:
+                progress.say(f"{case.title}: built {impl}", advance=1)
+            if not answer.get("ok"):
+                worker.close()
+                skipped = "skipped" in answer
+                rows[impl] = Row(**base, impl=impl, status="skipped" if skipped else "error",
+                                 error=answer.get("skipped") or answer.get("error", "failed"))
+                continue
+            run_seconds = answer.get("run_seconds")
+            if not isinstance(run_seconds, (int, float)) or not run_seconds >= 0:
+                worker.kill()
+                worker.close()
+                rows[impl] = Row(**base, impl=impl, status="error",
+                                 error=f"worker reported no run time: {answer}")
+                continue
+            rel, abs_, problem = _check(Path(_workload(case, impl).outputs), reference)
+            live.append(_Timed(impl, worker, answer, cfg.sampling.plan(float(run_seconds)),
+                               rel, abs_, problem))
+        _time_round_robin(cfg, case, live, progress)
+    except BaseException:  # Ctrl-C or a bug: do not wait for busy workers to finish a sample
+        for timed in live:
+            timed.worker.kill()
+        raise
+    finally:
+        for timed in live:
+            timed.worker.close()
+    for timed in live:
+        rows[timed.impl] = _timed_row(base, timed, ref_error)
+    return [rows[impl] for impl in cfg.impls]
+
+
+def _time_round_robin(cfg: BenchConfig, case: _Case, live: list[_Timed],
+                      progress: Progress) -> None:
+    """One sample per live worker per round, in :func:`turn_order`, until each has its own."""
+    task = progress.add(f"{case.title}: timing", sum(t.plan.samples for t in live))
+    for round_ in range(max((t.plan.samples for t in live), default=0)):
+        for timed in turn_order(live, round_):
+            if timed.failure is not None or round_ >= timed.plan.samples:
+                continue
+            time.sleep(cfg.pause)
+            number, _, warmup = timed.plan
+            expected = number * float(timed.answer["run_seconds"]) * (2 if warmup else 1)
+            try:
+                (seconds,) = measure(timed.worker, 0, Plan(number, 1, warmup),
+                                     timeout=max(120.0, 10 * expected))
+            except TimingError as err:
+                timed.failure = str(err)
+                timed.worker.kill()
+                continue
+            except WorkerError as err:
+                timed.failure = str(err)
+                continue
+            timed.samples.append(seconds)
+            progress.tick(task)
+
+
+def _timed_row(base: Mapping[str, Any], timed: _Timed, ref_error: str | None) -> Row:
+    answer = timed.answer
+    common = dict(base, impl=timed.impl, compile_seconds=answer.get("compile_seconds"),
+                  tune_seconds=answer.get("tune_seconds"), max_rel_err=timed.rel_err,
+                  max_abs_err=timed.abs_err, runs_per_sample=timed.plan.number,
+                  target=answer.get("target") or None, notes=answer.get("notes") or None)
+    if timed.failure is not None:
+        return Row(**common, status="error", error=f"during timing: {timed.failure}",
+                   samples=len(timed.samples))
+    ms = np.asarray(timed.samples) * 1e3
+    stats = {"median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
+             "p90_ms": float(np.percentile(ms, 90)), "samples": len(ms)}
+    if timed.problem is not None:
+        return Row(**common, **stats, status="WRONG", error=timed.problem)
+    if ref_error is not None:
+        return Row(**common, **stats, status="unchecked", error=f"no reference: {ref_error}")
+    return Row(**common, **stats)
+
+
+def judge(rows: Sequence[Row], tolerance: float = TOLERANCE) -> list[Row]:
+    """Flag rows over ``tolerance`` as WRONG, then rank the correct ones against the baselines.
+
+    Only ``ok`` rows get speedups, and only against baselines that are ``ok`` themselves.
+
+    Examples
+    --------
+    >>> rows = [Row("m", 1, 2, "tpp", median_ms=1.0, max_rel_err=1e-6),
+    ...         Row("m", 1, 2, "onnxruntime", median_ms=2.0, max_rel_err=0.0)]
+    >>> judge(rows)[0].speedup
+    {'onnxruntime': 2.0}
+    """
+    flagged = []
+    for row in rows:
+        if row.status == "ok" and row.max_rel_err is None:
+            row = replace(row, status="unchecked", error=row.error or "no error measured")
+        elif row.status == "ok" and not row.max_rel_err <= tolerance:
+            row = replace(row, status="WRONG",
+                          error=f"max rel err {row.max_rel_err:.2e} > tolerance {tolerance:g}")
+        flagged.append(row)
+    ranked = []
+    for row in flagged:
+        speedup = {}
+        if row.status == "ok" and row.median_ms:
+            for other in flagged:
+                if (other.impl in BASELINES and other.status == "ok" and other.median_ms
+                        and (other.model, other.batch) == (row.model, row.batch)):
+                    speedup[other.impl] = other.median_ms / row.median_ms
+        ordered = {b: speedup[b] for b in BASELINES if b in speedup}
+        ranked.append(replace(row, speedup=ordered))
+    return ranked
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Row]:
+    """Benchmark every model, batch and implementation of ``cfg``; rows judged and ranked."""
+    cases = _cases(cfg)
+    rows: list[Row] = []
+    with Progress(progress, total=len(cases) * (1 + len(cfg.impls))) as bar:
+        for case in cases:
+            rows += _bench_case(cfg, case, bar)
+        bar.say("done")
+    return judge(rows, cfg.tolerance)
+
