@@ -164,8 +164,8 @@ class CompiledModel:
 
         Examples
         --------
-        >>> tvm_tpp.compile(model, target="tpp -isa=neon").source("asm")  # doctest: +SKIP
-        '...fmla\tv8.4s, v1.4s, v0.s[0]...'
+        >>> "fmla" in tvm_tpp.compile(model, target="tpp -isa=neon").source("asm")  # doctest: +SKIP
+        True
         """
         if kind not in _SOURCE_FORMATS:
             raise ValueError(f"kind must be one of {list(_SOURCE_FORMATS)}, got {kind!r}")
