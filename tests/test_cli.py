@@ -116,7 +116,7 @@ def test_tune_then_compile_and_run_use_the_work_dir(tmp_path, dense_file, capsys
     for argv in (["compile", "-o", str(so)], ["run", "--repeat", "1"]):
         assert main([*argv, str(dense_file), "--work-dir", str(work), "-v"]) == 0
         out = capsys.readouterr().out
-        assert f"configs from {database}" in out
+        assert f"configs looked up in {database}" in out
         assert f"{KERNEL} [{other['spec']}" in out, out
     assert main(["run", str(dense_file), "--repeat", "1", "-v"]) == 0  # no ./tvm_tpp_work
     assert f"{KERNEL} [{default['spec']}" in capsys.readouterr().out

@@ -123,7 +123,7 @@ def _print_kernels(compiled: CompiledModel, verbose: bool) -> None:
     """How many operators became TPP kernels and where their configs came from; verbose,
     each operator's kernel with its config in brackets, or why it stayed with TVM."""
     kernels = sum(o.kernel is not None for o in compiled.report)
-    configs = (f"configs from {compiled.database}" if compiled.database is not None
+    configs = (f"configs looked up in {compiled.database}" if compiled.database is not None
                else "default configs (no tuning database)")
     print(f"TPP kernels  : {kernels} of {len(compiled.report)} operators, {configs}")
     if verbose:
