@@ -1,10 +1,12 @@
-"""tvm-tpp bench: workers, round-robin timing, correctness flags, JSON, table and plot.
+"""tvm-tpp bench (tvm_tpp.bench.networks): round-robin timing, correctness flags, reports.
 
-No timing assertions: latencies are only checked to exist and be positive.
+The default suite drives the harness with stand-in workers that speak the protocol without
+TVM; the real workers run in the slow tests.  No timing assertions: latencies are only
+checked to exist and be positive.
 """
 
+import io
 import json
-import math
 import sys
 import textwrap
 
@@ -14,9 +16,11 @@ import psutil
 import pytest
 from conftest import make_dense_model
 
-from tvm_tpp import bench, bench_worker
-from tvm_tpp.bench import BenchConfig, Row, format_table, judge, plan_timing, run_bench
+from tvm_tpp.bench.networks import BenchConfig, Row, judge, run_bench
+from tvm_tpp.bench.plots import plot
+from tvm_tpp.bench.report import print_report
 from tvm_tpp.cli import main
+from tvm_tpp.errors import ModelError
 
 ROW_KEYS = {"model", "batch", "threads", "impl", "median_ms", "p10_ms", "p90_ms",
             "compile_seconds", "tune_seconds", "max_rel_err"}
@@ -31,86 +35,110 @@ def symbolic_dense(tmp_path):
     return path
 
 
-def test_cli_bench_end_to_end(tmp_path, symbolic_dense, capsys):
-    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
-    code = main(["bench", str(symbolic_dense), "--batch", "3", "--impls",
-                 "tpp,tvm-default,onnxruntime", "--repeat", "3", "--work-dir",
-                 str(tmp_path / "wd"), "--json", str(out_json), "--plot", str(out_png), "-q"])
-    assert code == 0
-    printed = capsys.readouterr().out
-    assert "tvm-default" in printed and "rel err" in printed
-
-    doc = json.loads(out_json.read_text())
-    assert doc["command"].startswith("tvm-tpp bench ") and "--impls tpp,tvm-default" in \
-        doc["command"]
-    assert HOST_KEYS <= set(doc["host"]) and doc["host"]["cores"] >= 1
-    assert doc["host"]["tvm_version"].startswith("0.27")
-    assert "fma" in doc["host"]["simd_flags"] or "asimd" in doc["host"]["simd_flags"]
-    rows = doc["rows"]
-    assert [r["impl"] for r in rows] == ["tpp", "tvm-default", "onnxruntime"]
-    for row in rows:
-        assert ROW_KEYS <= set(row), row
-        assert row["model"] == "dense" and row["batch"] == 3  # symbolic N set to --batch
-        assert row["status"] == "ok", row
-        assert row["max_rel_err"] <= 1e-4
-        assert row["samples"] == 3 and row["runs_per_sample"] >= 1
-        assert 0 < row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
-        assert row["compile_seconds"] >= 0 and row["tune_seconds"] is None
-    assert set(rows[0]["speedup"]) == {"tvm-default", "onnxruntime"}
-    assert rows[1]["speedup"]["tvm-default"] == pytest.approx(1.0)
-    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-_FAULTY_WORKER = textwrap.dedent("""
-    import json, os, runpy, shutil, sys, time
+# A stand-in worker: the reference writes the inputs' first array as its output; the others
+# copy it (onnxruntime, tpp), copy it perturbed (tvm-default: WRONG), skip (metaschedule) or
+# die on their second sample (tpp-tuned).  Every timing request is recorded.
+_FAKE_WORKER = textwrap.dedent("""
+    import json, os, shutil, sys
     from pathlib import Path
 
+    import numpy as np
+
     job = json.loads(sys.argv[1])
-    impl = job["impl"]
-    if impl == "tvm-default":
-        os.abort()                                   # dies while building
-    if impl == "tpp":
-        time.sleep(600)                              # hangs while building
+    impl, workload = job["impl"], job["workloads"][0]["model"]
+    record = open(os.environ["FAKE_RECORD"], "a", buffering=1)
+    out = Path(workload["outputs"])
+    reference = out.with_name("reference.npz")
+
+    def send(message):
+        print(json.dumps(message), flush=True)
+
     if impl == "metaschedule":
-        print(json.dumps({"skipped": "not here"}), flush=True)
+        send({"prepared": 0, "skipped": "not here"})
+        send({"ready": True})
         sys.exit(0)
-    if impl == "tpp-tuned":                          # builds, then dies on the first sample
-        out = Path(job["outputs"])
-        shutil.copy(out.with_name("reference.npz"), out)
-        print(json.dumps({"ok": True, "compile_seconds": 0.0, "tune_seconds": None,
-                          "run_seconds": 0.001}), flush=True)
-        sys.stdin.readline()
-        os._exit(7)
-    runpy.run_module("tvm_tpp.bench_worker", run_name="__main__")
+    if impl == "reference":
+        with np.load(workload["inputs"]) as stored:
+            np.savez(out, out0=stored[stored.files[0]])
+    elif impl == "tvm-default":
+        with np.load(reference) as stored:
+            np.savez(out, out0=stored["out0"] + 1.0)
+    else:
+        shutil.copy(reference, out)
+    send({"step": "build", "workload": 0})
+    send({"prepared": 0, "ok": True, "compile_seconds": 0.5, "tune_seconds": None,
+          "run_seconds": 0.002, "target": "fake", "notes": f"{impl} notes"})
+    send({"ready": True})
+    for count, line in enumerate(sys.stdin):
+        request = json.loads(line)
+        if request.get("quit"):
+            break
+        record.write(f"{impl} {request['number']} {request['repeat']} {request['warmup']}\\n")
+        if impl == "tpp-tuned" and count == 1:
+            os._exit(7)
+        send({"seconds": [0.001 if impl == "tpp" else 0.002]})
 """)
 
 
-def test_failing_workers_become_error_rows(tmp_path, symbolic_dense):
-    script = tmp_path / "faulty_worker.py"
-    script.write_text(_FAULTY_WORKER)
-    cfg = BenchConfig(models=(str(symbolic_dense),), repeat=2, timeout=10,
-                      work_dir=tmp_path / "wd", worker_command=(sys.executable, str(script)))
-    rows = {r.impl: r for r in run_bench(cfg, progress=False)}
-    assert rows["tpp"].status == "error" and "timed out" in rows["tpp"].error
-    assert rows["tvm-default"].status == "error" and "SIGABRT" in rows["tvm-default"].error
-    assert rows["tpp-tuned"].status == "error"
-    assert "during timing" in rows["tpp-tuned"].error and "status 7" in rows["tpp-tuned"].error
-    assert rows["metaschedule"].status == "skipped" and rows["metaschedule"].error == "not here"
-    ort = rows["onnxruntime"]
-    assert ort.status == "ok" and ort.samples == 2 and ort.max_rel_err <= 1e-4
-    assert ort.speedup == {"onnxruntime": pytest.approx(1.0)}  # the failed baselines rank nothing
-    assert not psutil.Process().children(recursive=True)  # the hung worker was killed
+@pytest.fixture
+def fake_rows(tmp_path, symbolic_dense, monkeypatch):
+    script = tmp_path / "fake_worker.py"
+    script.write_text(_FAKE_WORKER)
+    record = tmp_path / "record.txt"
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    cfg = BenchConfig(models=(str(symbolic_dense),), batches=(3,), threads=2, repeat=3,
+                      pause=0.0, work_dir=tmp_path / "wd",
+                      worker_command=(sys.executable, str(script)))
+    rows = run_bench(cfg, progress=False)
+    return cfg, rows, record.read_text().splitlines()
 
 
-def test_metaschedule_skipped_without_its_dependencies(monkeypatch, tmp_path):
-    import importlib.util
+def test_harness_times_round_robin_and_judges(fake_rows):
+    cfg, rows, requests = fake_rows
+    by_impl = {r.impl: r for r in rows}
+    assert [r.impl for r in rows] == list(cfg.impls)
+    tpp, ort = by_impl["tpp"], by_impl["onnxruntime"]
+    for row in (tpp, ort):
+        assert (row.model, row.batch, row.threads) == ("dense", 3, 2)  # symbolic N set
+        assert row.status == "ok" and row.max_rel_err == 0.0 and row.samples == 3
+        assert row.runs_per_sample == 25  # 50 ms samples of a 2 ms run
+        assert row.compile_seconds == 0.5 and row.notes == f"{row.impl} notes"
+    assert tpp.median_ms == pytest.approx(1.0) and ort.median_ms == pytest.approx(2.0)
+    assert tpp.speedup == {"onnxruntime": pytest.approx(2.0)}  # WRONG baselines rank nothing
+    wrong = by_impl["tvm-default"]
+    assert wrong.status == "WRONG" and wrong.speedup == {} and "tolerance" in wrong.error
+    assert by_impl["metaschedule"].status == "skipped"
+    assert by_impl["metaschedule"].error == "not here"
+    died = by_impl["tpp-tuned"]
+    assert died.status == "error" and died.error.startswith("during timing: worker exited "
+                                                            "with status 7")
+    assert died.samples == 1
+    # One sample per request, 25 runs after a warm-up; the first of each round rotates.
+    assert set(requests) == {f"{i} 25 1 True" for i in ("tpp", "tpp-tuned", "tvm-default",
+                                                       "onnxruntime")}
+    order = [line.split()[0] for line in requests]
+    assert order[:4] == ["tpp", "tpp-tuned", "tvm-default", "onnxruntime"]
+    assert order[4:7] == ["tpp", "onnxruntime", "tvm-default"]  # reversed, tpp-tuned gone
+    assert not psutil.Process().children(recursive=True)
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "xgboost" else real(name, *a))
-    job = bench_worker.Job("metaschedule", "m.onnx", "i.npz", "o.npz", 1, str(tmp_path))
-    with pytest.raises(bench_worker.Unavailable, match="needs xgboost.*tvm-tpp\\[tune\\]"):
-        bench_worker._build_metaschedule(job, None, [], [])
+
+def test_report_and_json(fake_rows, tmp_path):
+    from tvm_tpp.bench.report import to_json, write_json
+
+    cfg, rows, _ = fake_rows
+    out = io.StringIO()
+    print_report(rows, cfg, wall_seconds=12.0, file=out)
+    text = out.getvalue()
+    assert "tvm-tpp bench (12 s)" in text and "x onnxruntime" in text and "2.00x" in text
+    assert "dense b3 tvm-default [WRONG]" in text and "dense b3 tpp: tpp notes" in text
+    assert "tolerance" in text and "0.0001" in text
+    doc = json.loads(write_json(tmp_path / "b.json", rows, cfg, 12.0).read_text())
+    assert doc == json.loads(json.dumps(to_json(rows, cfg, 12.0)))
+    assert doc["command"].startswith("tvm-tpp bench ") and "--batch 3" in doc["command"]
+    assert HOST_KEYS <= set(doc["host"]) and doc["host"]["cores"] >= 1
+    assert [r["impl"] for r in doc["rows"]] == list(cfg.impls)
+    assert all(ROW_KEYS <= set(r) for r in doc["rows"])
+    assert plot(rows, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def _row(impl, median, err, model="m"):
@@ -137,23 +165,29 @@ def test_judge_flags_wrong_rows_and_ranks_only_correct_ones():
     assert by_impl[("other", "tpp")].status == "unchecked"
     assert by_impl[("other", "tpp")].speedup == {}  # other model's baselines do not count
 
-    cfg = BenchConfig(models=("m",), threads=2)
-    text = format_table(rows, cfg)
-    assert "WRONG" in text and "x tvm-default" in text and "100.00x" in text
-    assert "tolerance 0.0001" in text
-
 
 def test_row_and_config_validation(tmp_path):
     with pytest.raises(ValueError, match="status"):
         Row("m", 1, 2, "tpp", status="fast")
     with pytest.raises(ValueError, match="unknown implementation"):
-        Row("m", 1, 2, "tensorrt")
+        Row("m", 1, 2, "numpy")  # a GEMM baseline, not a model's
     with pytest.raises(ValueError, match="implementations must be"):
         BenchConfig(models=("mlp",), impls=("tpp", "tensorrt"))
     with pytest.raises(ValueError, match="repeat"):
         BenchConfig(models=("mlp",), repeat=0)
-    with pytest.raises(ValueError, match="neither an ONNX file nor a bundled model"):
+    with pytest.raises(ModelError, match="neither an ONNX file nor a bundled model"):
         run_bench(BenchConfig(models=("no_such_net",), work_dir=tmp_path), progress=False)
+
+
+def test_sampling_follows_the_config():
+    cfg = BenchConfig(models=("m",), repeat=10, sample_seconds=0.05, slow_seconds=1.0,
+                      slow_budget=30.0)
+    assert cfg.sampling.plan(0.001) == (50, 10, True)      # fast: many runs per sample
+    assert cfg.sampling.plan(0.5) == (1, 10, True)
+    assert cfg.sampling.plan(2.0) == (1, 10, False)        # 30 s fit 15 runs: all 10 samples
+    assert cfg.sampling.plan(6.0) == (1, 5, False)         # fewer samples for slow runs
+    assert cfg.sampling.plan(100.0) == (1, 3, False)       # but never fewer than 3
+    assert BenchConfig(models=("m",), repeat=2).sampling.plan(100.0) == (1, 2, False)
 
 
 def test_cli_bench_usage_errors(capsys):
@@ -163,22 +197,59 @@ def test_cli_bench_usage_errors(capsys):
     assert "--batch" in capsys.readouterr().err
 
 
-def test_plan_timing():
-    cfg = BenchConfig(models=("m",), repeat=10, sample_seconds=0.05, slow_seconds=1.0,
-                      slow_budget=30.0)
-    assert plan_timing(0.001, cfg) == (50, 10, True)       # fast: many runs per sample
-    assert plan_timing(0.5, cfg) == (1, 10, True)
-    assert plan_timing(2.0, cfg) == (1, 10, False)         # 30 s fit 15 runs: all 10 samples
-    assert plan_timing(6.0, cfg) == (1, 5, False)          # fewer samples for slow runs
-    assert plan_timing(100.0, cfg) == (1, 3, False)        # but never fewer than 3
-    assert plan_timing(100.0, BenchConfig(models=("m",), repeat=2)) == (1, 2, False)
-
-
 def test_plot_with_failed_rows(tmp_path):
     rows = judge([_row("tpp", 1.0, 0.0), _row("onnxruntime", 2.0, 0.0),
                   Row("m", 1, 2, "tvm-default", status="error", error="crashed")])
-    path = bench.plot(rows, tmp_path / "p.png")
-    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert plot(rows, tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_cli_bench_end_to_end(tmp_path, symbolic_dense, capsys):
+    out_json = tmp_path / "b.json"
+    code = main(["bench", str(symbolic_dense), "--batch", "3", "--impls",
+                 "tpp,tvm-default,onnxruntime", "--repeat", "3", "--work-dir",
+                 str(tmp_path / "wd"), "--json", str(out_json), "-q"])
+    assert code == 0
+    assert "tvm-default" in capsys.readouterr().out
+    doc = json.loads(out_json.read_text())
+    assert doc["host"]["tvm_version"].startswith("0.27")
+    assert "fma" in doc["host"]["simd_flags"] or "asimd" in doc["host"]["simd_flags"]
+    rows = doc["rows"]
+    assert [r["impl"] for r in rows] == ["tpp", "tvm-default", "onnxruntime"]
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["max_rel_err"] <= 1e-4 and row["samples"] == 3
+        assert 0 < row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
+        assert row["compile_seconds"] >= 0 and row["tune_seconds"] is None
+    assert set(rows[0]["speedup"]) == {"tvm-default", "onnxruntime"}
+
+
+# The real worker, with faults: dies or hangs while building.
+_FAULTY_WORKER = textwrap.dedent("""
+    import json, os, runpy, time
+
+    impl = json.loads(__import__("sys").argv[1])["impl"]
+    if impl == "tvm-default":
+        os.abort()                                   # dies while building
+    if impl == "tpp":
+        time.sleep(600)                              # hangs while building
+    runpy.run_module("tvm_tpp.bench", run_name="__main__")
+""")
+
+
+@pytest.mark.slow
+def test_failing_real_workers_become_error_rows(tmp_path, symbolic_dense):
+    script = tmp_path / "faulty_worker.py"
+    script.write_text(_FAULTY_WORKER)
+    cfg = BenchConfig(models=(str(symbolic_dense),), impls=("tpp", "tvm-default", "onnxruntime"),
+                      repeat=2, timeout=10, work_dir=tmp_path / "wd",
+                      worker_command=(sys.executable, str(script)))
+    rows = {r.impl: r for r in run_bench(cfg, progress=False)}
+    assert rows["tpp"].status == "error" and "timed out" in rows["tpp"].error
+    assert rows["tvm-default"].status == "error" and "SIGABRT" in rows["tvm-default"].error
+    ort = rows["onnxruntime"]
+    assert ort.status == "ok" and ort.samples == 2 and ort.max_rel_err <= 1e-4
+    assert not psutil.Process().children(recursive=True)  # the hung worker was killed
 
 
 @pytest.mark.slow
@@ -189,23 +260,27 @@ def test_metaschedule_tunes_then_reuses_database(tmp_path, symbolic_dense):
     assert first.status == "ok", first.error
     assert first.max_rel_err <= 1e-4 and first.tune_seconds > 0
     assert "per task" in first.notes and "reused" not in first.notes
-    assert (tmp_path / "wd" / "ms" / "dense_1" / "database_tuning_record.json").is_file()
+    db = tmp_path / "wd" / "metaschedule" / f"dense_1_t{cfg.threads}"
+    assert (db / "database_tuning_record.json").is_file()
     (second,) = run_bench(cfg, progress=False)
     assert second.status == "ok" and "reused" in second.notes
-    assert second.tune_seconds == pytest.approx(first.tune_seconds)
+    assert second.tune_seconds == 0.0  # no search in this run
+    assert f"searched earlier in {first.tune_seconds:.1f} s" in second.notes
     assert np.isfinite(second.median_ms)
 
 
-def test_probe_averages_short_runs_over_a_probe_duration():
-    """A first timed run slowed 10x (waking threads) must not size the samples."""
-    calls = []
+@pytest.mark.slow
+def test_tpp_tuned_uses_what_tune_wrote_in_the_work_dir(tmp_path):
+    import tvm_tpp
+    from tvm_tpp import models
 
-    def timed(number, warmup):
-        calls.append(number)
-        return 600e-6 if number == 1 else 60e-6  # one cold run, then the steady rate
-
-    built = bench_worker._Built(run=list, time=timed, compile_seconds=0.0)
-    assert bench_worker.probe_seconds(built, first=1e-3) == 60e-6
-    assert calls == [1, math.ceil(bench_worker._PROBE_SECONDS / 600e-6)]
-    calls.clear()
-    assert bench_worker.probe_seconds(built, first=2.0) == 2.0 and calls == []  # its own probe
+    work_dir = tmp_path / "wd"
+    tuned = tvm_tpp.tune(models.load("mlp"), "tpp -num-cores=1", work_dir=work_dir,
+                         budget=1.0)
+    cfg = BenchConfig(models=("mlp",), impls=("tpp-tuned",), threads=1, repeat=2,
+                      work_dir=work_dir)
+    (row,) = run_bench(cfg, progress=False)
+    assert row.status == "ok", row.error
+    assert row.tune_seconds == 0.0  # tuned before: nothing searched in this run
+    assert f"0 operators tuned, {len(tuned)} cached" in row.notes
+    assert str(work_dir / "tuning.json") in row.notes
