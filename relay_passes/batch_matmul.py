@@ -45,8 +45,7 @@ from .scaffold import (
     add_kernel,
     is_call_to,
     offload_name,
-    report_leftovers,
-    rewrite_patterns,
+    offload_patterns,
     static_shape,
 )
 
@@ -104,10 +103,8 @@ def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload
         return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, builder, target,
                                               tuner, report)
 
-    new_mod = rewrite_patterns(mod, _chains(), make_rewriter)
-    new_mod = relax.transform.DeadCodeElimination()(new_mod)
-    report_leftovers(new_mod, report, _leftover)
-    return new_mod
+    return offload_patterns(mod, _chains(), make_rewriter, report,
+                            ("relax.matmul", _leftover))
 
 
 def _bindings(func: relax.Function) -> dict:
@@ -195,7 +192,7 @@ def _scalar(const) -> float | None:
 
 def _rewrite(orig, matches, pattern: _Chain, bindings, builder, target, tuner, report):
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
-    # reported once, by report_leftovers().
+    # reported once, by _leftover().
     call = matches[pattern.matmul]
     if _unsupported(call) is not None:
         return orig
@@ -271,7 +268,7 @@ def _view(expr, shape: tuple[int, ...]):
 
 def _leftover(call: relax.Call) -> Offload | None:
     """A matmul of two activations still in the graph: left to TVM, and why."""
-    if not is_call_to(call, "relax.matmul") or isinstance(call.args[1], tvm.ir.expr.Constant):
+    if isinstance(call.args[1], tvm.ir.expr.Constant):
         return None  # constant weights are the dense pass's to report
     reason = _unsupported(call) or "pattern not matched"
     return Offload("matmul", static_shape(call.ty.shape) or (), reason=reason)

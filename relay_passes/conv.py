@@ -17,9 +17,19 @@ symbolic shapes, other layouts) stay with TVM and are reported with the reason.
 
 Examples
 --------
+A 3x3 convolution whose input is a graph input and whose output is the graph's: the layout
+conversions stay at these borders.
+
+>>> target = Target({"kind": "llvm", "keys": ["tpp", "cpu"], "model": "avx2"})
+>>> x = relax.Var("x", relax.TensorType((1, 16, 7, 7), "float32"))
+>>> w = relax.const(np.ones((8, 16, 3, 3), "float32"))
+>>> bb = relax.BlockBuilder()
+>>> with bb.function("main", [x]):
+...     _ = bb.emit_func_output(bb.emit(relax.op.nn.conv2d(x, w, padding=1)))
 >>> report = []
->>> mod = rewrite_conv(mod, target, report)                    # doctest: +SKIP
->>> [(r.op, r.shape, r.kernel or r.reason) for r in report]    # doctest: +SKIP
+>>> mod = rewrite_conv(bb.get(), target, report)
+>>> [(r.op, r.shape, r.kernel) for r in report]
+[('conv2d', (1, 8, 7, 7), 'tpp_conv2d_1x16x7x7_8x3x3_s1x1 [...]')]
 """
 
 from __future__ import annotations
@@ -43,10 +53,7 @@ from .scaffold import (
     Offload,
     add_kernel,
     epilogue_patterns,
-    is_call_to,
-    is_tensor_of,
-    report_leftovers,
-    rewrite_patterns,
+    offload_patterns,
     static_shape,
 )
 
@@ -70,16 +77,12 @@ def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
     configuration (tuned now if its database does not know it yet); without one, the
     default heuristic's.
     """
-    mod = sum_to_add(mod)
-
     def make_rewriter(builder, pattern, _func):
         return lambda orig, matches: _rewrite(orig, matches, pattern, builder, target, tuner,
                                               report)
 
-    new_mod = simplify_layouts(rewrite_patterns(mod, epilogue_patterns(_conv), make_rewriter))
-    new_mod = relax.transform.DeadCodeElimination()(new_mod)
-    report_leftovers(new_mod, report, _leftover)
-    return new_mod
+    return offload_patterns(sum_to_add(mod), epilogue_patterns(_conv), make_rewriter, report,
+                            ("relax.nn.conv2d", _leftover), then=simplify_layouts)
 
 
 def _unsupported(call: relax.Call) -> str | None:
@@ -114,7 +117,7 @@ def _channel_vector(bias: np.ndarray, k: int) -> np.ndarray | None:
 def _rewrite(orig, matches, pattern: EpiloguePattern[DFPattern], builder, target, tuner,
              report):
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
-    # reported once, by report_leftovers().
+    # reported once, by _leftover().
     call = matches[pattern.anchor]
     if _unsupported(call) is not None:
         return orig
@@ -132,7 +135,7 @@ def _rewrite(orig, matches, pattern: EpiloguePattern[DFPattern], builder, target
             return orig
     residual = matches[pattern.residual] if pattern.residual is not None else None
     out_shape = static_shape(call.ty.shape)
-    if residual is not None and not is_tensor_of(residual, out_shape):
+    if not pattern.residual_fits(matches, out_shape):
         return orig
 
     problem = ConvProblem(**problem_args, epilogue=pattern.epilogue())
@@ -193,9 +196,7 @@ def _pack_input(x, problem: ConvProblem):
     return y
 
 
-def _leftover(call: relax.Call) -> Offload | None:
+def _leftover(call: relax.Call) -> Offload:
     """A conv2d still in the graph: left to TVM, and why."""
-    if not is_call_to(call, "relax.nn.conv2d"):
-        return None
     reason = _unsupported(call) or "pattern not matched"
     return Offload("conv2d", static_shape(call.ty.shape) or (), reason=reason)

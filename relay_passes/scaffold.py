@@ -42,6 +42,7 @@ __all__ = [
     "is_call_to",
     "is_tensor_of",
     "offload_name",
+    "offload_patterns",
     "report_leftovers",
     "rewrite_patterns",
     "static_shape",
@@ -181,6 +182,12 @@ class EpiloguePattern(Generic[Anchor]):
         """The report's name of the chain, e.g. ``matmul+bias+gelu_erf``."""
         return offload_name(anchor_op, self.ops())
 
+    def residual_fits(self, matches: Mapping[DFPattern, relax.Expr],
+                      shape: tuple[int, ...]) -> bool:
+        """Whether the matched residual, where the chain has one, is a float32 graph tensor
+        of the output's ``shape`` (see :func:`is_tensor_of`)."""
+        return self.residual is None or is_tensor_of(matches[self.residual], shape)
+
     def gelu_matches(self, matches: Mapping[DFPattern, relax.Expr]) -> bool:
         """Whether the matched constants of a spelled-out GELU are the ones GELU has."""
         for const, want in zip(self.gelu_constants, _GELU_CONSTANTS, strict=False):
@@ -261,6 +268,25 @@ def rewrite_patterns(
     return new_mod
 
 
+def offload_patterns(
+    mod: tvm.IRModule,
+    patterns: Iterable[Any],
+    make_rewriter: Callable[[relax.BlockBuilder, Any, relax.Function], Callable],
+    report: list[Offload],
+    leftover: tuple[str, Callable[[relax.Call], Offload | None]],
+    then: Callable[[tvm.IRModule], tvm.IRModule] | None = None,
+) -> tvm.IRModule:
+    """One offload pass: :func:`rewrite_patterns`, then ``then`` (a clean-up of what the
+    rewrites left), dead bindings removed, and :func:`report_leftovers` of the
+    ``(operator, describe)`` pair ``leftover``."""
+    new_mod = rewrite_patterns(mod, patterns, make_rewriter)
+    if then is not None:
+        new_mod = then(new_mod)
+    new_mod = relax.transform.DeadCodeElimination()(new_mod)
+    report_leftovers(new_mod, report, *leftover)
+    return new_mod
+
+
 def add_kernel(builder: relax.BlockBuilder, func: tvm.tirx.PrimFunc,
                name: str) -> tvm.ir.GlobalVar:
     """Add the scheduled PrimFunc ``func`` to ``builder``'s module as the kernel ``name``.
@@ -274,13 +300,14 @@ def add_kernel(builder: relax.BlockBuilder, func: tvm.tirx.PrimFunc,
     return builder.add_func(kernel, name)
 
 
-def report_leftovers(mod: tvm.IRModule, report: list[Offload],
+def report_leftovers(mod: tvm.IRModule, report: list[Offload], op_name: str,
                      describe: Callable[[relax.Call], Offload | None]) -> None:
-    """Append ``describe(call)`` to ``report`` for every operator call still in ``mod``'s
-    Relax functions, where it is not None (the pass's operators, left to TVM, and why)."""
+    """Append ``describe(call)`` to ``report`` for every call of the operator ``op_name``
+    still in ``mod``'s Relax functions, where it is not None: the pass's operators that
+    stayed with TVM, and why."""
 
     def visit(expr: relax.Expr) -> None:
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        if is_call_to(expr, op_name):
             entry = describe(expr)
             if entry is not None:
                 report.append(entry)
