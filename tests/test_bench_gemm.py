@@ -1,4 +1,7 @@
-"""``tvm-tpp bench-gemm`` (tvm_tpp.bench_gemm): workers, rows, JSON, plot, summary."""
+"""``tvm-tpp bench-gemm`` (tvm_tpp.bench.gemm): workers, rows, JSON, plot, summary.
+
+Stand-in workers drive the harness in the default suite; real workers run in the slow tests.
+"""
 
 import argparse
 import json
@@ -9,15 +12,17 @@ import psutil
 import pytest
 
 from schedules.tuner import MARGIN
-from tvm_tpp.bench_gemm import (
+from tvm_tpp.bench.gemm import (
     ROW_KEYS,
     BenchConfig,
+    BenchResult,
     add_arguments,
     parse_shapes,
     run,
     run_bench,
     summary,
 )
+from tvm_tpp.errors import UsageError
 
 SHAPES = [(64, 64, 64), (48, 80, 32)]
 
@@ -40,6 +45,7 @@ def bench(tmp_path_factory):
     return status, json.loads((out / "rows.json").read_text()), out
 
 
+@pytest.mark.slow
 def test_rows_cover_every_shape_and_implementation(bench):
     status, rows, _ = bench
     assert status == 0
@@ -61,6 +67,7 @@ def test_rows_cover_every_shape_and_implementation(bench):
     assert all(" kernel, bm x bn x bk x k_step " in note for note in kernels)
 
 
+@pytest.mark.slow
 def test_explain_relates_model_ranks_to_measurements(bench):
     _, rows, _ = bench
     tuned = [r for r in rows if r["impl"] == "tpp-tuned"]
@@ -81,14 +88,17 @@ def test_explain_relates_model_ranks_to_measurements(bench):
         top5 = [m["gflops"] for m in ex["measured"]
                 if m["model_rank"] and m["model_rank"] <= 5 and m["gflops"]]
         assert ex["top5_within_margin"] == (max(top5) >= best["gflops"] * (1 - MARGIN))
+        assert sum(m["kept"] for m in ex["measured"]) == 1
     assert all("explain" not in r for r in rows if r["impl"] != "tpp-tuned")
 
 
+@pytest.mark.slow
 def test_plot_is_a_png(bench):
     _, _, out = bench
     assert (out / "gflops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_warm_database_is_reused_and_slow_baselines_are_skipped(bench):
     _, first, out = bench
     argv = ["--shapes", "64x64x64", "--threads", "1", "--against", "tvm-default", "--top-k", "2",
@@ -97,9 +107,9 @@ def test_warm_database_is_reused_and_slow_baselines_are_skipped(bench):
     assert run(_args(*argv)) == 0
     rows = {r["impl"]: r for r in json.loads((out / "again.json").read_text())}
     tuned = rows["tpp-tuned"]
-    assert tuned["note"].startswith("database hit")
-    assert tuned["tune_seconds"] == next(r["tune_seconds"] for r in first
-                                         if r["impl"] == "tpp-tuned" and r["m"] == 64)
+    earlier = next(r["tune_seconds"] for r in first if r["impl"] == "tpp-tuned" and r["m"] == 64)
+    assert tuned["note"].startswith(f"database hit (cached: tuned earlier in {earlier:.1f} s)")
+    assert tuned["tune_seconds"] == 0.0  # nothing searched in this run
     skipped = rows["tvm-default"]
     assert skipped["gflops"] is None and skipped["max_abs_err"] is None
     assert skipped["note"].startswith("skipped: one run would take")
@@ -127,14 +137,16 @@ def test_bad_options_raise_value_errors():
     for text in ("64x64", "64x0x64", "axbxc", ""):
         with pytest.raises(ValueError, match="MxNxK"):
             parse_shapes(text)
-    with pytest.raises(ValueError, match="--against"):
+    with pytest.raises(UsageError, match="--against"):
         run(_args("--against", "onnxruntime"))
-    with pytest.raises(ValueError, match="--threads"):
+    with pytest.raises(UsageError, match="--threads"):
         run(_args("--threads", "0"))
-    with pytest.raises(ValueError, match="top_k"):
+    with pytest.raises(UsageError, match="top_k"):
         run(_args("--top-k", "0"))
-    with pytest.raises(ValueError, match="rounds"):
+    with pytest.raises(UsageError, match="rounds"):
         run(_args("--rounds", "0"))
+    with pytest.raises(UsageError, match="samples"):
+        run(_args("--repeat", "0"))
     assert _args().rounds == 5
     with pytest.raises(ValueError, match="pause"):
         BenchConfig(pause=-1)
@@ -149,29 +161,34 @@ _FAKE_WORKER = textwrap.dedent("""
     job = json.loads(sys.argv[1])
     impl, threads = job["impl"], job["threads"]
     record = open(os.environ["FAKE_RECORD"], "a", buffering=1)
+
+    def send(message):
+        print(json.dumps(message), flush=True)
+
     if impl == "peak":  # 3.0 GFLOPS, then 2.0
         earlier = open(os.environ["FAKE_RECORD"]).read().count("peak")
         record.write(f"peak {os.environ['TVM_NUM_THREADS']}\\n")
-        print(json.dumps({"peak": {"isa": "fake", "gflops_per_core": 3.0 - earlier,
-                                   "clock_ghz": 1.0}}), flush=True)
+        send({"peak": {"isa": "fake", "gflops_per_core": 3.0 - earlier, "clock_ghz": 1.0}})
         sys.exit(0)
-    env = [os.environ[v] for v in ("TVM_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                   "OMP_NUM_THREADS", "MKL_NUM_THREADS")]
+    env = [os.environ[v] for v in ("TVM_NUM_THREADS", "OMP_NUM_THREADS",
+                                   "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")]
     record.write(f"start {impl} {threads} {','.join(env)}\\n")
-    for index, (m, n, k) in enumerate(job["shapes"]):
-        print(json.dumps({"step": "build", "shape": [m, n, k]}), flush=True)
-        row = {"m": m, "n": n, "k": k, "threads": threads, "impl": impl, "gflops": None,
-               "fraction_of_peak": None, "tune_seconds": None, "max_abs_err": 0.0,
-               "note": "fake", "gflops_rounds": None}
-        print(json.dumps({"prepared": index, "row": row, "run_seconds": 1e-3}), flush=True)
+    for index, workload in enumerate(job["workloads"]):
+        send({"step": "build", "workload": index})
+        if impl == "tvm-default" and index == 1:
+            send({"prepared": index, "skipped": "too slow"})
+            continue
+        send({"prepared": index, "ok": True, "compile_seconds": 0.0, "tune_seconds": None,
+              "run_seconds": 1e-3, "target": "", "notes": "fake", "max_abs_err": 0.0})
     record.write(f"ready {impl} {threads}\\n")
-    print(json.dumps({"ready": True}), flush=True)
+    send({"ready": True})
     for line in sys.stdin:
         request = json.loads(line)
         if request.get("quit"):
             break
-        record.write(f"time {impl} {threads} {request['time']}\\n")
-        print(json.dumps({"seconds": 1e-3}), flush=True)
+        record.write(f"time {impl} {threads} {request['time']} {request['number']} "
+                     f"{request['repeat']} {request['warmup']}\\n")
+        send({"seconds": [2e-3, 1e-3, 4e-3]})
 """)
 
 
@@ -181,42 +198,79 @@ def test_workers_prepare_in_turn_then_alternate(tmp_path, monkeypatch):
     record = tmp_path / "record.txt"
     monkeypatch.setenv("FAKE_RECORD", str(record))
     impls = ("tpp", "tpp-tuned", "numpy", "tvm-default")
-    config = BenchConfig(shapes=((64, 64, 64), (32, 32, 32)), threads=(1, 2), impls=impls,
-                         work_dir=tmp_path / "wd", rounds=3, pause=0.0,
-                         worker_command=(sys.executable, str(script)))
+    shapes = ((64, 64, 64), (32, 32, 32))
+    config = BenchConfig(shapes=shapes, threads=(1, 2), impls=impls, work_dir=tmp_path / "wd",
+                         rounds=3, pause=0.0, worker_command=(sys.executable, str(script)))
     result = run_bench(config, progress=False)
     lines = record.read_text().splitlines()
     for threads in (1, 2):
         mine = [line for line in lines
                 if (line.split()[2] if line.startswith(("start", "ready", "time"))
                     else None) == str(threads)]
-        env = ",".join([str(threads)] * 4)
+        # Thread pools get the job's threads; BLAS only where it is timed (numpy).
+        env = {i: f"{threads},{threads}," + (f"{threads},{threads}" if i == "numpy" else "1,1")
+               for i in impls}
         # One worker after another: each is ready before the next starts, all before timing.
-        assert mine[:8] == [x for i in impls for x in (f"start {i} {threads} {env}",
+        assert mine[:8] == [x for i in impls for x in (f"start {i} {threads} {env[i]}",
                                                        f"ready {i} {threads}")]
         # Per shape, rounds rotate the first worker and reverse every other round;
-        # tvm-default is timed in the first round only.
+        # tvm-default is timed in the first round only, and not at all where it skipped.
+        # A 1 ms run: samples of one run, as many as fit in 0.4 s, at most 200.
         order = [[*impls], ["tpp", "numpy", "tpp-tuned"], ["numpy", "tpp", "tpp-tuned"]]
-        assert mine[8:] == [f"time {i} {threads} {shape}" for shape in (0, 1)
-                            for round_ in order for i in round_]
+        assert mine[8:] == [f"time {i} {threads} {shape} 1 200 True" for shape in (0, 1)
+                            for round_ in order for i in round_
+                            if (i, shape) != ("tvm-default", 1)]
     # The peak is measured once per thread count, after preparation, on one thread.
     assert [line for line in lines if line.startswith("peak")] == ["peak 1", "peak 1"]
     assert lines.index("peak 1") == lines.index("ready tvm-default 1") + 1
     assert result.peak["gflops_per_core"] == 3.0  # the fastest of the two
     assert len(result.rows) == 2 * 2 * 4
     for row in result.rows:
+        if (row["impl"], row["m"]) == ("tvm-default", 32):
+            assert row["note"] == "skipped: too slow" and row["gflops"] is None
+            continue
         assert len(row["gflops_rounds"]) == (1 if row["impl"] == "tvm-default" else 3), row
-        assert row["gflops"] == max(row["gflops_rounds"]) > 0
+        # The fastest sample makes a round's figure.
+        assert row["gflops"] == max(row["gflops_rounds"]) == pytest.approx(
+            2 * row["m"] ** 3 / 1e-3 / 1e9)
+        assert row["fraction_of_peak"] == pytest.approx(row["gflops"] / 3.0 / row["threads"])
         assert row["note"] == "fake" and row["max_abs_err"] == 0.0
     assert {"tpp/t1", "timing/t1", "tvm-default/t2", "timing/t2"} <= set(result.wall_seconds)
     assert not psutil.Process().children(recursive=True)
 
 
+def test_report_prints_rows_summary_and_explanation(capsys):
+    from tvm_tpp.bench.report import print_gemm_report
+
+    explained = {"measured": [
+        {"model_rank": 2, "model_class": 1, "default": True, "predicted_cycles": 3e6,
+         "gflops": 10.0, "config": "BCa bm=64", "error": None, "kept": False},
+        {"model_rank": 1, "model_class": 1, "default": False, "predicted_cycles": 2e6,
+         "gflops": 12.0, "config": "aBC bm=32", "error": None, "kept": True}],
+        "best_model_rank": 1, "best_model_class": 1, "best_in_model_top5": True,
+        "best_in_model_top5_classes": True, "top5_within_margin": True}
+    rows = [{"m": 8, "n": 8, "k": 8, "threads": 1, "impl": "tpp-tuned", "gflops": 12.0,
+             "fraction_of_peak": 0.5, "tune_seconds": 0.0, "max_abs_err": 1e-6,
+             "note": "database hit (cached)", "gflops_rounds": [12.0], "explain": explained},
+            {"m": 8, "n": 8, "k": 8, "threads": 1, "impl": "numpy", "gflops": 6.0,
+             "fraction_of_peak": 0.25, "tune_seconds": None, "max_abs_err": 1e-6,
+             "note": None, "gflops_rounds": [6.0]}]
+    print_gemm_report(BenchResult(rows, {"isa": "fake", "gflops_per_core": 24.0,
+                                         "clock_ghz": 1.5}, {"timing/t1": 3.0}), explain=True)
+    out = capsys.readouterr().out
+    assert "database hit (cached)" in out and "50.0" in out and "2.00" in out  # vs numpy
+    assert "24.0 GFLOPS per core" in out and "timing/t1 3 s" in out
+    table = out[out.index("model ranking vs measurement"):]
+    assert table.index("aBC bm=32") < table.index("BCa bm=64")  # in model-rank order
+    assert "2 (default)" in table and "12.0 *" in table and "* = kept" in table
+    assert "over 1 tunings" in out
+
+
 # The real worker, with faults: hangs, aborts, and failures in preparation and timing.
 _FAULTY_WORKER = textwrap.dedent("""
-    import json, os, sys, time
+    import dataclasses, json, os, sys, time
 
-    import tvm_tpp.bench_gemm as bg
+    from tvm_tpp.bench import impls, protocol
 
     impl = json.loads(sys.argv[1])["impl"]
     if impl == "tpp-tuned":
@@ -224,33 +278,34 @@ _FAULTY_WORKER = textwrap.dedent("""
     if impl == "numpy":
         print("numpy gave up", file=sys.stderr, flush=True)
         os.abort()                                    # dies while preparing
-    if impl == "tvm-default":                         # the second shape fails to build
-        build = bg._PREPARE["tvm-default"]
+    build = impls.build
+    calls = []
 
-        def failing(job, m, n, k, *args):
-            if m == 48:
-                raise RuntimeError("no such luck")
-            return build(job, m, n, k, *args)
+    def faulty(job, workload, say):
+        if job.impl == "tvm-default" and workload.m == 48:
+            raise RuntimeError("no such luck")        # the second shape fails to build
+        built = build(job, workload, say)
+        if job.impl != "tpp":
+            return built
 
-        bg._PREPARE["tvm-default"] = failing
-    if impl == "tpp":                                 # third measurement fails, fourth dies
-        best = bg._best_seconds
-        calls = []
+        def timer(number, repeat, warmup):            # third measurement fails, fourth dies
+            if repeat > 1:                            # a measurement, not a probe
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("flaky")
+                if len(calls) == 4:
+                    print("dying on purpose", file=sys.stderr, flush=True)
+                    os._exit(7)
+            return built.timer(number, repeat, warmup)
 
-        def flaky(*args):
-            calls.append(1)
-            if len(calls) == 3:
-                raise RuntimeError("flaky")
-            if len(calls) == 4:
-                print("dying on purpose", file=sys.stderr, flush=True)
-                os._exit(7)
-            return best(*args)
+        return dataclasses.replace(built, timer=timer)
 
-        bg._best_seconds = flaky
-    sys.exit(bg.worker_main(sys.argv[1:]))
+    impls.build = faulty
+    sys.exit(protocol.main(sys.argv[1:]))
 """)
 
 
+@pytest.mark.slow
 def test_failing_workers_become_error_rows(tmp_path):
     script = tmp_path / "faulty_worker.py"
     script.write_text(_FAULTY_WORKER)
@@ -300,4 +355,5 @@ def test_metaschedule_baseline_tunes_then_reuses(tmp_path):
     assert run(_args(*argv)) == 0
     again = next(r for r in json.loads((tmp_path / "rows.json").read_text())
                  if r["impl"] == "metaschedule")
-    assert "reused" in again["note"] and again["tune_seconds"] == ms["tune_seconds"]
+    assert "reused" in again["note"] and again["tune_seconds"] == 0.0
+    assert f"searched earlier in {ms['tune_seconds']:.1f} s" in again["note"]
