@@ -3,6 +3,7 @@
 import numpy as np
 import tvm
 from tvm import s_tir, te
+from tvm.tirx import ForKind
 
 from schedules.fallback import Guarded, ParallelLoops, fallback_schedules
 
@@ -15,10 +16,18 @@ def _elementwise():
     return te.create_prim_func([x, y])
 
 
+def _loops(func: tvm.tirx.PrimFunc) -> list[tuple[ForKind, int]]:
+    """(kind, extent) of the loops around block ``y``, outermost first."""
+    sch = s_tir.Schedule(func)
+    return [(sch.get(loop).kind, int(sch.get(loop).extent))
+            for loop in sch.get_loops(sch.get_sblock("y"))]
+
+
 def test_parallel_loops_schedule_is_parallel_vectorized_and_correct():
     sch = ParallelLoops().apply(_elementwise(), TARGET, False)
-    text = sch.mod.script()
-    assert "T.parallel" in text and "T.vectorized" in text
+    # Rows in parallel; each row's 40 columns as 5 serial steps of an 8-lane (AVX2) vector.
+    assert _loops(sch.mod["main"]) == [
+        (ForKind.PARALLEL, 6), (ForKind.SERIAL, 5), (ForKind.VECTORIZED, 8)]
     f = tvm.compile(sch.mod, target=TARGET)
     a = np.random.default_rng(0).standard_normal((6, 40)).astype("float32")
     out = tvm.runtime.empty((6, 40), "float32")
@@ -34,8 +43,17 @@ def test_failing_rule_leaves_the_function_to_the_next_rule():
     assert Guarded(Broken()).apply(_elementwise(), TARGET, False) is None
 
 
-def test_fallback_pass_marks_functions_scheduled():
+def test_fallback_pass_schedules_parallel_vectorized_loops():
     mod = tvm.IRModule({"main": _elementwise()})
     with TARGET:
         out = fallback_schedules()(mod)
+    kinds = [kind for kind, _ in _loops(out["main"])]
+    assert kinds[0] == ForKind.PARALLEL and kinds[-1] == ForKind.VECTORIZED, kinds
     assert out["main"].attrs["tirx.is_scheduled"]
+
+
+def test_fallback_pass_leaves_scheduled_kernels_alone():
+    kernel = _elementwise().with_attr("tirx.is_scheduled", True)
+    with TARGET:
+        out = fallback_schedules()(tvm.IRModule({"main": kernel}))
+    assert all(kind == ForKind.SERIAL for kind, _ in _loops(out["main"]))
