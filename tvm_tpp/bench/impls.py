@@ -43,8 +43,6 @@ __all__ = ["IMPLS", "Built", "Unavailable", "build", "host_llvm", "supports"]
 
 #: Every implementation, in table order (each benchmark shows those its workload supports).
 IMPLS = ("tpp", "tpp-tuned", "numpy", "tvm-default", "metaschedule", "onnxruntime")
-#: Where ``tpp-tuned`` keeps its results in a work directory (as ``tvm_tpp.compile`` does).
-TUNING_DATABASE = "tuning.json"
 
 #: ``say(text)``: progress of a long build, shown by the harness.
 Say = Callable[[str], None]
@@ -59,12 +57,13 @@ class Built:
     """A built implementation of one workload.
 
     ``run`` gives its outputs; ``timer`` times it (None: not timed, the reference);
+    ``compile_seconds`` is None where the benchmark does not report it (GEMMs);
     ``explain`` is the TPP tuner's model ranking next to its measurements (GEMMs).
     """
 
     run: Callable[[], list[np.ndarray]]
     timer: Timer | None
-    compile_seconds: float
+    compile_seconds: float | None = None
     tune_seconds: float | None = None
     target: str = ""
     notes: str = ""
@@ -137,7 +136,7 @@ def _model_tpp_tuned(job: Job, workload: ModelWorkload, say: Say) -> Built:
     from .. import compiler
 
     proto, _, inputs = workload.load()
-    cached = []
+    cached: list[bool] = []
     start = time.perf_counter()
     compiled = compiler.compile(proto, target=f"tpp -num-cores={job.threads}",
                                 input_shapes=workload.input_shapes, tune=True,
@@ -146,7 +145,7 @@ def _model_tpp_tuned(job: Job, workload: ModelWorkload, say: Say) -> Built:
     seconds = time.perf_counter() - start - compiled.tune_seconds
     return _vm_built(compiled.executable, inputs, max(seconds, 0.0),
                      tune_seconds=compiled.tune_seconds, target=str(compiled.target),
-                     notes=f"database {Path(job.work_dir) / TUNING_DATABASE}: "
+                     notes=f"database {Path(job.work_dir) / compiler.DATABASE}: "
                      f"{cached.count(False)} operators tuned, {sum(cached)} cached")
 
 
@@ -265,8 +264,7 @@ def _executable_built(executable, args: list, **details: Any) -> Built:
         executable(*args)
         return [args[-1].numpy()]
 
-    return Built(run, tvm_timer(executable.mod, executable.mod.entry_name, args), 0.0,
-                 **details)
+    return Built(run, tvm_timer(executable.mod, executable.mod.entry_name, args), **details)
 
 
 def _plain_matmul(m: int, n: int, k: int):
@@ -325,11 +323,12 @@ def _gemm_tpp_tuned(job: Job, workload: GemmWorkload, say: Say) -> Built:
     from schedules.gemm import GemmProblem
     from schedules.tuner import OPS, Database, Measurement, TuningKey, tune
 
+    from ..compiler import DATABASE
     from .report import explanation
 
     target = _tpp_target(job.threads)
     problem = GemmProblem(workload.m, workload.n, workload.k)
-    database = Database(Path(job.work_dir) / TUNING_DATABASE)
+    database = Database(Path(job.work_dir) / DATABASE)
     result = tune(problem, target, database=database, top_k=job.top_k,
                   budget_seconds=job.tune_budget,
                   progress=lambda done, total: say(f"tuning {done}/{total}"))
@@ -360,7 +359,7 @@ def _gemm_numpy(job: Job, workload: GemmWorkload, say: Say) -> Built:
         return [out]
 
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
-    return Built(run, loop_timer(lambda: np.matmul(x, w, out=out)), 0.0,
+    return Built(run, loop_timer(lambda: np.matmul(x, w, out=out)),
                  notes=f"numpy {np.__version__} with {blas.get('name')} "
                        f"{blas.get('version', '')}".strip())
 
