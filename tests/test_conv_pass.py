@@ -1,7 +1,8 @@
 """Relax conv rewrite: conv2d chains become TPP kernels; the rest is reported with a reason.
 
 Each CNN is built with onnx.helper, prepared (BatchNorm folded into the convs), rewritten with
-``rewrite_conv``, built with the tpp pipeline and checked against ONNX Runtime.
+``rewrite_conv``, built with the tpp pipeline and checked against ONNX Runtime.  The preparation
+and the layout cancellation have tests of their own (test_prepare.py, test_layouts.py).
 """
 
 import re
@@ -13,9 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 from relay_passes.conv import rewrite_conv
-from relay_passes.layouts import simplify_layouts
 from relay_passes.pipeline import tpp_pipeline
-from relay_passes.prepare import fold_batchnorm, prepare, sum_to_add
+from relay_passes.prepare import prepare
 from tvm_tpp.compiler import CompiledModel, import_model
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 from tvm_tpp.tpp_target import target as make_target
@@ -64,8 +64,7 @@ class _Net:
 def _rewrite(model, target="tpp"):
     tgt = make_target(target)
     mod, specs = import_model(model)
-    # BatchNorm must be folded before prepare() decomposes it into elementwise ops.
-    mod = prepare()(fold_batchnorm(mod))
+    mod = prepare()(mod)  # BatchNorm folded into the convs
     report = []
     return rewrite_conv(mod, tgt, report), report, tgt, specs
 
@@ -171,24 +170,3 @@ def test_kernels_for_each_x86_isa_build(isa):
     inputs = random_inputs(specs)
     _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
     assert rel <= 1e-5
-
-
-def test_sum_to_add_and_layout_simplification():
-    x = relax.Var("x", relax.TensorType((1, 2, 3, 4), "float32"))
-    y = relax.Var("y", relax.TensorType((1, 2, 3, 4), "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x, y]):
-        with bb.dataflow():
-            stacked = bb.emit(relax.op.stack([bb.emit(relax.op.broadcast_to(v, (1, 2, 3, 4)))
-                                              for v in (x, y)], axis=0))
-            total = bb.emit(relax.op.sum(stacked, axis=[0]))
-            nhwc = bb.emit(relax.op.permute_dims(total, [0, 2, 3, 1]))
-            back = bb.emit(relax.op.permute_dims(nhwc, [0, 3, 1, 2]))
-            flat = bb.emit(relax.op.reshape(bb.emit(relax.op.reshape(back, (2, 12))), (1, 2, 3, 4)))
-            out = bb.emit_output(flat)
-        bb.emit_func_output(out)
-    mod = relax.transform.DeadCodeElimination()(simplify_layouts(sum_to_add(bb.get())))
-    names = []
-    relax.analysis.post_order_visit(
-        mod["main"], lambda e: names.append(e.op.name) if isinstance(e, relax.Call) else None)
-    assert names == ["relax.add"]

@@ -125,7 +125,7 @@ def test_dense_activation_matches_numpy(activation):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_other_constants_are_not_mistaken_for_gelu():
+def test_dense_erf_chain_with_another_divisor_is_not_gelu():
     """``h * (1 + erf(h / 3)) * 0.5`` is not GELU: only the bias joins the kernel."""
     w = RNG.standard_normal((K, N)).astype("float32")
 
