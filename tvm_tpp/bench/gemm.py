@@ -74,20 +74,8 @@ from .timing import PAUSE_SECONDS, SamplingPolicy, turn_order
 from .workers import Worker, WorkerError
 from .workloads import GemmWorkload
 
-__all__ = [
-    "IMPLS",
-    "BASELINES",
-    "DEFAULT_SHAPES",
-    "ROW_KEYS",
-    "TVM_DEFAULT_LIMIT",
-    "parse_shapes",
-    "add_arguments",
-    "run",
-    "BenchConfig",
-    "BenchResult",
-    "run_bench",
-    "summary",
-]
+__all__ = ["IMPLS", "BASELINES", "DEFAULT_SHAPES", "ROW_KEYS", "TVM_DEFAULT_LIMIT", "parse_shapes",
+           "add_arguments", "run", "BenchConfig", "BenchResult", "run_bench", "summary"]
 
 #: Implementations in table order; ``tpp`` and ``tpp-tuned`` always run.
 IMPLS = tuple(i for i in _impls.IMPLS if i != "onnxruntime")

@@ -49,17 +49,8 @@ from .timing import PAUSE_SECONDS, Plan, SamplingPolicy, turn_order
 from .workers import Worker, WorkerError
 from .workloads import ModelWorkload
 
-__all__ = [
-    "BASELINES",
-    "IMPLS",
-    "STATUSES",
-    "TOLERANCE",
-    "BenchConfig",
-    "Row",
-    "default_work_dir",
-    "judge",
-    "run_bench",
-]
+__all__ = ["BASELINES", "IMPLS", "STATUSES", "TOLERANCE", "BenchConfig", "Row", "default_work_dir",
+           "judge", "run_bench"]
 
 #: The implementations ``tvm-tpp bench`` compares, in table order.
 IMPLS = tuple(i for i in _impls.IMPLS if i != "numpy")
