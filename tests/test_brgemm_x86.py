@@ -473,31 +473,3 @@ def test_flops_per_cycle_sees_half_width_fma_pipes(monkeypatch, avx512_gflops, e
     finally:
         peak.flops_per_cycle.cache_clear()
 
-
-def test_bench_kernel_default_block_is_l1_resident():
-    """Whole register tiles, and A, B and C within L1d (else the benchmark times L2)."""
-    from tvm_tpp.bench_kernel import _default_shape
-
-    for isa_name in ("avx2", "avx512"):
-        m, n, k, batch = _default_shape(_isa.from_name(isa_name))
-        tile = x86.register_tile(_shape(64, 64, 8, 1, isa_name), x86.FP32)
-        assert m % tile.rows == 0 and n % (tile.vectors * tile.lanes) == 0
-        assert 4 * (m * k * batch + k * batch * n + m * n) <= _isa.caches().l1d
-    assert _default_shape(_isa.from_name("avx2")) == (24, 32, 32, 4)
-
-
-def test_bench_kernel_result():
-    from tvm_tpp.bench_kernel import bench_kernel, format_bench_kernel
-
-    r = bench_kernel("int8", isa="avx2", m=6, n=16, k=8, batch=2, rounds=1, runs=1)
-    assert (r["isa"], r["dtype"], r["shape"], r["layout"], r["impl"]) == (
-        "avx2", "int8", [6, 16, 8, 2], "vnni4", "avx2")
-    assert r["fraction_of_peak"] == pytest.approx(r["gflops"] / r["peak_gflops"], rel=1e-2)
-    assert r["ratio_to_fp32"] == pytest.approx(r["gflops"] / r["fp32_gflops"], rel=1e-2)
-    assert r["w7_gflops"] > 0
-    text = format_bench_kernel(r)
-    assert "GOPS" in text and "vnni4_w7" in text
-    with pytest.raises(ValueError, match="unknown dtype"):
-        bench_kernel("float16")
-    with pytest.raises(ValueError, match="not x86"):
-        bench_kernel(isa="neon")
