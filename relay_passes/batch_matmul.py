@@ -27,6 +27,7 @@ Examples
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +42,8 @@ from schedules.batch_gemm import BatchGemmProblem, schedule
 from schedules.tuner import Tuner, config_for
 
 from .scaffold import (
+    KernelAdder,
     Offload,
-    add_kernel,
     is_call_to,
     offload_name,
     offload_patterns,
@@ -98,13 +99,13 @@ def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload
     With a ``tuner`` each kernel gets its tuned configuration (tuned now if its database does
     not know it yet); without one, the default heuristic's.
     """
-    def make_rewriter(builder, pattern, func):
+    def make_rewriter(add_kernel, pattern, func):
         bindings = _bindings(func)
-        return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, builder, target,
+        return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, add_kernel, target,
                                               tuner, report)
 
-    return offload_patterns(mod, _chains(), make_rewriter, report,
-                            ("relax.matmul", _leftover))
+    return offload_patterns(mod, _chains(), make_rewriter, report, "relax.matmul",
+                            _why_left)
 
 
 def _bindings(func: relax.Function) -> dict:
@@ -190,9 +191,11 @@ def _scalar(const) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _rewrite(orig, matches, pattern: _Chain, bindings, builder, target, tuner, report):
+def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
+             pattern: _Chain, bindings: dict[relax.Var, relax.Expr], add_kernel: KernelAdder,
+             target: Target, tuner: Tuner | None, report: list[Offload]) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
-    # reported once, by _leftover().
+    # reported once, with _why_left().
     call = matches[pattern.matmul]
     if _unsupported(call) is not None:
         return orig
@@ -228,7 +231,7 @@ def _rewrite(orig, matches, pattern: _Chain, bindings, builder, target, tuner, r
                                y_interleaved=y_inter)
     config = config_for(problem, target, tuner)
     name = f"tpp_batch_matmul_{problem.name}"
-    gv = add_kernel(builder, schedule(problem, config, machine_of(target).isa).mod["main"], name)
+    gv = add_kernel(schedule(problem, config, machine_of(target).isa).mod["main"], name)
     args = [_view(x_src, problem.x_shape), _view(b_src, problem.b_shape), *extra]
     out = relax.call_tir(gv, args, relax.TensorType(problem.y_shape, "float32"))
     report.append(Offload(offload_name("batch_matmul", ops), (batch, m, n, k), kernel=name))
@@ -266,9 +269,8 @@ def _view(expr, shape: tuple[int, ...]):
     return expr if static_shape(expr.ty.shape) == tuple(shape) else relax.op.reshape(expr, shape)
 
 
-def _leftover(call: relax.Call) -> Offload | None:
-    """A matmul of two activations still in the graph: left to TVM, and why."""
+def _why_left(call: relax.Call) -> str | None:
+    """Why a matmul of two activations is still in the graph (None: a constant weight's)."""
     if isinstance(call.args[1], tvm.ir.expr.Constant):
         return None  # constant weights are the dense pass's to report
-    reason = _unsupported(call) or "pattern not matched"
-    return Offload("matmul", static_shape(call.ty.shape) or (), reason=reason)
+    return _unsupported(call) or "pattern not matched"

@@ -35,6 +35,8 @@ conversions stay at these borders.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tvm
@@ -48,14 +50,10 @@ from schedules.tuner import Tuner, config_for
 
 from .layouts import TO_NCHW, TO_NHWC, simplify_layouts
 from .prepare import sum_to_add
-from .scaffold import (
-    EpiloguePattern,
-    Offload,
-    add_kernel,
-    epilogue_patterns,
-    offload_patterns,
-    static_shape,
-)
+from .scaffold import Offload, epilogue_patterns, offload_patterns, static_shape
+
+if TYPE_CHECKING:  # annotations only
+    from .scaffold import EpiloguePattern, KernelAdder
 
 __all__ = ["rewrite_conv"]
 
@@ -77,12 +75,12 @@ def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
     configuration (tuned now if its database does not know it yet); without one, the
     default heuristic's.
     """
-    def make_rewriter(builder, pattern, _func):
-        return lambda orig, matches: _rewrite(orig, matches, pattern, builder, target, tuner,
+    def make_rewriter(add_kernel, pattern, _func):
+        return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
                                               report)
 
     return offload_patterns(sum_to_add(mod), epilogue_patterns(_conv), make_rewriter, report,
-                            ("relax.nn.conv2d", _leftover), then=simplify_layouts)
+                            "relax.nn.conv2d", _why_left, then=simplify_layouts)
 
 
 def _unsupported(call: relax.Call) -> str | None:
@@ -114,10 +112,11 @@ def _channel_vector(bias: np.ndarray, k: int) -> np.ndarray | None:
     return bias.reshape(k).astype(np.float32)
 
 
-def _rewrite(orig, matches, pattern: EpiloguePattern[DFPattern], builder, target, tuner,
-             report):
+def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
+             pattern: EpiloguePattern[DFPattern], add_kernel: KernelAdder,
+             target: Target, tuner: Tuner | None, report: list[Offload]) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
-    # reported once, by _leftover().
+    # reported once, with _why_left().
     call = matches[pattern.anchor]
     if _unsupported(call) is not None:
         return orig
@@ -148,7 +147,7 @@ def _rewrite(orig, matches, pattern: EpiloguePattern[DFPattern], builder, target
     sh, sw = problem.stride
     name = (f"tpp_conv2d_{n}x{c}x{h}x{w}_{k}x{r}x{s}_s{sh}x{sw}"
             + (f"_{problem.epilogue.name}" if pattern.ops() else ""))
-    gv = add_kernel(builder, _kernel(kernel_problem, config, isa.name), name)
+    gv = add_kernel(_kernel(kernel_problem, config, isa.name), name)
 
     packed = _unfold_input(x, problem) if unfold else _pack_input(x, problem)
     args = [packed, relax.const(pack_weight(unfold_weight(weight) if unfold else weight,
@@ -196,7 +195,6 @@ def _pack_input(x, problem: ConvProblem):
     return y
 
 
-def _leftover(call: relax.Call) -> Offload:
-    """A conv2d still in the graph: left to TVM, and why."""
-    reason = _unsupported(call) or "pattern not matched"
-    return Offload("conv2d", static_shape(call.ty.shape) or (), reason=reason)
+def _why_left(call: relax.Call) -> str:
+    """Why a conv2d is still in the graph."""
+    return _unsupported(call) or "pattern not matched"

@@ -28,7 +28,9 @@ Examples
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tvm
@@ -40,14 +42,10 @@ from microkernels.machine import machine_of
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import Tuner, config_for
 
-from .scaffold import (
-    EpiloguePattern,
-    Offload,
-    add_kernel,
-    epilogue_patterns,
-    offload_patterns,
-    static_shape,
-)
+from .scaffold import Offload, epilogue_patterns, offload_patterns, static_shape
+
+if TYPE_CHECKING:  # annotations only
+    from .scaffold import EpiloguePattern, KernelAdder
 
 __all__ = ["rewrite_dense"]
 
@@ -76,13 +74,13 @@ def rewrite_dense(
     With a ``tuner`` each GEMM gets its tuned configuration (tuned now if its database does
     not know it yet); without one, the default heuristic's.
     """
-    def make_rewriter(builder, pattern, _func):
-        return lambda orig, matches: _rewrite(orig, matches, pattern, builder, target, tuner,
+    def make_rewriter(add_kernel, pattern, _func):
+        return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
                                               report)
 
     chains = epilogue_patterns(_matmul, spelled_out_gelu=True, root_of=lambda a: a.matmul)
-    return offload_patterns(mod, chains, make_rewriter, report,
-                            ("relax.matmul", _leftover))
+    return offload_patterns(mod, chains, make_rewriter, report, "relax.matmul",
+                            _why_left)
 
 
 def _unsupported(x, weight: np.ndarray) -> str | None:
@@ -97,10 +95,11 @@ def _unsupported(x, weight: np.ndarray) -> str | None:
     return None
 
 
-def _rewrite(orig, matches, pattern: EpiloguePattern[_Matmul], builder, target, tuner,
-             report):
+def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
+             pattern: EpiloguePattern[_Matmul], add_kernel: KernelAdder,
+             target: Target, tuner: Tuner | None, report: list[Offload]) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
-    # reported once, by _leftover().
+    # reported once, with _why_left().
     mm = pattern.anchor
     x = matches[mm.x]
     weight = matches[mm.w].value.numpy()
@@ -123,7 +122,7 @@ def _rewrite(orig, matches, pattern: EpiloguePattern[_Matmul], builder, target, 
     isa = machine_of(target).isa
     config = config_for(problem, target, tuner)
     name = f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if pattern.ops() else "")
-    gv = add_kernel(builder, schedule(problem, config, isa).mod["main"], name)
+    gv = add_kernel(schedule(problem, config, isa).mod["main"], name)
 
     args = [_as_matrix(x, m, k), relax.const(pack_weight(weight.astype(np.float32), config.bn))]
     if bias is not None:
@@ -137,13 +136,12 @@ def _rewrite(orig, matches, pattern: EpiloguePattern[_Matmul], builder, target, 
     return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
 
 
-def _leftover(call: relax.Call) -> Offload | None:
-    """A matmul with a constant weight still in the graph: left to TVM, and why."""
+def _why_left(call: relax.Call) -> str | None:
+    """Why a matmul with a constant weight is still in the graph (None: not such a matmul)."""
     x, w = call.args
     if not isinstance(w, tvm.ir.expr.Constant):
         return None  # activations on both sides: relay_passes.batch_matmul reports these
-    reason = _unsupported(x, w.value.numpy()) or "pattern not matched"
-    return Offload("matmul", static_shape(call.ty.shape) or (), reason=reason)
+    return _unsupported(x, w.value.numpy()) or "pattern not matched"
 
 
 def _as_matrix(expr, rows: int, cols: int):

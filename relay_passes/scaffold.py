@@ -2,11 +2,11 @@
 loop, the leftover report and the marking of a scheduled PrimFunc as a kernel.
 
 A pass (:mod:`~relay_passes.dense`, :mod:`~relay_passes.conv`,
-:mod:`~relay_passes.batch_matmul`) lists its patterns longest first, gives
-:func:`rewrite_patterns` a callback that turns one match into a ``call_tir`` of a kernel added
-with :func:`add_kernel` (or returns the original chain, leaving it to a shorter pattern or to
-TVM), and lets :func:`report_leftovers` say why each operator still in the graph stayed with
-TVM.
+:mod:`~relay_passes.batch_matmul`) lists its patterns longest first (:func:`epilogue_patterns`
+builds the chains of an operator with bias, residual and activation) and runs them with
+:func:`offload_patterns`: its callback turns one match into a ``call_tir`` of a kernel added with
+:func:`add_kernel` (or returns the original chain, leaving it to a shorter pattern or to TVM),
+and its reason function says why each of its operators still in the graph stayed with TVM.
 
 Examples
 --------
@@ -20,6 +20,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ __all__ = [
     "ACTIVATIONS",
     "GELU_SPELLED_OUT",
     "EpiloguePattern",
+    "KernelAdder",
+    "MakeRewriter",
     "Offload",
     "add_kernel",
-    "add_patterns",
     "epilogue_patterns",
     "is_call_to",
     "is_tensor_of",
@@ -127,14 +129,14 @@ def is_tensor_of(expr: relax.Expr, shape: tuple[int, ...]) -> bool:
             and expr.ty.dtype == "float32")
 
 
-def add_patterns(node: DFPattern, with_bias: bool,
+def _add_patterns(node: DFPattern, with_bias: bool,
                  with_residual: bool) -> tuple[DFPattern, DFPattern | None, DFPattern | None]:
     """``node``, then optionally ``+ constant bias``, then optionally ``+ residual`` tensor
     (either operand order): returns the pattern and the bias and residual sub-patterns.
 
     Examples
     --------
-    >>> _, bias, residual = add_patterns(wildcard(), with_bias=True, with_residual=False)
+    >>> _, bias, residual = _add_patterns(wildcard(), with_bias=True, with_residual=False)
     >>> bias is not None, residual
     (True, None)
     """
@@ -235,7 +237,7 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
             for with_bias in (True, False):
                 anchor = make_anchor()
                 result = anchor if root_of is None else root_of(anchor)
-                node, bias, residual = add_patterns(result, with_bias, with_residual)
+                node, bias, residual = _add_patterns(result, with_bias, with_residual)
                 constants: tuple[DFPattern, ...] = ()
                 if activation == GELU_SPELLED_OUT:
                     node, constants = _gelu_spelled_out(node)
@@ -245,22 +247,28 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
     return out
 
 
-def rewrite_patterns(
-    mod: tvm.IRModule,
-    patterns: Iterable[Any],
-    make_rewriter: Callable[[relax.BlockBuilder, Any, relax.Function], Callable],
-) -> tvm.IRModule:
+#: ``add_kernel(func, name)``: add a scheduled PrimFunc to the module being rewritten, as a
+#: kernel (see :func:`add_kernel`), and get its GlobalVar for ``call_tir``.
+KernelAdder = Callable[[tvm.tirx.PrimFunc, str], tvm.ir.GlobalVar]
+#: ``make_rewriter(add_kernel, pattern, func)``: the ``rewrite_call`` callback of one pattern
+#: in one Relax function.
+MakeRewriter = Callable[[KernelAdder, Any, relax.Function], Callable]
+
+
+def rewrite_patterns(mod: tvm.IRModule, patterns: Iterable[Any],
+                     make_rewriter: MakeRewriter) -> tvm.IRModule:
     """``mod`` with every Relax function rewritten by each pattern in turn (``rewrite_call``).
 
-    Each pattern has a ``root``.  ``make_rewriter(builder, pattern, func)`` gives the callback
-    for one pattern in one function (as rewritten by the patterns before it); the kernels it
-    emits through ``builder`` land in the returned module.  Dead bindings are left for the
-    caller's DeadCodeElimination.
+    Each pattern has a ``root``.  ``make_rewriter(add_kernel, pattern, func)`` gives the
+    callback for one pattern in one function (as rewritten by the patterns before it); the
+    kernels it adds with ``add_kernel(func, name)`` land in the returned module.  Dead bindings
+    are left for the caller's DeadCodeElimination.
     """
     builder = relax.BlockBuilder(mod)
+    adder = functools.partial(add_kernel, builder)
     functions = {gv: f for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
     for pattern in patterns:
-        functions = {gv: rewrite_call(pattern.root, make_rewriter(builder, pattern, f), f)
+        functions = {gv: rewrite_call(pattern.root, make_rewriter(adder, pattern, f), f)
                      for gv, f in functions.items()}
     new_mod = builder.get()  # after the rewrites: it holds the kernels they added
     for gv, f in functions.items():
@@ -271,19 +279,20 @@ def rewrite_patterns(
 def offload_patterns(
     mod: tvm.IRModule,
     patterns: Iterable[Any],
-    make_rewriter: Callable[[relax.BlockBuilder, Any, relax.Function], Callable],
+    make_rewriter: MakeRewriter,
     report: list[Offload],
-    leftover: tuple[str, Callable[[relax.Call], Offload | None]],
+    op_name: str,
+    reason: Callable[[relax.Call], str | None],
     then: Callable[[tvm.IRModule], tvm.IRModule] | None = None,
 ) -> tvm.IRModule:
     """One offload pass: :func:`rewrite_patterns`, then ``then`` (a clean-up of what the
-    rewrites left), dead bindings removed, and :func:`report_leftovers` of the
-    ``(operator, describe)`` pair ``leftover``."""
+    rewrites left), dead bindings removed, and :func:`report_leftovers` of the calls of
+    ``op_name`` left with their ``reason``."""
     new_mod = rewrite_patterns(mod, patterns, make_rewriter)
     if then is not None:
         new_mod = then(new_mod)
     new_mod = relax.transform.DeadCodeElimination()(new_mod)
-    report_leftovers(new_mod, report, *leftover)
+    report_leftovers(new_mod, report, op_name, reason)
     return new_mod
 
 
@@ -301,16 +310,28 @@ def add_kernel(builder: relax.BlockBuilder, func: tvm.tirx.PrimFunc,
 
 
 def report_leftovers(mod: tvm.IRModule, report: list[Offload], op_name: str,
-                     describe: Callable[[relax.Call], Offload | None]) -> None:
-    """Append ``describe(call)`` to ``report`` for every call of the operator ``op_name``
-    still in ``mod``'s Relax functions, where it is not None: the pass's operators that
-    stayed with TVM, and why."""
+                     reason: Callable[[relax.Call], str | None]) -> None:
+    """Report every call of the operator ``op_name`` still in ``mod``'s Relax functions as
+    left to TVM, with ``reason(call)``; a call whose reason is None is another pass's.
+
+    Examples
+    --------
+    >>> x = relax.Var("x", relax.TensorType((2, 3), "float32"))
+    >>> bb = relax.BlockBuilder()
+    >>> with bb.function("main", [x]):
+    ...     _ = bb.emit_func_output(bb.emit(relax.op.matmul(x, relax.op.permute_dims(x))))
+    >>> report = []
+    >>> report_leftovers(bb.get(), report, "relax.matmul", lambda call: "not this one")
+    >>> report
+    [Offload(op='matmul', shape=(2, 2), kernel=None, reason='not this one')]
+    """
 
     def visit(expr: relax.Expr) -> None:
         if is_call_to(expr, op_name):
-            entry = describe(expr)
-            if entry is not None:
-                report.append(entry)
+            why = reason(expr)
+            if why is not None:
+                short_name = op_name.rsplit(".", 1)[-1]  # relax.nn.conv2d -> conv2d
+                report.append(Offload(short_name, static_shape(expr.ty.shape) or (), reason=why))
 
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
