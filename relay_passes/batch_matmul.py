@@ -99,16 +99,16 @@ def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload
     With a ``tuner`` each kernel gets its tuned configuration (tuned now if its database does
     not know it yet); without one, the default heuristic's.
     """
+
     def make_rewriter(add_kernel, pattern, func):
         bindings = _bindings(func)
         return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, add_kernel, target,
                                               tuner, report)
 
-    return offload_patterns(mod, _chains(), make_rewriter, report, "relax.matmul",
-                            _why_left)
+    return offload_patterns(mod, _chains(), make_rewriter, report, "relax.matmul", _why_left)
 
 
-def _bindings(func: relax.Function) -> dict:
+def _bindings(func: relax.Function) -> dict[relax.Var, relax.Expr]:
     """var -> bound value, for following an operand back through its permutes."""
     found = {}
 

@@ -73,8 +73,10 @@ def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
     Appends one :class:`~relay_passes.scaffold.Offload` per conv2d to ``report``: the kernel it
     became, or why it stayed with TVM.  With a ``tuner`` each kernel gets its tuned
     configuration (tuned now if its database does not know it yet); without one, the
-    default heuristic's.
+    default heuristic's.  ONNX ``Sum`` is repaired into ``add`` first, and the layout
+    conversions between the rewritten convs are cancelled after.
     """
+
     def make_rewriter(add_kernel, pattern, _func):
         return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
                                               report)

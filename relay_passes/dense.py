@@ -74,16 +74,16 @@ def rewrite_dense(
     With a ``tuner`` each GEMM gets its tuned configuration (tuned now if its database does
     not know it yet); without one, the default heuristic's.
     """
+
     def make_rewriter(add_kernel, pattern, _func):
         return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
                                               report)
 
     chains = epilogue_patterns(_matmul, spelled_out_gelu=True, root_of=lambda a: a.matmul)
-    return offload_patterns(mod, chains, make_rewriter, report, "relax.matmul",
-                            _why_left)
+    return offload_patterns(mod, chains, make_rewriter, report, "relax.matmul", _why_left)
 
 
-def _unsupported(x, weight: np.ndarray) -> str | None:
+def _unsupported(x: relax.Expr, weight: np.ndarray) -> str | None:
     """Why ``x @ weight`` cannot become a TPP kernel (None if it can)."""
     shape = static_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
     if shape is None or len(shape) < 2:
@@ -144,6 +144,6 @@ def _why_left(call: relax.Call) -> str | None:
     return _unsupported(x, w.value.numpy()) or "pattern not matched"
 
 
-def _as_matrix(expr, rows: int, cols: int):
+def _as_matrix(expr: relax.Expr, rows: int, cols: int) -> relax.Expr:
     shape = static_shape(expr.ty.shape)
     return expr if shape == (rows, cols) else relax.op.reshape(expr, (rows, cols))
