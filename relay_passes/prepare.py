@@ -9,9 +9,20 @@ constant weights, before any TPP rewrite.
 
 Examples
 --------
->>> import tvm
->>> from relay_passes.prepare import prepare
->>> mod = prepare()(mod)                                       # doctest: +SKIP
+ONNX ``Sum(a, b)`` as the importer leaves it, and repaired:
+
+>>> a = relax.Var("a", relax.TensorType((2, 3), "float32"))
+>>> b = relax.Var("b", relax.TensorType((2, 3), "float32"))
+>>> bb = relax.BlockBuilder()
+>>> with bb.function("main", [a, b]):
+...     terms = [bb.emit(relax.op.broadcast_to(t, (2, 3))) for t in (a, b)]
+...     stacked = bb.emit(relax.op.stack(terms, axis=0))
+...     _ = bb.emit_func_output(bb.emit(relax.op.sum(stacked, axis=[0])))
+>>> ops = []
+>>> relax.analysis.post_order_visit(sum_to_add(bb.get())["main"], lambda e: ops.append(
+...     e.op.name) if isinstance(e, relax.Call) else None)
+>>> ops
+['relax.add']
 """
 
 from __future__ import annotations
