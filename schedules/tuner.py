@@ -62,8 +62,6 @@ class Tuner:
     ----------
     database
         The tuning results.
-    tune_missing
-        Must be False (the Tuner only looks up); kept while callers still pass it.
 
     Examples
     --------
@@ -73,14 +71,10 @@ class Tuner:
     """
 
     database: Database
-    tune_missing: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.database, Database):
             raise TypeError(f"a Tuner takes a Database, got {type(self.database).__name__}")
-        if self.tune_missing:
-            raise ValueError("a Tuner only looks configs up: tune the TaskCollector's tasks "
-                             "with tune() before lowering")
 
     def config(self, problem: Problem, target: Target) -> Config | None:
         """``problem``'s tuned configuration on ``target``'s machine, or None if untuned."""

@@ -78,8 +78,8 @@ def test_lookup_only_tuner_returns_none_for_unknown(tmp_path):
     tuner = Tuner(Database(tmp_path / "t.json"))
     assert tuner.config(PROBLEM, TARGET) is None
     assert config_for(PROBLEM, TARGET, tuner) == DEFAULT
-    with pytest.raises(ValueError, match="only looks configs up"):
-        Tuner(Database(tmp_path / "t.json"), tune_missing=True)
+    with pytest.raises(TypeError, match="takes a Database"):
+        Tuner(tmp_path / "t.json")
 
 
 def test_corrupt_database_is_a_clear_error(tmp_path):
