@@ -6,8 +6,9 @@ ratio explodes on outputs near zero), and the worst output counts.
 Examples
 --------
 >>> import numpy as np
->>> max_errors([np.array([1.0, 2.0])], [np.array([1.0, 2.002])])
-(0.002..., 0.000999...)
+>>> abs_err, rel_err = max_errors([np.array([1.0, 2.0])], [np.array([1.0, 2.002])])
+>>> round(abs_err, 6), round(rel_err, 6)
+(0.002, 0.000999)
 """
 
 from __future__ import annotations
