@@ -77,6 +77,9 @@ def test_tune_then_compile_reads_the_database(tmp_path, dense_model, monkeypatch
     assert tvm_tpp.compile(dense_model).database is None  # no ./tvm_tpp_work
     shutil.copytree(work, WORK_DIR)
     assert tvm_tpp.compile(dense_model).database == Path(WORK_DIR, DATABASE)
+    assert tvm_tpp.compile(dense_model, untuned=True).database is None
+    with pytest.raises(UsageError, match="untuned builds"):
+        tvm_tpp.compile(dense_model, work_dir=work, untuned=True)
 
 
 def test_work_dir_without_or_with_corrupt_database(tmp_path, dense_model):

@@ -384,6 +384,7 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     tune: bool = False,
     tune_budget: float | None = None,
     on_tuned: Callable[[Problem, TuneResult], None] | None = None,
+    untuned: bool = False,
 ) -> CompiledModel:
     """Import, rewrite to TPP kernels, and build a model.
 
@@ -408,6 +409,9 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         With ``tune``: seconds the tuner may spend per operator (default: no limit).
     on_tuned
         With ``tune``: called with ``(problem, TuneResult)`` after each operator.
+    untuned
+        Build every operator with its untuned default, whatever a work directory holds (the
+        baseline the tuner is measured against).
 
     Raises
     ------
@@ -421,11 +425,13 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         The given ``work_dir`` has no database, or its database is corrupt.
     """
     tgt = make_target(target)
+    if untuned and (tune or work_dir is not None):
+        raise UsageError("untuned builds read no work directory and tune nothing")
     if tune:
         _measurable(tgt)
         database: Database | None = _database(Path(work_dir or WORK_DIR) / DATABASE)
     else:
-        database = _existing_database(work_dir)
+        database = None if untuned else _existing_database(work_dir)
     start = time.perf_counter()
     mod, specs = import_model(model, input_shapes)
     tuned = _tune_tasks(mod, tgt, database, tune_budget, _TOP_K, on_tuned) if tune else []

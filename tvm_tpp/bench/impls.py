@@ -124,7 +124,7 @@ def _model_tpp(job: Job, workload: ModelWorkload, say: Say) -> Built:
     proto, _, inputs = workload.load()
     start = time.perf_counter()
     compiled = compiler.compile(proto, target=f"tpp -num-cores={job.threads}",
-                                input_shapes=workload.input_shapes)
+                                input_shapes=workload.input_shapes, untuned=True)
     routed = sum(1 for o in compiled.report if o.kernel)
     return _vm_built(compiled.executable, inputs, time.perf_counter() - start,
                      target=str(compiled.target),
