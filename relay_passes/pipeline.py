@@ -21,7 +21,7 @@ from tvm.target import Target
 
 from microkernels.machine import is_tpp
 from schedules.fallback import fallback_schedules
-from schedules.tuner import Tuner
+from schedules.tuner import TaskCollector, Tuner
 
 from .batch_matmul import rewrite_batch_matmul
 from .conv import rewrite_conv
@@ -29,32 +29,49 @@ from .dense import rewrite_dense
 from .prepare import prepare
 from .scaffold import Offload
 
-__all__ = ["prepare", "tpp_pipeline"]
+__all__ = ["prepare", "tpp_rewrites", "tpp_pipeline"]
 
 
-def tpp_pipeline(
-    target: Target, report: list[Offload] | None = None, tuner: Tuner | None = None
+def tpp_rewrites(
+    target: Target, report: list[Offload] | None = None, tuner: Tuner | TaskCollector | None = None
 ) -> tvm.transform.Pass:
-    """Prepare, rewrite to TPP kernels when ``target`` is a tpp target, then lower.
+    """Prepare, then route a ``tpp`` target's dense, conv and attention chains to TPP kernels
+    (other targets: preparation only); no lowering.
 
     ``report`` (if given) receives one :class:`~relay_passes.scaffold.Offload` per matched
-    operator: the kernel it became or why it stayed with TVM.  ``tuner`` picks the
-    configuration of each dense GEMM, convolution and batch GEMM from its database, tuning
-    the ones it does not know.
+    operator: the kernel it became or why it stayed with TVM.  ``tuner`` gives each GEMM,
+    convolution and batch GEMM its tuned configuration (a :class:`~schedules.tuner.Tuner`),
+    or records them as tuning tasks (a :class:`~schedules.tuner.TaskCollector`); operators
+    without one get their defaults.
     """
 
-    @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
-    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    @tvm.transform.module_pass(opt_level=0, name="TppRewrites")
+    def _rewrites(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = prepare()(mod)
         if not is_tpp(target):
-            return relax.get_default_pipeline(target)(mod)
+            return mod
         found = report if report is not None else []
         mod = rewrite_dense(mod, target, found, tuner)
         mod = rewrite_conv(mod, target, found, tuner)
         # What dense left: matmuls whose operands both vary.
         mod = rewrite_batch_matmul(mod, target, found, tuner)
         # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
-        mod = relax.transform.RemoveRedundantReshape()(mod)
+        return relax.transform.RemoveRedundantReshape()(mod)
+
+    return _rewrites
+
+
+def tpp_pipeline(
+    target: Target, report: list[Offload] | None = None, tuner: Tuner | None = None
+) -> tvm.transform.Pass:
+    """:func:`tpp_rewrites`, then TVM's CPU lowering with schedules for what stayed with TVM
+    (a target without the ``tpp`` key gets TVM's default pipeline after the preparation)."""
+
+    @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        mod = tpp_rewrites(target, report, tuner)(mod)
+        if not is_tpp(target):
+            return relax.get_default_pipeline(target)(mod)
         with target:
             return tvm.transform.Sequential(
                 cpu.library_dispatch_passes(target)

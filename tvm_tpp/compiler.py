@@ -34,7 +34,7 @@ from tvm import relax
 from tvm.target import Target
 
 from relay_passes import Offload
-from relay_passes.pipeline import tpp_pipeline
+from relay_passes.pipeline import tpp_pipeline, tpp_rewrites
 from schedules import tuner as _tuner
 from schedules.tuner import Database, TaskCollector, Tuner, TuneResult
 
@@ -279,20 +279,14 @@ def _measurable(tgt: Target) -> None:
         raise NotRunnableError(f"tuning measures on this CPU, which cannot run {tgt}")
 
 
-def _lower(mod: tvm.IRModule, tgt: Target, tuner: Tuner | TaskCollector | None,
-           report: list[Offload] | None = None) -> tvm.IRModule:
-    """The target's graph pipeline without code generation (cheap next to a build)."""
-    with tgt:
-        return tpp_pipeline(tgt, report, tuner)(mod)
-
-
 def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: float | None,
                 top_k: int, on_tuned: Callable[[Problem, TuneResult], None] | None
                 ) -> list[Tuned]:
     # The graph passes find the operators; tuning them here, outside the lowering, keeps
     # the measurements' own builds from running inside the model's.
     collector = TaskCollector()
-    _lower(mod, tgt, collector)
+    with tgt:
+        tpp_rewrites(tgt, tuner=collector)(mod)  # the rewrites name the tasks; no lowering
     tuned = []
     for problem in collector.tasks.values():
         result = _tuner.tune(problem, tgt, database=database, top_k=top_k,
@@ -372,7 +366,8 @@ def lower(
     """
     tgt = make_target(target)
     mod, _ = import_model(model, input_shapes)
-    return _lower(mod, tgt, _lookup(_existing_database(work_dir)))
+    with tgt:  # the graph pipeline without code generation
+        return tpp_pipeline(tgt, tuner=_lookup(_existing_database(work_dir)))(mod)
 
 
 def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
