@@ -21,8 +21,10 @@ VNNI-packed tensor).  The LLVM intrinsics are used in their tile-number form
 cannot be chained from TIR.  bf16 pointers are taken with ``T.address_of`` because
 ``access_ptr`` on a bfloat16 buffer trips TVM's bf16 legalization.
 
-Running AMX code on Linux needs per-process permission: call :func:`request_permission` once
-before the first kernel runs.
+Running AMX code on Linux needs per-process permission (without it the first tile instruction
+kills the process with SIGILL): every process that may execute AMX code calls
+:func:`tiles_usable` before its first kernel runs, and dispatches no AMX kernel when it says
+False (:mod:`microkernels.machine` asks it for the host's ISA).
 
 Examples
 --------
@@ -35,15 +37,18 @@ Examples
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import isa as _isa
 from .brgemm import BrgemmShape, register_impl
 
 if TYPE_CHECKING:
     from tvm.tirx import PrimExpr, PrimFunc
 
-__all__ = ["TilePlan", "plan", "impl_func", "request_permission", "EMULATOR_SYMBOLS"]
+__all__ = ["TilePlan", "plan", "impl_func", "request_permission", "tiles_usable",
+           "EMULATOR_SYMBOLS", "OPS_PER_CYCLE"]
 
 TILE_ROWS = 16
 TILE_BYTES = 64
@@ -55,6 +60,10 @@ _OPS: dict[str, tuple[int, str]] = {
     "int8": (1, "tdpbssd"),
     "bfloat16": (2, "tdpbf16ps"),
 }
+
+#: One core's AMX peak by dtype of A: multiply-adds are 2 ops (Sapphire Rapids: 1024 bf16 and
+#: 2048 int8 ops per cycle), what ``bench-kernel --isa amx`` reports its fraction of.
+OPS_PER_CYCLE: dict[str, int] = {"uint8": 2048, "int8": 2048, "bfloat16": 1024}
 
 #: Functions an AMX emulator must export for :func:`impl_func` with ``emulate=True``.
 EMULATOR_SYMBOLS = tuple(
@@ -274,3 +283,20 @@ def request_permission() -> bool:
     sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
     libc = ctypes.CDLL(None, use_errno=True)
     return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
+
+
+@functools.cache
+def tiles_usable() -> bool:
+    """Whether this process may run AMX code: the CPU has tiles and Linux granted their state.
+
+    Asks for the permission (:func:`request_permission`) once per process, on the first call;
+    the answer is cached, so calling it before every run is free.  False on CPUs without
+    ``amx_tile``, where nothing is asked.  Tests that fake the flags or the answer clear the
+    cache with ``tiles_usable.cache_clear()``.
+
+    Examples
+    --------
+    >>> tiles_usable() is (tiles_usable() and "amx_tile" in _isa.host_flags())
+    True
+    """
+    return "amx_tile" in _isa.host_flags() and request_permission()

@@ -13,6 +13,13 @@ Examples
 ...               mcpu="sapphirerapids", fp32_flops_per_cycle=64.0)
 >>> spr.key, spr.peak_flops_per_cycle, spr.caches.l2 >> 20
 ('amx/sapphirerapids/2t', 64.0, 2)
+
+What this process may run is asked here too: :func:`host_isa` and :func:`runs_here` treat AMX
+as absent when Linux refuses the tile permission (:func:`microkernels.amx.tiles_usable`), so
+nothing picks or runs AMX kernels that would die with SIGILL.
+
+>>> runs_here(from_name("amx")) is (host_isa().name == "amx")
+True
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import amx as _amx
 from . import isa as _isa
 
-__all__ = ["Machine", "host", "is_tpp", "machine_of"]
+__all__ = ["Machine", "host", "host_isa", "host_isa_text", "runs_here", "amx_refused", "is_tpp",
+           "machine_of"]
 
 
 @dataclass(frozen=True)
@@ -74,9 +83,43 @@ class Machine:
         return f"{self.isa.name}/{self.mcpu}/{self.threads}t"
 
 
+def amx_refused() -> bool:
+    """Whether this CPU has AMX tiles but Linux refused this process their state."""
+    return "amx_tile" in _isa.host_flags() and not _amx.tiles_usable()
+
+
+def host_isa() -> _isa.Isa:
+    """The richest ISA this process may run: the CPU's (:func:`microkernels.isa.detect`), one
+    step down (AVX-512 BF16) when it is AMX and the tile permission is refused."""
+    chosen = _isa.detect()
+    while chosen.has("amx_tile") and not _amx.tiles_usable() and chosen.parent is not None:
+        chosen = _isa.KNOWN[chosen.parent]
+    return chosen
+
+
+def host_isa_text() -> str:
+    """The host's ISA as ``tvm-tpp info`` and the benchmarks describe it, saying when AMX is
+    switched off.
+
+    >>> host_isa_text().startswith(host_isa().name)
+    True
+    """
+    text = f"{host_isa().name} ({host_isa().description})"
+    if amx_refused():
+        text += "; amx (tile permission refused: AMX kernels disabled)"
+    return text
+
+
+def runs_here(isa: _isa.Isa) -> bool:
+    """Whether this process may execute ``isa``'s code: the CPU has its flags and, for AMX,
+    the tile permission was granted (asked here, once, if not yet)."""
+    return isa.runs_on(_isa.host_flags()) and (not isa.has("amx_tile") or _amx.tiles_usable())
+
+
 def host(threads: int | None = None) -> Machine:
-    """This machine: its richest ISA, its caches (sysfs), the cores this process may use."""
-    return Machine(_isa.detect(), _isa.caches(),
+    """This machine: the richest ISA it may run (:func:`host_isa`), its caches (sysfs), the
+    cores this process may use."""
+    return Machine(host_isa(), _isa.caches(),
                    threads if threads is not None else _isa.num_cores())
 
 

@@ -36,3 +36,13 @@ def dense_file(tmp_path, dense_model):
     path = tmp_path / "dense.onnx"
     onnx.save(dense_model, str(path))
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def amx_tile_permission():
+    """Ask Linux for the AMX tile state once, before any test runs a kernel: on an AMX host a
+    test process without it dies with SIGILL at the first tile instruction (on other hosts,
+    and where it is refused, AMX is simply not picked or run)."""
+    from microkernels.amx import tiles_usable
+
+    return tiles_usable()

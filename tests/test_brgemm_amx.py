@@ -175,7 +175,7 @@ def test_native_tile_program_matches_numpy(kernel):
     if "amx_tile" not in isa.host_flags():
         pytest.skip("host lacks AMX (no amx_tile flag): the tile program is checked under the "
                     "emulator and in sapphirerapids assembly instead")
-    assert amx.request_permission(), "AMX host, but Linux refused the tile state (arch_prctl)"
+    assert amx.tiles_usable(), "AMX host, but Linux refused the tile state (arch_prctl)"
     big, mod = _tiled(kernel, dispatch(kernel), rows=2, cols=3)
     operands = _operands(big, np.random.default_rng(9))
     _check(big, _run_host(mod, operands[:3], target=SPR), operands[3])

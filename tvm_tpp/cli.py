@@ -79,12 +79,12 @@ def _model(name_or_path: str, batch: int | None):
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from microkernels import isa
+    from microkernels import isa, machine
 
     flags = isa.host_flags()
     caches = isa.caches()
-    host = isa.detect()
-    print(f"host ISA     : {host.name} ({host.description})")
+    host = machine.host_isa()
+    print(f"host ISA     : {machine.host_isa_text()}")
     print(f"vector       : {host.vector_bits}-bit x {host.vector_registers} registers")
     print(
         f"caches       : L1d {caches.l1d // 1024} KiB, L2 {caches.l2 // 1024} KiB, "
@@ -101,8 +101,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     print("microkernels : BRGEMM (isa, dtype of A, layout)")
     for isa_name, dtype, layout in implementations():
-        native = isa_name == "generic" or isa.from_name(isa_name).runs_on(flags)
-        print(f"  {isa_name:12s} {dtype:9s} {layout}{'' if native else ' [foreign]'}")
+        if isa_name == "generic" or machine.runs_here(isa.from_name(isa_name)):
+            note = ""
+        elif isa.from_name(isa_name).runs_on(flags):  # AMX whose tile permission was refused
+            note = " [disabled]"
+        else:
+            note = " [foreign]"
+        print(f"  {isa_name:12s} {dtype:9s} {layout}{note}")
     return 0
 
 

@@ -119,6 +119,9 @@ class CompiledModel:
         return runs_on_host(self.target)
 
     def _machine(self) -> relax.VirtualMachine:
+        # Every run and time (of a compiled or loaded model) comes here first: for an AMX
+        # build, runs_on_host asks Linux for the tile state (once per process) and says no
+        # where it is refused, so no tile instruction runs without it (it would be SIGILL).
         if not self.runnable:
             raise NotRunnableError(
                 f"code for {self.target.attrs.get('model') or self.target} cannot run on this "
@@ -207,7 +210,11 @@ def _flatten(result) -> list:
 
 
 def load(path: str | os.PathLike) -> CompiledModel:
-    """Load a model written by :meth:`CompiledModel.export`."""
+    """Load a model written by :meth:`CompiledModel.export`.
+
+    Loading runs no kernel; running the model first checks that this process may (for an
+    AMX build: that Linux granted the tile permission, requested then).
+    """
     path = Path(path)
     meta_path = Path(str(path) + _SIDECAR)
     if not path.is_file() or not meta_path.is_file():

@@ -9,6 +9,7 @@ attribute, the name of the ISA the microkernels are generated for.  A registered
 Spec strings understood by :func:`target`::
 
     tpp                         this host: its ISA, its LLVM CPU, the cores this process may use
+                                (AVX-512 BF16, not AMX, when Linux refuses the tile permission)
     tpp -isa=amx                a foreign ISA (LLVM triple/CPU/attributes filled in)
     tpp -isa=avx2 -num-cores=1  options: -isa, -mcpu, -num-cores
 
@@ -29,7 +30,7 @@ import tvm
 from tvm.target import Target
 
 from microkernels import isa as _isa
-from microkernels.machine import is_tpp, machine_of
+from microkernels.machine import host_isa, is_tpp, machine_of, runs_here
 
 from .errors import TargetError
 
@@ -66,12 +67,6 @@ def _isa_named(name: str) -> _isa.Isa:
         return _isa.from_name(name)
     except ValueError as err:  # the ISA table lives below this layer, with no TppError
         raise TargetError(str(err)) from None
-
-
-@functools.cache
-def host_isa() -> _isa.Isa:
-    """The ISA of this machine (cached: /proc/cpuinfo does not change)."""
-    return _isa.detect()
 
 
 def _host_mcpu(chosen: _isa.Isa) -> str:
@@ -152,5 +147,5 @@ def runs_on_host(tgt: Target) -> bool:
     if triple is not None and not triple.startswith(host.arch):
         return False
     if is_tpp(tgt):
-        return machine_of(tgt).isa.runs_on(_isa.host_flags())
+        return runs_here(machine_of(tgt).isa)
     return True

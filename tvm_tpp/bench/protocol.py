@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from microkernels.amx import tiles_usable
+
 from . import workloads as _workloads
 from .timing import Plan, Timer, probe_seconds
 from .workers import Worker, WorkerError
@@ -198,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else written to stdout goes to the log
+    # Before anything is built or timed: where Linux grants the AMX tile state, this process
+    # may run AMX kernels; where it refuses, the host target picks no AMX (no SIGILL).
+    tiles_usable()
     job = Job.from_json(argv[0])
     if job.impl == PEAK:
         send(channel, _peak_message())

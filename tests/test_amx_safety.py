@@ -1,0 +1,116 @@
+"""AMX is safe to run: the tile permission is asked once, and where it is refused (or the CPU
+has no tiles) no AMX ISA is picked, dispatched or run, and the host description says so.
+
+This Zen 4 has no AMX, so the AMX host is faked: its CPU flags (``isa.host_flags``) and
+Linux's answer (``amx.request_permission``) are monkeypatched, and ``tiles_usable``'s
+per-process cache is cleared around each test.
+"""
+
+import numpy as np
+import pytest
+
+import tvm_tpp
+from microkernels import amx, isa, machine
+from tvm_tpp import cli
+from tvm_tpp.errors import NotRunnableError
+from tvm_tpp.tpp_target import runs_on_host
+
+REFUSED = "amx (tile permission refused: AMX kernels disabled)"
+
+
+@pytest.fixture
+def fake_host(monkeypatch):
+    """``fake_host(granted, flags=AMX's)`` -> the list of permission requests made."""
+    real_flags = isa.host_flags
+
+    def fake(granted: bool, flags: frozenset[str] = isa.from_name("amx").requires):
+        asked: list[bool] = []
+
+        def request() -> bool:
+            asked.append(granted)
+            return granted
+
+        monkeypatch.setattr(isa, "host_flags",
+                            lambda cpuinfo=None: flags if cpuinfo is None else real_flags(cpuinfo))
+        monkeypatch.setattr(amx, "request_permission", request)
+        amx.tiles_usable.cache_clear()
+        return asked
+
+    yield fake
+    amx.tiles_usable.cache_clear()  # the next call asks the real host again
+
+
+def test_refused_permission_disables_amx(fake_host):
+    asked = fake_host(granted=False)
+    assert machine.host_isa().name == "avx512_bf16"
+    assert machine.host().isa.name == "avx512_bf16"
+    assert machine.amx_refused()
+    assert not machine.runs_here(isa.from_name("amx"))
+    assert machine.runs_here(isa.from_name("avx512_bf16"))
+    assert REFUSED in machine.host_isa_text()
+    assert tvm_tpp.target("tpp").attrs["model"] == "avx512_bf16"
+    assert not runs_on_host(tvm_tpp.target("tpp -isa=amx"))
+    assert runs_on_host(tvm_tpp.target("tpp -isa=avx512_bf16"))
+    assert asked == [False], "the permission is asked once per process"
+
+
+def test_granted_permission_enables_amx(fake_host):
+    asked = fake_host(granted=True)
+    assert machine.host_isa().name == "amx"
+    assert not machine.amx_refused()
+    assert machine.runs_here(isa.from_name("amx"))
+    assert "refused" not in machine.host_isa_text()
+    assert tvm_tpp.target("tpp").attrs["model"] == "amx"
+    assert runs_on_host(tvm_tpp.target("tpp -isa=amx"))
+    assert asked == [True]
+
+
+def test_no_tiles_asks_nothing(fake_host):
+    asked = fake_host(granted=True, flags=isa.from_name("avx512_bf16").requires)
+    assert not amx.tiles_usable() and not machine.amx_refused()
+    assert machine.host_isa().name == "avx512_bf16"
+    assert "refused" not in machine.host_isa_text()
+    assert asked == []
+
+
+def test_info_says_amx_is_disabled(fake_host, capsys):
+    fake_host(granted=False)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "host ISA     : avx512_bf16 (" in out and REFUSED in out
+    amx_rows = [line for line in out.splitlines() if line.strip().startswith("amx ")]
+    assert amx_rows and all(line.endswith("[disabled]") for line in amx_rows)
+
+
+def test_amx_build_does_not_run_when_refused(fake_host, dense_model, tmp_path):
+    """Compiled and loaded AMX builds ask before running, and refuse (no SIGILL)."""
+    compiled = tvm_tpp.compile(dense_model, target="tpp -isa=amx")
+    asked = fake_host(granted=False)
+    x = np.zeros(compiled.inputs[0].shape, "float32")
+    with pytest.raises(NotRunnableError, match="cannot run on this CPU"):
+        compiled.run(x=x)
+    compiled.export(tmp_path / "dense.so")
+    with pytest.raises(NotRunnableError):
+        tvm_tpp.load(tmp_path / "dense.so").time({"x": x})
+    assert asked == [False]
+
+
+def test_bench_worker_asks_before_any_job(monkeypatch):
+    """The worker's first act (after parking stdout) is the tile request; its job comes after."""
+    from tvm_tpp.bench import protocol
+
+    order: list[str] = []
+    monkeypatch.setattr(protocol, "tiles_usable", lambda: order.append("tiles") or False)
+
+    class Stop(Exception):
+        pass
+
+    def job_from_json(text: str):
+        order.append("job")
+        raise Stop
+
+    monkeypatch.setattr(protocol.Job, "from_json", staticmethod(job_from_json))
+    monkeypatch.setattr(protocol.os, "dup2", lambda *fds: None)  # keep pytest's stdout
+    with pytest.raises(Stop):
+        protocol.main(["{}"])
+    assert order == ["tiles", "job"]
