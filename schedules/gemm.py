@@ -50,6 +50,19 @@ dimension's divisors:
   panel is exactly half of L2, measured faster that way than split and packed, on one core
   and more so on two (BENCHMARKS.md).
 
+Operand types (:data:`OPERANDS`): ``GemmProblem.dtype`` is X's type and picks the kernel
+family.  ``"float32"`` multiplies float32 X and W in float32 (the flat BRGEMM, weights packed
+``Wp[N/bn, K, bn]``); ``"bfloat16"`` multiplies bf16 X and W accumulating in float32, and
+``"uint8"`` u8 activations by s8 weights accumulating in int32.  The two low-precision kinds
+take W packed along K in the VNNI groups their dot-product instructions read (``vdpbf16ps``,
+``vpdpbusd``, AMX ``tdpbf16ps``/``tdpbusd``): ``Wp[N/bn, K/a, bn, a]`` with ``a`` = 2 (bf16)
+or 4 (int8) (:meth:`~microkernels.pack.Packing.vnni_blocked_b`), so K and ``bk`` must be
+multiples of ``a``.  The epilogue starts from the accumulator, except that an int32 one meets a
+chain that takes floats only (``scale`` first: dequantization) converted to float32, exactly
+below ``2**24``.  On ``amx`` the kernel runs in tiles when its blocks are tile-shaped
+(:func:`microkernels.amx.plan`; the defaults choose such blocks), otherwise the ISA's
+AVX-512 kernel runs (:func:`microkernels.brgemm.find_impl`'s fallback).
+
 Candidates (:func:`candidates`): a few blockings around the default (:func:`blockings`),
 PARLOOPER's loop orders for each (:func:`schedules.space.generate`), ranked within each
 blocking by the cache-trace model (:func:`ranked_configs`).  The model sees loop orders and
@@ -75,12 +88,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from microkernels import isa as _isa
-from microkernels.brgemm import BrgemmShape, dispatch
+from microkernels.brgemm import DTYPES, LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 from microkernels.pack import Packing
 
-from .blocking import pick_divisor
+from .blocking import divisors, pick_divisor
 from .cost_model import predict
 from .loop_spec import LoopSpec, LoopSpecError, parse
 from .nest import check_exact, finish_nest, nest_loops
@@ -91,21 +104,46 @@ if TYPE_CHECKING:
     from tvm.s_tir import LoopRV, SBlockRV
     from tvm.tirx import PrimFunc
 
-__all__ = ["GemmProblem", "GemmConfig", "workload", "schedule", "default_config", "candidates",
-           "whole_k_config", "long_k_config", "blockings", "ranked_configs",
+__all__ = ["OPERANDS", "GemmProblem", "GemmConfig", "workload", "schedule", "default_config",
+           "candidates", "whole_k_config", "long_k_config", "blockings", "ranked_configs",
            "ranked_blockings", "measuring_order", "pack_weight", "GEMV_ROWS"]
+
+
+#: dtype of X -> (accumulator dtype, BRGEMM layout of the packed weight); W's dtype follows
+#: (:data:`microkernels.brgemm.DTYPES`: float32, bfloat16, int8).
+OPERANDS: dict[str, tuple[str, str]] = {
+    "float32": ("float32", "flat"),
+    "bfloat16": ("float32", "vnni2"),
+    "uint8": ("int32", "vnni4"),
+}
 
 
 @dataclass(frozen=True)
 class GemmProblem:
-    """``Y[m, n] = epilogue(X[m, k] @ W[k, n])`` in float32.
+    """``Y[m, n] = epilogue(X[m, k] @ W[k, n])``, X in ``dtype``.
 
     Parameters
     ----------
     m, n, k
-        GEMM sizes.
+        GEMM sizes; for low-precision ``dtype`` K is a multiple of the VNNI group
+        (:attr:`alpha`: 2 for bfloat16, 4 for uint8).
+    dtype
+        X's type (:data:`OPERANDS`): ``"float32"``, ``"bfloat16"`` (bf16 W, float32
+        accumulation) or ``"uint8"`` (s8 W, int32 accumulation).
     epilogue
-        Elementwise chain applied to each finished output tile.
+        Elementwise chain applied to each finished output tile, from :attr:`epilogue_dtype`.
+
+    Examples
+    --------
+    >>> from microkernels.epilogue import EpilogueOp
+    >>> dequant = Epilogue((EpilogueOp("scale", broadcast="row"), EpilogueOp("bias")))
+    >>> p = GemmProblem(37, 48, 68, "uint8", dequant)
+    >>> (p.acc_dtype, p.weight_dtype, p.layout, p.epilogue_dtype, p.out_dtype)
+    ('int32', 'int8', 'vnni4', 'float32', 'float32')
+    >>> GemmProblem(4, 16, 6, "uint8")
+    Traceback (most recent call last):
+    ...
+    ValueError: GemmProblem(dtype='uint8') needs k divisible by 4 (the VNNI-4 groups ...
     """
 
     m: int
@@ -119,13 +157,65 @@ class GemmProblem:
             value = getattr(self, dim)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GemmProblem.{dim} must be a positive int, got {value!r}")
-        if self.dtype != "float32":
-            raise ValueError(f"the GEMM template handles float32, got {self.dtype!r}")
-        self.epilogue.out_dtype("float32")  # raises for chains that do not type-check
+        if self.dtype not in OPERANDS:
+            raise ValueError(f"the GEMM template handles {', '.join(OPERANDS)}, "
+                             f"got {self.dtype!r}")
+        if self.k % self.alpha:
+            raise ValueError(
+                f"GemmProblem(dtype={self.dtype!r}) needs k divisible by {self.alpha} (the "
+                f"VNNI-{self.alpha} groups of its packed {self.weight_dtype} weight), "
+                f"got k={self.k}; pad K with zeros in X and W")
+        self.epilogue.out_dtype(self.epilogue_dtype)  # raises for chains that do not type-check
 
     @property
     def flops(self) -> int:
         return 2 * self.m * self.n * self.k
+
+    @property
+    def acc_dtype(self) -> str:
+        """The accumulator's dtype: float32, or int32 for uint8."""
+        return OPERANDS[self.dtype][0]
+
+    @property
+    def layout(self) -> str:
+        """The BRGEMM layout of the packed weight: ``flat``, ``vnni2`` or ``vnni4``."""
+        return OPERANDS[self.dtype][1]
+
+    @property
+    def weight_dtype(self) -> str:
+        return DTYPES[(self.dtype, self.acc_dtype)]
+
+    @property
+    def alpha(self) -> int:
+        """K elements per VNNI group of the packed weight (1: not grouped)."""
+        return LAYOUTS[self.layout][0]
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element of X (and of W): what the caches hold of the operands."""
+        return {"float32": 4, "bfloat16": 2, "uint8": 1}[self.dtype]
+
+    @property
+    def epilogue_dtype(self) -> str:
+        """The dtype the epilogue starts from: the accumulator's, or float32 when the
+        accumulator is int32 and the chain takes floats only (it dequantizes)."""
+        try:
+            self.epilogue.out_dtype(self.acc_dtype)
+            return self.acc_dtype
+        except ValueError:
+            if self.acc_dtype == "float32":
+                raise
+            try:
+                self.epilogue.out_dtype("float32")
+            except ValueError:
+                raise ValueError(f"epilogue {self.epilogue.name!r} takes neither the int32 "
+                                 f"accumulator nor its float32 value") from None
+            return "float32"
+
+    @property
+    def out_dtype(self) -> str:
+        """The dtype of Y."""
+        return self.epilogue.out_dtype(self.epilogue_dtype)
 
 
 @dataclass(frozen=True)
@@ -221,44 +311,98 @@ class GemmConfig:
                 raise ValueError(f"{name}={block} does not divide {dim}")
         if (problem.k // self.bk) % self.k_step:
             raise ValueError(f"k_step={self.k_step} does not divide K/bk={problem.k // self.bk}")
+        if self.bk % problem.alpha:
+            raise ValueError(f"bk={self.bk} is not a multiple of {problem.alpha}, the VNNI "
+                             f"group of {problem.dtype} GEMMs")
 
     def blocked(self, problem: GemmProblem) -> BlockedGemm:
         """The problem in block units, as the space and the cost model see it."""
         self.check(problem)
-        return BlockedGemm(problem.m, problem.n, problem.k, self.bm, self.bn, self.bk)
+        return BlockedGemm(problem.m, problem.n, problem.k, self.bm, self.bn, self.bk,
+                           dtype_bytes=problem.element_bytes)
 
 
-def pack_weight(w: np.ndarray, bn: int) -> np.ndarray:
-    """numpy ``W[K, N] -> Wp[N/bn, K, bn]``: each N block's panel contiguous
-    (:meth:`~microkernels.pack.Packing.blocked_b`, the flat BRGEMM's B).
+def pack_weight(w: np.ndarray, bn: int, problem: GemmProblem | None = None) -> np.ndarray:
+    """numpy ``W[K, N]`` -> the packed weight of ``problem`` (default: a float32 GEMM).
+
+    float32: ``Wp[N/bn, K, bn]``, each N block's panel contiguous
+    (:meth:`~microkernels.pack.Packing.blocked_b`, the flat BRGEMM's B).  bfloat16 and
+    uint8 problems: ``Wp[N/bn, K/a, bn, a]``, each N block's panel in VNNI groups of ``a``
+    consecutive K values (:meth:`~microkernels.pack.Packing.vnni_blocked_b`).  bfloat16
+    weights are taken as ``ml_dtypes.bfloat16`` or rounded to it from float32 (to nearest
+    even); uint8 problems take integer weights in [-128, 127] (quantizing them is the
+    caller's job) and return int8.
 
     Examples
     --------
     >>> w = np.arange(6, dtype="float32").reshape(2, 3)
     >>> pack_weight(w, 1)[2].ravel().tolist()     # column 2 of W, one N block per column
     [2.0, 5.0]
+    >>> w8 = np.arange(8, dtype="int8").reshape(4, 2)             # W[K=4, N=2]
+    >>> pack_weight(w8, 2, GemmProblem(1, 2, 4, "uint8"))[0, 0].tolist()   # [bn, 4]
+    [[0, 2, 4, 6], [1, 3, 5, 7]]
     """
     k, n = w.shape
     if n % bn:
         raise ValueError(f"bn={bn} does not divide N={n}")
-    # A unit bn leaves its axis out of the packing; the template's operand keeps it.
-    return Packing.blocked_b(bn).pack(w).reshape(n // bn, k, bn)
+    if problem is None or problem.layout == "flat":
+        # A unit bn leaves its axis out of the packing; the template's operand keeps it.
+        return Packing.blocked_b(bn).pack(w).reshape(n // bn, k, bn)
+    if (k, n) != (problem.k, problem.n):
+        raise ValueError(f"W must be [K, N] = [{problem.k}, {problem.n}], got {list(w.shape)}")
+    alpha = problem.alpha
+    packed = Packing.vnni_blocked_b(alpha, bn).pack(_weight_values(w, problem.weight_dtype))
+    return packed.reshape(n // bn, k // alpha, bn, alpha)
 
 
-def workload(problem: GemmProblem, bn: int) -> PrimFunc:
-    """The unscheduled PrimFunc ``(X, Wp, *epilogue operands, Y)``."""
+def _weight_values(w: np.ndarray, dtype: str) -> np.ndarray:
+    """``w`` as a ``dtype`` array (bfloat16: rounded from float32; int8: integers in range)."""
+    import ml_dtypes
+
+    if dtype == "bfloat16":
+        if w.dtype not in (np.float32, ml_dtypes.bfloat16):
+            raise ValueError(f"bfloat16 weights come as float32 or ml_dtypes.bfloat16, "
+                             f"got {w.dtype}")
+        return w.astype(ml_dtypes.bfloat16)
+    if not np.issubdtype(w.dtype, np.integer) or w.size and (w.min() < -128 or w.max() > 127):
+        raise ValueError(f"int8 weights must be integers in [-128, 127], got {w.dtype} "
+                         f"values{f' in [{w.min()}, {w.max()}]' if w.size else ''}")
+    return w.astype(np.int8)
+
+
+def workload(problem: GemmProblem, config_or_bn: GemmConfig | int) -> PrimFunc:
+    """The unscheduled PrimFunc ``(X, Wp, *epilogue operands, Y)``; ``Wp`` is packed with
+    the config's ``bn`` as :func:`pack_weight` packs it."""
     from tvm import te
 
     from microkernels.epilogue import apply_te
 
-    m, n, k = problem.m, problem.n, problem.k
-    x = te.placeholder((m, k), "float32", name="X")
-    wp = te.placeholder((n // bn, k, bn), "float32", name="Wp")
+    bn = config_or_bn.bn if isinstance(config_or_bn, GemmConfig) else config_or_bn
+    m, n, k, alpha = problem.m, problem.n, problem.k, problem.alpha
+    acc = problem.acc_dtype
+    x = te.placeholder((m, k), problem.dtype, name="X")
     r = te.reduce_axis((0, k), name="k")
-    c = te.compute((m, n), lambda i, j: te.sum(x[i, r] * wp[j // bn, r, j % bn], axis=r),
-                   name="C")
+    packed_shape = (n // bn, k, bn) if alpha == 1 else (n // bn, k // alpha, bn, alpha)
+    wp = te.placeholder(packed_shape, problem.weight_dtype, name="Wp")
+
+    def weight(j):  # W[r, j] in the packed layout
+        if alpha == 1:
+            return wp[j // bn, r, j % bn]
+        return wp[j // bn, r // alpha, j % bn, r % alpha]
+
+    def product(i, j):
+        if problem.dtype == acc:  # float32: no casts in the expression
+            return x[i, r] * weight(j)
+        return x[i, r].astype(acc) * weight(j).astype(acc)
+
+    c = te.compute((m, n), lambda i, j: te.sum(product(i, j), axis=r), name="C")
+    start = problem.epilogue_dtype
+    if start != acc:
+        # Dequantization's int32 -> float32, its own stage so the GEMM block stays the
+        # kernel's semantics; the schedule inlines it into the epilogue.
+        c = te.compute((m, n), lambda i, j: c[i, j].astype(start), name="dequantize")
     extra = {op.name: te.placeholder(op.shape(m, n), op.dtype, name=op.name)
-             for op in problem.epilogue.inputs("float32")}
+             for op in problem.epilogue.inputs(start)}
     y = apply_te(problem.epilogue, c, extra) if problem.epilogue.ops else c
     return te.create_prim_func([x, wp, *extra.values(), y])
 
@@ -281,6 +425,8 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     spec = config.candidate.parse(*config.blocked(problem).trips)
     check_exact(spec)
     sch = s_tir.Schedule(workload(problem, config.bn))
+    if problem.epilogue_dtype != problem.acc_dtype:
+        sch.compute_inline(sch.get_sblock("dequantize"))
     gemm = sch.get_sblock("C")
     i, j, kk = sch.get_loops(gemm)
     i_blocks, i_body = sch.split(i, [None, config.bm])
@@ -294,8 +440,10 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     finish_nest(sch, spec, order, grid_loops, gemm, frozenset("a"), epilogue)
     if pack is not None:
         _parallel_pack(sch, spec, pack, config.pack_a, bool(grid_loops))
+    # On amx, blocks that are not tile-shaped get the AVX-512 kernel (find_impl's fallback).
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
-                        layout="flat", isa=isa_name)
+                        dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
+                        layout=problem.layout, isa=isa_name)
     # Unit loops vanish from the matched block (see the BRGEMM desc): start below them.
     extents = (config.bm, config.bn, config.k_step * config.bk)
     body = next((loop for loop, e in zip((i_body, j_body, k_body), extents, strict=True)
@@ -351,40 +499,73 @@ def default_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     """
     whole = whole_k_config(problem, machine)
     if whole.k_step > 1 and problem.m > GEMV_ROWS and \
-            problem.k * whole.bn * 4 > machine.caches.l2 // 2:
-        return long_k_config(problem.m, whole.bn, whole.bk, machine.threads)
+            problem.k * whole.bn * problem.element_bytes > machine.caches.l2 // 2:
+        return long_k_config(problem.m, whole.bn, whole.bk, machine.threads,
+                             max_bm=_max_bm(problem, machine))
     return whole
+
+
+#: AMX tiles: C blocks of up to 32 x 32 fit the eight tile registers with their A and B
+#: tiles (:func:`microkernels.amx.plan`), and one tile row holds 64 bytes of K.
+_AMX_BLOCK = 32
+_AMX_TILE_BYTES = 64
+
+
+def _uses_tiles(problem: GemmProblem, machine: Machine) -> bool:
+    return problem.dtype != "float32" and machine.isa.has("amx_tile")
+
+
+def _max_bm(problem: GemmProblem, machine: Machine) -> int:
+    return _AMX_BLOCK if _uses_tiles(problem, machine) else 256
 
 
 def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     """The whole K in one BRGEMM call, blocks and loop order as the module describes."""
     m, n, k = problem.m, problem.n, problem.k
-    lanes = machine.isa.lanes("float32")
-    if n % lanes == 0:
-        bn = pick_divisor(n, max(64, 2 * lanes), 2 * lanes)
+    lanes = machine.isa.lanes("float32")  # = int32 lanes: the accumulators' vectors
+    if _uses_tiles(problem, machine):
+        # Tile-shaped blocks, and K blocks of whole tile rows where K allows.
+        bn = pick_divisor(n, _AMX_BLOCK, 16)
+        bm = pick_divisor(m, _AMX_BLOCK, 16)
+        bk = _k_block(k, problem.alpha, _AMX_TILE_BYTES // problem.element_bytes)
     else:
-        bn = pick_divisor(n, 64, lanes)
-    bk = pick_divisor(k, 512)
-    bm = pick_divisor(m, 64)
+        if n % lanes == 0:
+            bn = pick_divisor(n, max(64, 2 * lanes), 2 * lanes)
+        else:
+            bn = pick_divisor(n, 64, lanes)
+        bk = _k_block(k, problem.alpha, problem.alpha)
+        bm = pick_divisor(m, 64)
     k_blocks = k // bk
     candidate = heuristic(k_blocks, m // bm, n // bn, machine.caches, machine.threads, bm=bm,
-                          bn=bn, bk=bk, k_step=k_blocks)
+                          bn=bn, bk=bk, dtype_bytes=problem.element_bytes, k_step=k_blocks)
     return GemmConfig(bm, bn, bk, candidate)
 
 
-def long_k_config(m: int, bn: int, bk: int, threads: int) -> GemmConfig:
+def _k_block(k: int, alpha: int, preferred: int) -> int:
+    """The largest divisor of ``k`` up to 512 that is a multiple of ``alpha`` (the kernels
+    need whole VNNI groups), preferring multiples of ``preferred``.
+
+    >>> _k_block(68, 4, 4), _k_block(768, 4, 64), _k_block(96, 2, 32)
+    (68, 384, 96)
+    """
+    grouped = [d for d in divisors(k) if d <= 512 and d % alpha == 0]
+    return max([d for d in grouped if d % preferred == 0] or grouped)
+
+
+def long_k_config(m: int, bn: int, bk: int, threads: int, max_bm: int = 256) -> GemmConfig:
     """BLAS's ``kc`` loop, for a K too long for one BRGEMM call.
 
     K blocks run outermost, one per call, and each K block's columns of ``X`` are packed
     once (``pack_a=1``) and reused by every N block; under them N and M blocks are
-    parallel.  A ``bk x bn`` panel of B stays in L2 while the call walks its ``bm`` rows.
+    parallel.  A ``bk x bn`` panel of B stays in L2 while the call walks its ``bm`` rows
+    (at most ``max_bm``: AMX tiles take 32).
 
     Examples
     --------
     >>> long_k_config(2048, 64, 512, threads=2)
     GemmConfig(bm=256, bn=64, bk=512, candidate=Candidate('aCB', {}), pack_a=1)
     """
-    return GemmConfig(pick_divisor(m, 256), bn, bk, Candidate("aCB" if threads > 1 else "acb"),
+    return GemmConfig(pick_divisor(m, max_bm), bn, bk, Candidate("aCB" if threads > 1 else "acb"),
                       pack_a=1)
 
 
@@ -398,7 +579,8 @@ def blockings(problem: GemmProblem, machine: Machine) -> list[GemmConfig]:
     if problem.k // base.bk > 1:
         whole = whole_k_config(problem, machine)
         split = GemmConfig(whole.bm, whole.bn, whole.bk, Candidate("BCa"))
-        packed = (long_k_config(problem.m, base.bn, base.bk, machine.threads)
+        packed = (long_k_config(problem.m, base.bn, base.bk, machine.threads,
+                                max_bm=_max_bm(problem, machine))
                   if problem.m > GEMV_ROWS else None)
         out += [c for c in (whole, split, packed) if c is not None and c != base]
     return out
