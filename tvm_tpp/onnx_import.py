@@ -18,6 +18,7 @@ from pathlib import Path
 import onnx
 
 from .errors import ModelError
+from .quantized import to_qdq
 
 __all__ = ["TensorSpec", "load_onnx", "input_specs", "to_relax"]
 
@@ -99,9 +100,14 @@ def input_specs(
 
 
 def to_relax(proto: onnx.ModelProto, specs: Sequence[TensorSpec]):
-    """Import into a Relax ``IRModule`` with TVM's ONNX frontend (weights become constants)."""
+    """Import into a Relax ``IRModule`` with TVM's ONNX frontend (weights become constants).
+
+    Quantized operators the frontend lacks (ONNX Runtime's QOperator and dynamic quantization)
+    are first rewritten into QDQ form by :func:`tvm_tpp.quantized.to_qdq`.
+    """
     from tvm.relax.frontend.onnx import from_onnx
 
+    proto = to_qdq(proto)
     try:
         return from_onnx(
             proto,

@@ -1,0 +1,413 @@
+"""Quantized ONNX models in QDQ form: QOperator and integer-only nodes rewritten before import.
+
+ONNX Runtime's ``onnxruntime.quantization`` writes quantized models in three shapes.  QDQ models
+(``QuantizeLinear``/``DequantizeLinear`` around float operators) import through TVM's ONNX
+frontend as they are.  QOperator models (``QLinearMatMul``, ``QLinearConv``, the
+``com.microsoft`` ``QGemm``, ``QLinearAdd``, ...) and dynamic ones (``DynamicQuantizeLinear``
+feeding ``MatMulInteger``/``ConvInteger``) use operators TVM 0.27's frontend lacks.
+:func:`to_qdq` rewrites each such node into the QDQ form of its float operator, e.g.::
+
+    QLinearMatMul(a, sa, za, b, sb, zb, sy, zy)
+        -> QuantizeLinear(MatMul(DequantizeLinear(a, sa, za), DequantizeLinear(b, sb, zb)), sy, zy)
+
+so there is one quantized form for the graph passes to match.  The rewritten node keeps its name
+and output names (the last node of its expansion carries them); the helper nodes and values are
+named ``<node>/<role>``.  Per-channel scales become per-axis ``DequantizeLinear`` (opset 13).
+
+Exactness: a QLinear* node and its QDQ form compute the same real-valued function; they may
+differ by one output quantization step where float rounding lands a value on the other side of
+a rounding boundary.  ``MatMulInteger``/``ConvInteger`` become float operators on operands
+dequantized with scale 1 and their zero points, followed by a ``Cast`` to int32: every product
+and partial sum is then an integer, exact in float32 while it stays below 2**24, i.e. whenever
+``K * max|a - za| * max|b - zb| < 2**24`` (K the reduction length: K <= 258 for the worst case
+255 * 255, K <= 518 for u8 activations and symmetric s8 weights); beyond that the result is off
+by float32 rounding of the accumulation, relative 1e-7 of its magnitude.
+
+Examples
+--------
+>>> import numpy as np
+>>> from onnx import TensorProto, helper, numpy_helper
+>>> inits = [numpy_helper.from_array(np.array(v, dtype=t), n) for n, v, t in [
+...     ("sa", 0.1, "float32"), ("za", 128, "uint8"), ("b", [[1, -2], [3, 4]], "int8"),
+...     ("sb", [0.5, 0.25], "float32"), ("zb", [0, 0], "int8"), ("sy", 0.2, "float32"),
+...     ("zy", 128, "uint8")]]
+>>> node = helper.make_node("QLinearMatMul", ["a", "sa", "za", "b", "sb", "zb", "sy", "zy"],
+...                         ["y"], name="mm")
+>>> graph = helper.make_graph(
+...     [node], "g", [helper.make_tensor_value_info("a", TensorProto.UINT8, [3, 2])],
+...     [helper.make_tensor_value_info("y", TensorProto.UINT8, [3, 2])], inits)
+>>> model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+>>> [(n.op_type, n.name) for n in to_qdq(model).graph.node]  # doctest: +NORMALIZE_WHITESPACE
+[('DequantizeLinear', 'mm/dq_a'), ('DequantizeLinear', 'mm/dq_b'), ('MatMul', 'mm/float'),
+ ('QuantizeLinear', 'mm')]
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .errors import ModelError
+
+__all__ = ["to_qdq"]
+
+_MS = "com.microsoft"
+# Per-axis DequantizeLinear (a 1-D scale with an ``axis``) exists from opset 13 on.
+_PER_AXIS_OPSET = 13
+# Quantized operators are recognised by name, so that one we do not rewrite is refused here with
+# its name instead of reaching TVM; the three below are the QDQ vocabulary the frontend has.
+_QUANTIZED_PREFIXES = ("QLinear", "QGemm", "QAttention", "QOrdered", "QEmbed", "DynamicQuantize")
+_FRONTEND_QUANTIZED = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
+
+
+def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with every QOperator and integer-only node rewritten into QDQ form.
+
+    Parameters
+    ----------
+    model
+        A checked ONNX model; it is not modified.
+
+    Returns
+    -------
+    onnx.ModelProto
+        ``model`` itself when nothing needs rewriting, else a copy that passes
+        ``onnx.checker.check_model`` (the default opset raised to 13 by ONNX's version converter
+        when a per-channel scale needs a per-axis ``DequantizeLinear``).
+
+    Raises
+    ------
+    ModelError
+        For a quantized operator that has no rewrite (named in the message), or one whose
+        scales or zero points have shapes the rewrite cannot know.
+
+    Examples
+    --------
+    >>> from tvm_tpp import models
+    >>> float_model = models.load("mlp")
+    >>> to_qdq(float_model) is float_model
+    True
+    """
+    graph = model.graph
+    if not any(_needs_rewrite(node) for node in graph.node):
+        return model
+    rewriter = _Rewriter(model)
+    nodes = []
+    for node in graph.node:
+        nodes.extend(rewriter.rewrite(node) if _needs_rewrite(node) else [node])
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    out.graph.initializer.extend(rewriter.new_initializers)
+    if rewriter.per_axis and _default_opset(out) < _PER_AXIS_OPSET:
+        try:
+            out = onnx.version_converter.convert_version(out, _PER_AXIS_OPSET)
+        except Exception as err:  # the converter raises bare RuntimeErrors from C++
+            raise ModelError(
+                f"per-channel quantization needs opset {_PER_AXIS_OPSET}; converting the model "
+                f"from opset {_default_opset(out)} failed: {err}"
+            ) from None
+    onnx.checker.check_model(out)
+    return out
+
+
+def _needs_rewrite(node: onnx.NodeProto) -> bool:
+    op = node.op_type
+    if node.domain not in ("", "ai.onnx", _MS):
+        return False
+    if node.domain == _MS and op in ("QuantizeLinear", "DequantizeLinear"):
+        return True
+    if op in _FRONTEND_QUANTIZED:
+        return False
+    return op.startswith(_QUANTIZED_PREFIXES) or op in ("MatMulInteger", "ConvInteger",
+                                                         "MatMulIntegerToFloat")
+
+
+def _default_opset(model: onnx.ModelProto) -> int:
+    return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=1)
+
+
+class _Rewriter:
+    """Expansions of single nodes, with what they need to know about the graph around them."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self.constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        # Shape inference gives the element types and shapes of computed scales and zero points
+        # (e.g. DynamicQuantizeLinear's); it skips the com.microsoft ops it has no schema for.
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+        self.types: dict[str, onnx.TypeProto.Tensor] = {
+            v.name: v.type.tensor_type
+            for v in [*inferred.input, *inferred.value_info, *inferred.output]
+        }
+        self.used = {name for node in model.graph.node for name in [*node.input, *node.output]}
+        self.used |= {node.name for node in model.graph.node} | set(self.constants)
+        self.new_initializers: list[onnx.TensorProto] = []
+        self.per_axis = False
+        self.emitted: list[onnx.NodeProto] = []
+        self.node = onnx.NodeProto()
+
+    # -- graph facts ---------------------------------------------------------------------------
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """The static shape of a value, or None when it is not known."""
+        if name in self.constants:
+            return tuple(self.constants[name].shape)
+        tensor = self.types.get(name)
+        if tensor is None or not tensor.HasField("shape"):
+            return None
+        dims = tensor.shape.dim
+        if not all(d.HasField("dim_value") for d in dims):
+            return None
+        return tuple(d.dim_value for d in dims)
+
+    def elem_type(self, name: str) -> int:
+        if name in self.constants:
+            return helper.np_dtype_to_tensor_dtype(self.constants[name].dtype)
+        tensor = self.types.get(name)
+        if tensor is None or not tensor.elem_type:
+            self.fail(f"the element type of {name!r} is unknown")
+        return tensor.elem_type
+
+    def fail(self, why: str) -> None:
+        node = self.node
+        raise ModelError(f"quantized operator {node.op_type} ({node.name!r}): {why}")
+
+    # -- emitting ------------------------------------------------------------------------------
+
+    def fresh(self, role: str) -> str:
+        base = f"{self.node.name}/{role}"
+        name, i = base, 1
+        while name in self.used:
+            name, i = f"{base}_{i}", i + 1
+        self.used.add(name)
+        return name
+
+    def emit(self, op: str, inputs: Sequence[str], role: str, output: str | None = None,
+             **attrs: object) -> str:
+        """Append a helper node (or, with ``output``, the node that replaces the original)."""
+        name = self.fresh(role) if output is None else self.node.name
+        out = output if output is not None else name
+        self.emitted.append(helper.make_node(op, list(inputs), [out], name=name, **attrs))
+        return out
+
+    def constant(self, value: np.ndarray, role: str) -> str:
+        name = self.fresh(role)
+        self.new_initializers.append(numpy_helper.from_array(value, name))
+        self.constants[name] = value
+        return name
+
+    def axis_attrs(self, scale: str, axis: int) -> dict[str, int]:
+        """``axis`` for a DequantizeLinear/QuantizeLinear whose scale has more than one value."""
+        shape = self.shape(scale)
+        if shape is None:
+            self.fail(f"the shape of scale/zero point {scale!r} is unknown")
+        if int(np.prod(shape)) <= 1:
+            return {}
+        self.per_axis = True
+        return {"axis": axis}
+
+    def dq(self, x: str, scale: str, zero_point: str, role: str, axis: int = 1,
+           output: str | None = None) -> str:
+        inputs = [x, scale] + ([zero_point] if zero_point else [])
+        return self.emit("DequantizeLinear", inputs, role, output,
+                         **self.axis_attrs(scale, axis))
+
+    def q(self, y: str, scale: str, zero_point: str, like: str) -> str:
+        """Quantize ``y`` into the node's first output; a missing zero point is 0 of ``like``'s
+        type (QuantizeLinear without one would make uint8, whatever the input type was)."""
+        if not zero_point:
+            dtype = helper.tensor_dtype_to_np_dtype(self.elem_type(like))
+            zero_point = self.constant(np.array(0, dtype=dtype), "zero_point")
+        return self.emit("QuantizeLinear", [y, scale, zero_point], "", self.node.output[0],
+                         **self.axis_attrs(scale, 1))
+
+    def product(self, names: Sequence[str], factor: float, role: str) -> str:
+        """``factor * prod(names)``: a constant when they all are, else Mul nodes."""
+        if all(n in self.constants for n in names):
+            values = [self.constants[n] for n in names]
+            value = np.float32(factor) * functools.reduce(np.multiply, values)
+            return self.constant(np.asarray(value, dtype=np.float32), role)
+        result = names[0]
+        for name in [*names[1:], self.constant(np.array(factor, np.float32), f"{role}_factor")]:
+            result = self.emit("Mul", [result, name], role)
+        return result
+
+    def unit_scale(self, zero_point: str, role: str) -> str:
+        """Ones shaped like ``zero_point``: DequantizeLinear then subtracts the zero point only."""
+        shape = self.shape(zero_point) if zero_point else ()
+        if shape is None:
+            self.fail(f"the shape of zero point {zero_point!r} is unknown")
+        return self.constant(np.ones(shape, np.float32), role)
+
+    # -- the rewrites --------------------------------------------------------------------------
+
+    def rewrite(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        self.node = onnx.NodeProto()
+        self.node.CopyFrom(node)
+        if not node.name:
+            self.node.name = self.fresh(node.output[0])
+        self.emitted = []
+        rule = _RULES.get(node.op_type)
+        if rule is None:
+            domain = node.domain or "ai.onnx"
+            raise ModelError(
+                f"quantized operator {node.op_type} (domain {domain}, node {node.name!r}) is not "
+                f"supported; supported: {', '.join(sorted(_RULES))}"
+            )
+        rule(self, _padded(node), _attrs(node))
+        return self.emitted
+
+
+def _padded(node: onnx.NodeProto, length: int = 9) -> list[str]:
+    """The node's inputs with absent optional ones as ""."""
+    return [*node.input, *[""] * max(0, length - len(node.input))]
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _qlinear_binary(float_op: str) -> Callable[[_Rewriter, list[str], dict], None]:
+    """QLinearAdd/QLinearMul(A, sa, za, B, sb, zb, sc, zc)."""
+
+    def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
+        a = r.dq(i[0], i[1], i[2], "dq_a")
+        b = r.dq(i[3], i[4], i[5], "dq_b")
+        r.q(r.emit(float_op, [a, b], "float"), i[6], i[7], like=i[0])
+
+    return rule
+
+
+def _qlinear_unary(float_op: str, keep: Sequence[str] = (),
+                   defaults: dict | None = None) -> Callable[[_Rewriter, list[str], dict], None]:
+    """QLinear<op>(X, sx, zx, sy, zy) with the float op's attributes ``keep``."""
+
+    def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
+        if attrs.get("channels_last", 0):
+            r.fail("channels_last=1 (NHWC) is not supported")
+        kept = {**(defaults or {}), **{k: v for k, v in attrs.items() if k in keep}}
+        x = r.dq(i[0], i[1], i[2], "dq_x")
+        r.q(r.emit(float_op, [x], "float", **kept), i[3], i[4], like=i[0])
+
+    return rule
+
+
+def _qlinear_matmul(r: _Rewriter, i: list[str], attrs: dict) -> None:
+    a = r.dq(i[0], i[1], i[2], "dq_a", axis=-2)
+    b = r.dq(i[3], i[4], i[5], "dq_b", axis=-1)
+    r.q(r.emit("MatMul", [a, b], "float"), i[6], i[7], like=i[0])
+
+
+def _qlinear_conv(r: _Rewriter, i: list[str], attrs: dict) -> None:
+    """QLinearConv(x, sx, zx, w, sw, zw, sy, zy, B): the int32 bias has scale sx * sw."""
+    x = r.dq(i[0], i[1], i[2], "dq_x")
+    w = r.dq(i[3], i[4], i[5], "dq_w", axis=0)
+    inputs = [x, w]
+    if i[8]:
+        inputs.append(r.dq(i[8], r.product([i[1], i[4]], 1.0, "bias_scale"), "", "dq_bias",
+                           axis=0))
+    r.q(r.emit("Conv", inputs, "float", **attrs), i[6], i[7], like=i[0])
+
+
+def _qgemm(r: _Rewriter, i: list[str], attrs: dict) -> None:
+    """QGemm(A, sa, za, B, sb, zb, C, sy, zy) = alpha * sa * sb * (A'B' + C), quantized with
+    (sy, zy) or float without them; C is int32 with scale alpha * sa * sb."""
+    alpha = float(attrs.get("alpha", 1.0))
+    trans_b = int(attrs.get("transB", 0))
+    a = r.dq(i[0], i[1], i[2], "dq_a")
+    b = r.dq(i[3], i[4], i[5], "dq_b", axis=0 if trans_b else 1)
+    inputs = [a, b]
+    if i[6]:
+        inputs.append(r.dq(i[6], r.product([i[1], i[4]], alpha, "bias_scale"), "", "dq_c",
+                           axis=-1))
+    gemm = {"alpha": alpha, "transA": int(attrs.get("transA", 0)), "transB": trans_b}
+    if i[7]:
+        r.q(r.emit("Gemm", inputs, "float", **gemm), i[7], i[8], like=i[0])
+    else:
+        r.emit("Gemm", inputs, "", r.node.output[0], **gemm)
+
+
+def _qlinear_concat(r: _Rewriter, i: list[str], attrs: dict) -> None:
+    """QLinearConcat(sy, zy, x0, s0, z0, x1, s1, z1, ...)."""
+    inputs = r.node.input
+    parts = [r.dq(inputs[k], inputs[k + 1], inputs[k + 2], f"dq_{(k - 2) // 3}")
+             for k in range(2, len(inputs), 3)]
+    r.q(r.emit("Concat", parts, "float", axis=attrs["axis"]), inputs[0], inputs[1],
+        like=inputs[2])
+
+
+def _integer_op(float_op: str, a_axis: int, b_axis: int):
+    """MatMulInteger/ConvInteger(a, b, za, zb) -> Cast<int32>(op(a - za, b - zb)) in float."""
+
+    def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
+        a = r.dq(i[0], r.unit_scale(i[2], "unit_a"), i[2], "dq_a", axis=a_axis)
+        b = r.dq(i[1], r.unit_scale(i[3], "unit_b"), i[3], "dq_b", axis=b_axis)
+        y = r.emit(float_op, [a, b], "float", **attrs)
+        r.emit("Cast", [y], "", r.node.output[0], to=TensorProto.INT32)
+
+    return rule
+
+
+def _matmul_integer_to_float(r: _Rewriter, i: list[str], attrs: dict) -> None:
+    """MatMulIntegerToFloat(A, B, sa, sb, za, zb, bias) = DQ(A) @ DQ(B) + bias."""
+    a = r.dq(i[0], i[2], i[4], "dq_a", axis=-2)
+    b = r.dq(i[1], i[3], i[5], "dq_b", axis=-1)
+    _matmul_bias(r, a, b, i[6])
+
+
+def _dynamic_quantize_matmul(r: _Rewriter, i: list[str], attrs: dict) -> None:
+    """DynamicQuantizeMatMul(A, B, sb, zb, bias): A quantized to uint8 on the fly."""
+    roles = ("a_quantized", "a_scale", "a_zero_point")
+    qa, sa, za = (r.fresh(role) for role in roles)
+    r.emitted.append(helper.make_node("DynamicQuantizeLinear", [i[0]], [qa, sa, za],
+                                       name=r.fresh("quantize_a")))
+    r.types[sa] = r.types[za] = onnx.TypeProto.Tensor(shape=onnx.TensorShapeProto())
+    a = r.dq(qa, sa, za, "dq_a")
+    b = r.dq(i[1], i[2], i[3], "dq_b", axis=-1)
+    _matmul_bias(r, a, b, i[4])
+
+
+def _matmul_bias(r: _Rewriter, a: str, b: str, bias: str) -> None:
+    if bias:
+        r.emit("Add", [r.emit("MatMul", [a, b], "float"), bias], "", r.node.output[0])
+    else:
+        r.emit("MatMul", [a, b], "", r.node.output[0])
+
+
+def _contrib_qdq(float_op: str) -> Callable[[_Rewriter, list[str], dict], None]:
+    """com.microsoft Quantize/DequantizeLinear: the standard op when its types are 8-bit."""
+
+    def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
+        if i[2] and r.elem_type(i[2]) not in (TensorProto.UINT8, TensorProto.INT8):
+            r.fail("only 8-bit (u)int types have a standard-domain equivalent")
+        r.per_axis |= "axis" in attrs
+        r.emit(float_op, [n for n in i[:3] if n], "", r.node.output[0], **attrs)
+
+    return rule
+
+
+_RULES: dict[str, Callable[[_Rewriter, list[str], dict], None]] = {
+    "QLinearMatMul": _qlinear_matmul,
+    "QLinearConv": _qlinear_conv,
+    "QGemm": _qgemm,
+    "QLinearAdd": _qlinear_binary("Add"),
+    "QLinearMul": _qlinear_binary("Mul"),
+    "QLinearGlobalAveragePool": _qlinear_unary("GlobalAveragePool"),
+    "QLinearAveragePool": _qlinear_unary(
+        "AveragePool", keep=("auto_pad", "ceil_mode", "count_include_pad", "kernel_shape",
+                             "pads", "strides")),
+    "QLinearSigmoid": _qlinear_unary("Sigmoid"),
+    "QLinearLeakyRelu": _qlinear_unary("LeakyRelu", keep=("alpha",), defaults={"alpha": 0.01}),
+    "QLinearConcat": _qlinear_concat,
+    "MatMulInteger": _integer_op("MatMul", a_axis=-2, b_axis=-1),
+    "ConvInteger": _integer_op("Conv", a_axis=1, b_axis=0),
+    "MatMulIntegerToFloat": _matmul_integer_to_float,
+    "DynamicQuantizeMatMul": _dynamic_quantize_matmul,
+    "QuantizeLinear": _contrib_qdq("QuantizeLinear"),
+    "DequantizeLinear": _contrib_qdq("DequantizeLinear"),
+}
