@@ -44,6 +44,7 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
+from microkernels.brgemm import BrgemmShape
 from microkernels.machine import machine_of
 from schedules.conv import ConvConfig, ConvProblem, pack_weight, schedule, unfold_weight
 from schedules.tuner import Tuner, config_for
@@ -160,7 +161,11 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         args.append(relax.op.reshape(relax.op.permute_dims(residual, TO_NHWC),
                                      (problem.rows, k)))
     out = relax.call_tir(gv, args, relax.TensorType((problem.rows, k), "float32"))
-    report.append(Offload(pattern.name("conv2d"), out_shape, kernel=f"{name} [{config.spec}]"))
+    # The BRGEMM schedules.conv.schedule tensorizes with: one filter tap's channel blocks.
+    brgemm = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
+                         isa=isa.name)
+    report.append(Offload.routed(pattern.name("conv2d"), out_shape, f"{name} [{config.spec}]",
+                                 brgemm))
     nhwc = relax.op.reshape(out, (n, problem.p, problem.q, k))
     return relax.op.permute_dims(nhwc, TO_NCHW)
 

@@ -38,6 +38,7 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
+from microkernels.brgemm import BrgemmShape
 from microkernels.machine import machine_of
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import Tuner, config_for
@@ -131,8 +132,11 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         args.append(_as_matrix(residual, m, n))
     out = relax.call_tir(gv, args, relax.TensorType((m, n), "float32"))
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
-    report.append(Offload(pattern.name("matmul"), (m, n, k),  # e.g. matmul+bias+gelu_erf
-                          kernel=f"{name} [{config.spec}{packed}]"))
+    # The BRGEMM schedules.gemm.schedule tensorizes with (float32, flat: what this pass routes).
+    brgemm = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
+                         isa=isa.name)
+    report.append(Offload.routed(pattern.name("matmul"), (m, n, k),  # e.g. matmul+bias+relu
+                                 f"{name} [{config.spec}{packed}]", brgemm))
     return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
 
 

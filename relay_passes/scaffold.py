@@ -30,6 +30,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
 
+from microkernels.brgemm import BrgemmShape, find_impl
 from microkernels.epilogue import Epilogue, EpilogueOp
 
 __all__ = [
@@ -72,7 +73,12 @@ class Offload:
     """One GEMM-like operator: the kernel it became, or why it stayed with TVM.
 
     ``shape`` is the problem's (e.g. ``(m, n, k)`` of a dense layer) when offloaded, the
-    output shape otherwise.
+    output shape otherwise.  ``isa``, ``dtypes`` and ``layout`` describe the BRGEMM the
+    kernel calls (None for what stayed with TVM): the ISA whose implementation
+    :func:`microkernels.brgemm.find_impl` picked for it (``"amx"`` only where the AMX tile
+    kernel runs: a block that is not tile-shaped gets the AVX-512 one), its operand types as
+    ``A*B->C`` and its layout of B (:data:`microkernels.brgemm.LAYOUTS`).  Build offloaded
+    records with :meth:`routed`, which fills them from the kernel's :class:`BrgemmShape`.
 
     Examples
     --------
@@ -84,6 +90,35 @@ class Offload:
     shape: tuple[int, ...]
     kernel: str | None = None
     reason: str | None = None
+    isa: str | None = None
+    dtypes: str | None = None
+    layout: str | None = None
+
+    @classmethod
+    def routed(cls, op: str, shape: tuple[int, ...], kernel: str, brgemm: BrgemmShape
+               ) -> Offload:
+        """The record of an operator that became ``kernel``, which calls ``brgemm``.
+
+        Examples
+        --------
+        >>> o = Offload.routed("matmul", (4, 40, 24), "tpp_dense_4x40x24",
+        ...                    BrgemmShape(4, 40, 24, isa="amx"))
+        >>> o.isa, o.dtypes, o.layout  # float32: AMX has no fp32 tiles, AVX-512 runs it
+        ('avx512', 'float32*float32->float32', 'flat')
+        >>> tile = BrgemmShape(32, 32, 64, 8, "uint8", "int32", "vnni4", isa="amx")
+        >>> o = Offload.routed("matmul", (64, 64, 512), "tpp_dense_64x64x512", tile)
+        >>> o.isa, o.dtypes, o.layout
+        ('amx', 'uint8*int8->int32', 'vnni4')
+        """
+        return cls(op, shape, kernel, isa=_impl_isa(brgemm),
+                   dtypes=f"{brgemm.dtype_a}*{brgemm.dtype_b}->{brgemm.dtype_acc}",
+                   layout=brgemm.layout)
+
+
+@functools.lru_cache(maxsize=1024)
+def _impl_isa(brgemm: BrgemmShape) -> str:
+    # find_impl builds the impl function (a TVMScript parse); networks repeat their blocks.
+    return find_impl(brgemm)[0]
 
 
 def static_shape(shape: Any) -> tuple[int, ...] | None:
@@ -322,8 +357,8 @@ def report_leftovers(mod: tvm.IRModule, report: list[Offload], op_name: str,
     ...     _ = bb.emit_func_output(bb.emit(relax.op.matmul(x, relax.op.permute_dims(x))))
     >>> report = []
     >>> report_leftovers(bb.get(), report, "relax.matmul", lambda call: "not this one")
-    >>> report
-    [Offload(op='matmul', shape=(2, 2), kernel=None, reason='not this one')]
+    >>> [(o.op, o.shape, o.kernel, o.reason) for o in report]
+    [('matmul', (2, 2), None, 'not this one')]
     """
 
     def visit(expr: relax.Expr) -> None:

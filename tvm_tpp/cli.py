@@ -11,7 +11,7 @@ Examples
 $ tvm-tpp info
 $ tvm-tpp tune mlp --budget 2           # writes ./tvm_tpp_work/tuning.json
 $ tvm-tpp run mlp --check onnxruntime   # built with the configs tuned in ./tvm_tpp_work
-$ tvm-tpp run resnet50 --work-dir resnet_work -v
+$ tvm-tpp run resnet50 --work-dir resnet_work --report
 $ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
 $ tvm-tpp bench mlp bert --impls tpp,tvm-default,onnxruntime --json bench.json
 """
@@ -31,7 +31,7 @@ from .errors import TppError, UsageError
 if TYPE_CHECKING:
     from .compiler import CompiledModel
 
-__all__ = ["main"]
+__all__ = ["main", "report_table"]
 
 
 def _at_least(minimum: float, convert: Callable[[str], float]) -> Callable[[str], float]:
@@ -124,17 +124,42 @@ def _write(path: Path, text: str, kind: str) -> None:
     print(f"wrote {path} ({kind}, {len(text.splitlines())} lines)")
 
 
-def _print_kernels(compiled: CompiledModel, verbose: bool) -> None:
-    """How many operators became TPP kernels and where their configs came from; verbose,
-    each operator's kernel with its config in brackets, or why it stayed with TVM."""
+def report_table(compiled: CompiledModel) -> list[str]:
+    """The ``--report`` table: per operator its shape, kernel (config in brackets), the ISA
+    whose BRGEMM runs in it, the operand dtypes and layout, or why it stayed with TVM.
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> from relay_passes import Offload
+    >>> report = [Offload("matmul", (4, 40, 24), "tpp_dense_4x40x24 [BCa]", isa="amx",
+    ...                   dtypes="uint8*int8->int32", layout="vnni4"),
+    ...           Offload("matmul", (2, 2), reason="weight is not a constant")]
+    >>> print("\\n".join(report_table(SimpleNamespace(report=report))))
+    op      shape    kernel                                    isa  dtypes             layout
+    matmul  4x40x24  tpp_dense_4x40x24 [BCa]                   amx  uint8*int8->int32  vnni4
+    matmul  2x2      stays with TVM: weight is not a constant  -    -                  -
+    """
+    rows = [("op", "shape", "kernel", "isa", "dtypes", "layout")]
+    for o in compiled.report:
+        kernel = o.kernel or f"stays with TVM: {o.reason}"
+        rows.append((o.op, "x".join(map(str, o.shape)), kernel, o.isa or "-", o.dtypes or "-",
+                     o.layout or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
+def _print_kernels(compiled: CompiledModel, report: bool) -> None:
+    """How many operators became TPP kernels and where their configs came from; with
+    ``report``, the :func:`report_table` below it."""
     kernels = sum(o.kernel is not None for o in compiled.report)
     configs = (f"configs looked up in {compiled.database}" if compiled.database is not None
                else "default configs (no tuning database)")
     print(f"TPP kernels  : {kernels} of {len(compiled.report)} operators, {configs}")
-    if verbose:
-        for o in compiled.report:
-            shape = "x".join(map(str, o.shape))
-            print(f"  {o.op} {shape}: {o.kernel or f'stays with TVM ({o.reason})'}")
+    if report and compiled.report:
+        for line in report_table(compiled):
+            print(f"  {line}")
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -152,7 +177,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"wrote {output} and {output}.json ({compiled.compile_seconds:.1f} s)")
     else:
         _write(output, compiled.source(args.emit), args.emit)
-    _print_kernels(compiled, args.verbose)
+    _print_kernels(compiled, args.report)
     return 0
 
 
@@ -168,7 +193,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     outputs = compiled.run(**inputs)
     times = compiled.time(inputs, number=args.number, repeat=args.repeat)
     print(f"compiled in {compiled.compile_seconds:.1f} s for {compiled.target.attrs['model']}")
-    _print_kernels(compiled, args.verbose)
+    _print_kernels(compiled, args.report)
     print(f"latency      : median {1e3 * float(np.median(times)):.3f} ms over {args.repeat} runs")
     if args.check == "onnxruntime":
         proto = onnx_import.load_onnx(model)
@@ -289,8 +314,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--batch", type=_at_least(1, int), help="batch size of a bundled model")
         p.add_argument("--work-dir", help="build with the tuning database `tvm-tpp tune` wrote "
                        "there (default: ./tvm_tpp_work, if it has one)")
-        p.add_argument("-v", "--verbose", action="store_true", help="list each operator's TPP "
-                       "kernel and config, or why it stayed with TVM")
+        p.add_argument("--report", "-v", "--verbose", dest="report", action="store_true",
+                       help="print the report table: each operator's shape, TPP kernel and "
+                       "config, the ISA of its BRGEMM (amx where the tile kernel runs), "
+                       "operand dtypes and layout, or why it stayed with TVM (-v/--verbose: "
+                       "the same)")
 
     p = add("info", cmd_info, "host ISA, caches, target and registered microkernels")
     p.add_argument("-v", "--verbose", action="store_true", help="also print the tpp target")
