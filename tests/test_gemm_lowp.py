@@ -1,0 +1,321 @@
+"""Low-precision GEMMs of the GEMM template: bfloat16 (VNNI-2) and uint8 x int8 (VNNI-4).
+
+Each GEMM is scheduled, built and run on this host against numpy on random data with odd
+sizes (37 x 48 x 68, a GEMV, N not a multiple of a vector): uint8 exactly, in int32 and
+through dequantizing and requantizing epilogues; bfloat16 within the accuracy of its inputs.
+ISAs this host cannot run are checked by the instructions in their assembly: AMX tiles for
+tile-shaped blocks (and the AVX-512 fallback for others), ``vpdpbusd`` for AVX512-VNNI; AVX2's
+exact emulation of u8 x s8 runs here.
+"""
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+from microkernels import amx, isa
+from microkernels.brgemm import BrgemmShape, find_impl
+from microkernels.epilogue import Epilogue, EpilogueOp, reference
+from microkernels.machine import Machine
+from microkernels.pack import Packing
+from schedules.gemm import (
+    GemmConfig,
+    GemmProblem,
+    candidates,
+    default_config,
+    pack_weight,
+    schedule,
+)
+from schedules.ops import OPS
+
+HOST = isa.host_flags()
+MCPU = {"avx2": "haswell", "avx512": "skylake-avx512", "avx512_vnni": "cascadelake",
+        "avx512_bf16": "znver4", "amx": "sapphirerapids"}
+DEQUANT = Epilogue((EpilogueOp("scale", broadcast="row"), EpilogueOp("bias")))
+REQUANT = Epilogue((EpilogueOp("bias"), EpilogueOp("relu"),
+                    EpilogueOp("requantize", value=1 / 4096, zero_point=3, dtype="uint8")))
+
+
+def _runs_here(isa_name: str) -> bool:
+    return isa.from_name(isa_name).requires <= HOST
+
+
+def _needs(isa_name: str):
+    missing = sorted(isa.from_name(isa_name).requires - HOST)
+    return pytest.mark.skipif(bool(missing), reason=f"host lacks {' '.join(missing)}")
+
+
+def _target(isa_name: str) -> tvm.target.Target:
+    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-pc-linux-gnu",
+                              "mcpu": MCPU[isa_name]})
+
+
+def _machine(isa_name: str) -> Machine:
+    return Machine(isa.from_name(isa_name), isa.DEFAULT_CACHES, 2, fp32_flops_per_cycle=32.0)
+
+
+def _build(problem: GemmProblem, config: GemmConfig, isa_name: str):
+    return tvm.compile(schedule(problem, config, isa_name).mod, target=_target(isa_name))
+
+
+def _operands(problem: GemmProblem, rng: np.random.Generator):
+    """X, W (float32 for bfloat16: pack_weight rounds it) and the epilogue's operands."""
+    m, n, k = problem.m, problem.n, problem.k
+    if problem.dtype == "uint8":
+        x = rng.integers(0, 255, (m, k), endpoint=True).astype("uint8")
+        w = rng.integers(-128, 127, (k, n), endpoint=True).astype("int8")
+    else:
+        x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        w = rng.standard_normal((k, n)).astype("float32")
+    extra = {}
+    for op in problem.epilogue.inputs(problem.epilogue_dtype):
+        shape = op.shape(m, n)
+        if op.dtype == "int32":  # an integer bias, of the accumulator's magnitude
+            extra[op.name] = rng.integers(-50000, 50000, shape).astype("int32")
+        elif op.name == "scale":  # per-channel dequantization factors
+            extra[op.name] = rng.uniform(0.5e-4, 2e-4, shape).astype("float32")
+        else:
+            extra[op.name] = rng.standard_normal(shape).astype("float32")
+    return x, w, extra
+
+
+def _accumulator(problem: GemmProblem, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The exact ``X @ W`` of the kernel's operands, as the accumulator's dtype."""
+    if problem.dtype == "uint8":
+        return (x.astype(np.int64) @ w.astype(np.int64)).astype(np.int32)
+    w16 = w.astype(ml_dtypes.bfloat16)
+    return (x.astype(np.float64) @ w16.astype(np.float64)).astype(np.float32)
+
+
+def _run(problem: GemmProblem, config: GemmConfig, isa_name: str, seed: int = 0):
+    """(Y, X, W, extra) of one run of the built GEMM on random operands."""
+    x, w, extra = _operands(problem, np.random.default_rng(seed))
+    func = _build(problem, config, isa_name)
+    y = tvm.runtime.empty((problem.m, problem.n), problem.out_dtype)
+    func(tvm.runtime.tensor(x), tvm.runtime.tensor(pack_weight(w, config.bn, problem)),
+         *[tvm.runtime.tensor(v) for v in extra.values()], y)
+    return y.numpy(), x, w, extra
+
+
+def _check(problem: GemmProblem, config: GemmConfig, isa_name: str) -> None:
+    """The GEMM against numpy: exact for integer results and bf16 conversions of the same
+    float32 values; float32 results within float32 accumulation's rounding."""
+    y, x, w, extra = _run(problem, config, isa_name)
+    acc = _accumulator(problem, x, w)
+    if problem.epilogue_dtype != problem.acc_dtype:
+        acc = acc.astype(problem.epilogue_dtype)
+    want = reference(problem.epilogue, acc, extra) if problem.epilogue.ops else acc
+    if problem.out_dtype == "bfloat16":
+        y = y.view(np.uint16)
+        assert np.abs(y.astype(np.int32) - want).max() <= 1  # one ulp of accumulation
+    elif problem.dtype == "uint8" and problem.epilogue_dtype == "int32":
+        np.testing.assert_array_equal(y, want)
+    else:
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert np.abs(y.astype(np.float64)).max() > 0
+
+
+# ----------------------------------------------------------------------- u8 x s8 -> int32
+
+
+U8_SHAPES = [(37, 48, 68), (1, 48, 68), (13, 40, 36), (6, 20, 8)]
+
+
+@pytest.mark.parametrize("isa_name", [
+    pytest.param("avx512_bf16", marks=_needs("avx512_bf16")),  # vpdpbusd, this host's ISA
+    pytest.param("avx512_vnni", marks=_needs("avx512_vnni")),
+    pytest.param("avx512", marks=_needs("avx512")),            # exact vpmaddwd emulation
+    "avx2",
+])
+@pytest.mark.parametrize("m, n, k", U8_SHAPES)
+def test_u8_exact(isa_name, m, n, k):
+    problem = GemmProblem(m, n, k, "uint8")
+    _check(problem, default_config(problem, _machine(isa_name)), isa_name)
+
+
+@pytest.mark.parametrize("epilogue", [DEQUANT, REQUANT], ids=["dequantize", "requantize"])
+@pytest.mark.parametrize("m", [37, 1])
+def test_u8_epilogues(epilogue, m):
+    problem = GemmProblem(m, 48, 68, "uint8", epilogue)
+    host = "avx512_bf16" if _runs_here("avx512_bf16") else "avx2"
+    _check(problem, default_config(problem, _machine(host)), host)
+
+
+@pytest.mark.parametrize("spec, block_steps, k_step, pack_a", [
+    ("aBC", {}, 2, None),
+    ("bcaBCb", {"b": (4, 2), "c": (2,)}, 1, None),
+    ("BCa", {}, 4, None),
+    ("acb", {}, 1, 1),             # A packed under the K loop
+    ("bC{R:2}aB{C:1}cb", {"b": (4, 2), "c": (2,)}, 1, None),
+])
+def test_u8_loop_specs(spec, block_steps, k_step, pack_a):
+    problem = GemmProblem(48, 64, 96, "uint8", DEQUANT)
+    config = GemmConfig.of(spec, 6, 16, 24, k_step=k_step, block_steps=block_steps,
+                           pack_a=pack_a)
+    _check(problem, config, "avx512_bf16" if _runs_here("avx512_bf16") else "avx2")
+
+
+# -------------------------------------------------------------------- bf16 -> float32
+
+
+@pytest.mark.parametrize("isa_name", [
+    pytest.param("avx512_bf16", marks=_needs("avx512_bf16")),  # vdpbf16ps
+    "avx2",                                                    # exact emulation
+])
+@pytest.mark.parametrize("m, n, k", [(37, 48, 68), (1, 48, 68), (13, 40, 36)])
+def test_bf16(isa_name, m, n, k):
+    problem = GemmProblem(m, n, k, "bfloat16")
+    config = default_config(problem, _machine(isa_name))
+    _check(problem, config, isa_name)
+    y, x, w, _ = _run(problem, config, isa_name)
+    exact = x.astype(np.float32).astype(np.float64) @ w  # the float32 GEMM bf16 approximates
+    assert np.linalg.norm(y - exact) <= 1e-2 * np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("epilogue", [
+    Epilogue((EpilogueOp("bias"), EpilogueOp("gelu", variant="tanh"))),
+    Epilogue((EpilogueOp("bias"), EpilogueOp("convert", dtype="bfloat16"))),
+], ids=["bias_gelu", "bias_to_bf16"])
+def test_bf16_epilogues(epilogue):
+    problem = GemmProblem(37, 48, 68, "bfloat16", epilogue)
+    host = "avx512_bf16" if _runs_here("avx512_bf16") else "avx2"
+    _check(problem, GemmConfig.of("BCa", 37, 16, 34, k_step=2), host)
+
+
+# ------------------------------------------------------------- problems, configs, packing
+
+
+def test_problem_types():
+    assert GemmProblem(8, 16, 12).layout == "flat"
+    bf16 = GemmProblem(8, 16, 12, "bfloat16")
+    assert (bf16.acc_dtype, bf16.weight_dtype, bf16.layout, bf16.alpha) == (
+        "float32", "bfloat16", "vnni2", 2)
+    assert GemmProblem(8, 16, 12, "uint8", REQUANT).epilogue_dtype == "int32"
+    assert GemmProblem(8, 16, 12, "uint8", REQUANT).out_dtype == "uint8"
+    gelu = Epilogue((EpilogueOp("gelu", variant="erf"),))
+    assert GemmProblem(8, 16, 12, "uint8", gelu).epilogue_dtype == "float32"
+    assert GemmProblem(8, 16, 12, "uint8").out_dtype == "int32"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dtype": "int8"}, "handles float32, bfloat16, uint8"),
+    ({"dtype": "uint8", "k": 6}, "needs k divisible by 4"),
+    ({"dtype": "bfloat16", "k": 7}, "needs k divisible by 2"),
+    ({"dtype": "bfloat16", "epilogue": REQUANT}, "takes int32"),
+    ({"dtype": "uint8", "epilogue": Epilogue((EpilogueOp("scale", value=0.5),
+                                              EpilogueOp("requantize", value=0.5, dtype="int8")))},
+     "takes neither the int32 accumulator nor its float32 value"),
+])
+def test_problem_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GemmProblem(**{"m": 4, "n": 16, "k": 8, **kwargs})
+
+
+def test_config_needs_whole_vnni_groups():
+    problem = GemmProblem(8, 16, 12, "uint8")
+    with pytest.raises(ValueError, match="bk=6 is not a multiple of 4"):
+        schedule(problem, GemmConfig.of("BCa", 8, 16, 6, k_step=2), "avx2")
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "bfloat16"])
+@pytest.mark.parametrize("isa_name", ["avx2", "avx512_bf16", "amx"])
+@pytest.mark.parametrize("shape", [(37, 48, 68), (128, 768, 3072), (2048, 1024, 4096),
+                                   (1, 4096, 1024)])
+def test_candidates_fit_the_kernels(dtype, isa_name, shape):
+    """Every candidate's blocks take whole VNNI groups; on amx they are tile-shaped, so the
+    tile kernel runs (float32 on amx keeps its AVX-512 blocks)."""
+    problem = GemmProblem(*shape, dtype)
+    configs = candidates(problem, _machine(isa_name), max_candidates=20)
+    assert configs[0] == default_config(problem, _machine(isa_name))
+    for config in configs:
+        config.check(problem)
+        if isa_name == "amx":
+            shape = BrgemmShape(config.bm, config.bn, config.bk, config.k_step, dtype,
+                                problem.acc_dtype, problem.layout, "amx")
+            amx.plan(shape)  # raises unless tile-shaped
+            assert config.bm <= 32 and config.bn <= 32
+
+
+def test_amx_default_uses_whole_tile_rows():
+    cfg = default_config(GemmProblem(128, 768, 768, "uint8"), _machine("amx"))
+    assert (cfg.bm, cfg.bn, cfg.bk % 64) == (32, 32, 0)
+    cfg = default_config(GemmProblem(128, 768, 768, "bfloat16"), _machine("amx"))
+    assert (cfg.bm, cfg.bn, cfg.bk % 32) == (32, 32, 0)
+
+
+def test_pack_weight_layouts():
+    rng = np.random.default_rng(3)
+    w8 = rng.integers(-128, 127, (68, 48), endpoint=True).astype("int8")
+    problem = GemmProblem(5, 48, 68, "uint8")
+    packed = pack_weight(w8, 16, problem)
+    assert packed.shape == (3, 17, 16, 4) and packed.dtype == np.int8
+    unpacked = Packing.vnni_blocked_b(4, 16).unpack(packed.reshape(3, 17, 16, 4), 68, 48)
+    np.testing.assert_array_equal(unpacked, w8)
+    np.testing.assert_array_equal(pack_weight(w8.astype("int32"), 16, problem), packed)
+    w = rng.standard_normal((68, 48)).astype("float32")
+    bf16 = pack_weight(w, 48, GemmProblem(5, 48, 68, "bfloat16"))
+    assert bf16.shape == (1, 34, 48, 2) and bf16.dtype == ml_dtypes.bfloat16
+    assert bf16[0, 3, 7, 1] == w[7, 7].astype(ml_dtypes.bfloat16)  # W[2*3 + 1, 7]
+    np.testing.assert_array_equal(pack_weight(w, 16), pack_weight(w, 16, GemmProblem(5, 48, 68)))
+
+
+@pytest.mark.parametrize("dtype, w, message", [
+    ("uint8", np.zeros((8, 16), "float32"), "int8 weights must be integers"),
+    ("uint8", np.full((8, 16), 128, "int32"), r"in \[128, 128\]"),
+    ("bfloat16", np.zeros((8, 16), "float64"), "float32 or ml_dtypes.bfloat16"),
+    ("bfloat16", np.zeros((8, 8), "float32"), r"W must be \[K, N\] = \[8, 16\]"),
+])
+def test_pack_weight_errors(dtype, w, message):
+    with pytest.raises(ValueError, match=message):
+        pack_weight(w, 8, GemmProblem(4, 16, 8, dtype))
+
+
+def test_dense_key_and_default_carry_the_dtype():
+    op = OPS["dense"]
+    machine = _machine("avx512_bf16")
+    assert op.key(GemmProblem(37, 48, 68, "uint8"))[2] == "uint8"
+    assert op.default(GemmProblem(37, 48, 68, "uint8"), machine).bk % 4 == 0
+
+
+# ------------------------------------------------------------ instructions, for every ISA
+
+
+def _asm(problem: GemmProblem, config: GemmConfig, isa_name: str) -> str:
+    return _build(problem, config, isa_name).mod.inspect_source("asm")
+
+
+def _ops(asm: str) -> list[str]:
+    return [line.split()[0] for line in asm.splitlines()
+            if line.startswith("\t") and line.split()]
+
+
+@pytest.mark.parametrize("dtype, multiply", [("uint8", "tdpbusd"), ("bfloat16", "tdpbf16ps")])
+def test_amx_asm(dtype, multiply):
+    """Tile-shaped blocks run AMX tiles; larger ones the AVX-512 dot products."""
+    problem = GemmProblem(128, 96, 256, dtype, DEQUANT if dtype == "uint8" else Epilogue())
+    config = default_config(problem, _machine("amx"))
+    shape = BrgemmShape(config.bm, config.bn, config.bk, config.k_step, dtype,
+                        problem.acc_dtype, problem.layout, "amx")
+    assert find_impl(shape)[0] == "amx"
+    ops = _ops(_asm(problem, config, "amx"))
+    for op in ("ldtilecfg", "tileloadd", multiply, "tilestored", "tilerelease"):
+        assert op in ops, op
+    wide = GemmConfig.of("BCa", 64, 96, config.bk, k_step=config.k_step)
+    ops = _ops(_asm(problem, wide, "amx"))
+    assert multiply not in ops and "ldtilecfg" not in ops
+    assert ("vpdpbusd" if dtype == "uint8" else "vdpbf16ps") in ops
+
+
+def test_avx512_vnni_asm():
+    problem = GemmProblem(37, 48, 68, "uint8", DEQUANT)
+    ops = _ops(_asm(problem, default_config(problem, _machine("avx512_vnni")), "avx512_vnni"))
+    assert ops.count("vpdpbusd") >= 6 and "vpmaddwd" not in ops
+
+
+def test_avx2_asm_is_exact_emulation():
+    """Without VNNI u8 x s8 runs the exact vpmaddwd sequence (test_u8_exact runs it)."""
+    problem = GemmProblem(37, 48, 68, "uint8")
+    asm = _asm(problem, default_config(problem, _machine("avx2")), "avx2")
+    assert "vpmaddwd" in _ops(asm) and not re.search(r"vpdpbusd|vpmaddubsw|zmm", asm)
