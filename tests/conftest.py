@@ -46,3 +46,28 @@ def amx_tile_permission():
     from microkernels.amx import tiles_usable
 
     return tiles_usable()
+
+
+@pytest.fixture
+def fake_amx_host(monkeypatch):
+    """``fake_amx_host(granted, flags=AMX's)`` fakes an AMX host whose tile permission Linux
+    grants or refuses; returns the list of permission requests made."""
+    from microkernels import amx, isa
+
+    real_flags = isa.host_flags
+
+    def fake(granted: bool, flags: frozenset[str] = isa.from_name("amx").requires):
+        asked: list[bool] = []
+
+        def request() -> bool:
+            asked.append(granted)
+            return granted
+
+        monkeypatch.setattr(isa, "host_flags",
+                            lambda cpuinfo=None: flags if cpuinfo is None else real_flags(cpuinfo))
+        monkeypatch.setattr(amx, "request_permission", request)
+        amx.tiles_usable.cache_clear()
+        return asked
+
+    yield fake
+    amx.tiles_usable.cache_clear()  # the next call asks the real host again

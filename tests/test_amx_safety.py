@@ -1,9 +1,9 @@
 """AMX is safe to run: the tile permission is asked once, and where it is refused (or the CPU
 has no tiles) no AMX ISA is picked, dispatched or run, and the host description says so.
 
-This Zen 4 has no AMX, so the AMX host is faked: its CPU flags (``isa.host_flags``) and
-Linux's answer (``amx.request_permission``) are monkeypatched, and ``tiles_usable``'s
-per-process cache is cleared around each test.
+This Zen 4 has no AMX, so the AMX host is faked (``fake_amx_host`` in conftest.py): its CPU
+flags (``isa.host_flags``) and Linux's answer (``amx.request_permission``) are monkeypatched,
+and ``tiles_usable``'s per-process cache is cleared around each test.
 """
 
 import numpy as np
@@ -18,30 +18,8 @@ from tvm_tpp.tpp_target import runs_on_host
 REFUSED = "amx (tile permission refused: AMX kernels disabled)"
 
 
-@pytest.fixture
-def fake_host(monkeypatch):
-    """``fake_host(granted, flags=AMX's)`` -> the list of permission requests made."""
-    real_flags = isa.host_flags
-
-    def fake(granted: bool, flags: frozenset[str] = isa.from_name("amx").requires):
-        asked: list[bool] = []
-
-        def request() -> bool:
-            asked.append(granted)
-            return granted
-
-        monkeypatch.setattr(isa, "host_flags",
-                            lambda cpuinfo=None: flags if cpuinfo is None else real_flags(cpuinfo))
-        monkeypatch.setattr(amx, "request_permission", request)
-        amx.tiles_usable.cache_clear()
-        return asked
-
-    yield fake
-    amx.tiles_usable.cache_clear()  # the next call asks the real host again
-
-
-def test_refused_permission_disables_amx(fake_host):
-    asked = fake_host(granted=False)
+def test_refused_permission_disables_amx(fake_amx_host):
+    asked = fake_amx_host(granted=False)
     assert machine.host_isa().name == "avx512_bf16"
     assert machine.host().isa.name == "avx512_bf16"
     assert machine.amx_refused()
@@ -54,8 +32,8 @@ def test_refused_permission_disables_amx(fake_host):
     assert asked == [False], "the permission is asked once per process"
 
 
-def test_granted_permission_enables_amx(fake_host):
-    asked = fake_host(granted=True)
+def test_granted_permission_enables_amx(fake_amx_host):
+    asked = fake_amx_host(granted=True)
     assert machine.host_isa().name == "amx"
     assert not machine.amx_refused()
     assert machine.runs_here(isa.from_name("amx"))
@@ -65,16 +43,16 @@ def test_granted_permission_enables_amx(fake_host):
     assert asked == [True]
 
 
-def test_no_tiles_asks_nothing(fake_host):
-    asked = fake_host(granted=True, flags=isa.from_name("avx512_bf16").requires)
+def test_no_tiles_asks_nothing(fake_amx_host):
+    asked = fake_amx_host(granted=True, flags=isa.from_name("avx512_bf16").requires)
     assert not amx.tiles_usable() and not machine.amx_refused()
     assert machine.host_isa().name == "avx512_bf16"
     assert "refused" not in machine.host_isa_text()
     assert asked == []
 
 
-def test_info_says_amx_is_disabled(fake_host, capsys):
-    fake_host(granted=False)
+def test_info_says_amx_is_disabled(fake_amx_host, capsys):
+    fake_amx_host(granted=False)
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "host ISA     : avx512_bf16 (" in out and REFUSED in out
@@ -82,10 +60,10 @@ def test_info_says_amx_is_disabled(fake_host, capsys):
     assert amx_rows and all(line.endswith("[disabled]") for line in amx_rows)
 
 
-def test_amx_build_does_not_run_when_refused(fake_host, dense_model, tmp_path):
+def test_amx_build_does_not_run_when_refused(fake_amx_host, dense_model, tmp_path):
     """Compiled and loaded AMX builds ask before running, and refuse (no SIGILL)."""
     compiled = tvm_tpp.compile(dense_model, target="tpp -isa=amx")
-    asked = fake_host(granted=False)
+    asked = fake_amx_host(granted=False)
     x = np.zeros(compiled.inputs[0].shape, "float32")
     with pytest.raises(NotRunnableError, match="cannot run on this CPU"):
         compiled.run(x=x)

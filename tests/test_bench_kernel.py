@@ -2,11 +2,14 @@
 
 import pytest
 
+from microkernels import amx, x86
 from microkernels import isa as _isa
-from microkernels import x86
+from microkernels import peak as _peak
 from microkernels.brgemm import BrgemmShape
-from tvm_tpp.bench.kernel import _default_shape, bench_kernel
+from tvm_tpp.bench import kernel
+from tvm_tpp.bench.kernel import _default_shape, _own_kernel, bench_kernel
 from tvm_tpp.bench.report import format_bench_kernel
+from tvm_tpp.errors import UsageError
 
 
 def test_default_block_is_l1_resident():
@@ -48,3 +51,79 @@ def test_bench_kernel_result():
     assert r["fraction_of_peak"] == pytest.approx(r["gflops"] / r["peak_gflops"], rel=1e-2)
     assert r["ratio_to_fp32"] == pytest.approx(r["gflops"] / r["fp32_gflops"], rel=1e-2)
     assert r["w7_gflops"] > 0
+
+
+def test_amx_default_block_is_tile_shaped():
+    """2 x 2 C tiles, full 64-byte K steps: the block AMX runs at full rate."""
+    spr = _isa.from_name("amx")
+    for dtype, expected in (("uint8", (32, 32, 64, 8)), ("bfloat16", (32, 32, 32, 8))):
+        m, n, k, batch = _default_shape(spr, dtype)
+        assert (m, n, k, batch) == expected
+        acc, layout = ("float32", "vnni2") if dtype == "bfloat16" else ("int32", "vnni4")
+        p = amx.plan(BrgemmShape(m, n, k, batch, dtype, acc, layout, "amx"))
+        assert p.num_c == 4 and p.kt * p.elem_bytes == amx.TILE_BYTES
+
+
+def test_own_kernel_is_the_isa_s_or_inherited():
+    assert _own_kernel(BrgemmShape(24, 64, 16, 4, isa="avx512_bf16")) == "avx512"
+    assert _own_kernel(BrgemmShape(24, 64, 16, 4, "uint8", "int32", "vnni4",
+                                   "avx512_bf16")) == "avx512_vnni"
+    assert _own_kernel(BrgemmShape(32, 32, 64, 8, "uint8", "int32", "vnni4", "amx")) == "amx"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8_w7"])
+def test_amx_without_tiles_for_the_dtype_is_refused(dtype):
+    with pytest.raises(UsageError, match=f"AMX tiles multiply int8 and bfloat16; --isa amx "
+                                         f"--dtype {dtype} would time the avx512"):
+        bench_kernel(dtype, isa="amx")
+
+
+def test_block_the_kernel_refuses_is_an_error_not_another_kernel():
+    """64 x 64 needs 16 C tiles: find_impl would fall back to AVX-512 VNNI, so: an error."""
+    with pytest.raises(UsageError, match=r"the amx int8 kernel refuses block 64x64x64x8 "
+                                         r"\(AMX BRGEMM 64x64 needs 4x4 C tiles.*would time "
+                                         r"the avx512_vnni kernel instead"):
+        bench_kernel("int8", isa="amx", m=64, n=64)
+
+
+@pytest.mark.parametrize("granted, flags, message", [
+    (False, "amx", "Linux refused this process the AMX tile permission"),
+    (True, "avx512_bf16", "this CPU lacks amx_bf16 amx_int8 amx_tile"),
+])
+def test_amx_refused_where_not_usable(fake_amx_host, granted, flags, message):
+    fake_amx_host(granted, _isa.from_name(flags).requires)
+    with pytest.raises(UsageError, match=f"cannot run amx kernels here: {message}"):
+        bench_kernel("bfloat16", isa="amx")
+
+
+def test_amx_result_reports_the_tile_kernel_and_its_peak(fake_amx_host, monkeypatch):
+    """On a (faked) AMX host the tile kernel is what is timed and named; the timers are
+    stand-ins here, as this host cannot execute tile instructions."""
+    fake_amx_host(granted=True)
+    timed: list[BrgemmShape] = []
+
+    def fake_timer(shape):
+        timed.append(shape)
+        return lambda: 6144.0 if shape.dtype_a == "uint8" else 96.0
+
+    class FakeChains:
+        def __init__(self, isa: str) -> None:
+            self.isa = isa
+
+        def best_seconds(self, repeat: int) -> float:
+            return 1.0
+
+        def peak(self, seconds: float) -> _peak.Peak:
+            return _peak.Peak(self.isa, 16, 3.0)
+
+    monkeypatch.setattr(kernel, "kernel_timer", fake_timer)
+    monkeypatch.setattr(_peak, "FmaChains", FakeChains)
+    r = bench_kernel("int8", isa="amx", rounds=1, runs=1)
+    assert (r["isa"], r["impl"], r["shape"], r["layout"]) == ("amx", "amx", [32, 32, 64, 8],
+                                                              "vnni4")
+    assert [s.isa for s in timed] == ["amx", "amx"]  # the tile kernel, the fp32 reference
+    assert (r["amx_ops_per_cycle"], r["amx_peak_gops"]) == (2048, 6144.0)
+    assert r["fraction_of_amx_peak"] == 1.0 and r["ratio_to_fp32"] == 64.0
+    text = format_bench_kernel(r)
+    assert "(vnni4, amx kernel)" in text
+    assert "AMX tiles: 100.0% of the 6144.0 GOPS AMX peak (2048 int8 ops per cycle" in text

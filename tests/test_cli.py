@@ -161,6 +161,7 @@ def test_bad_numbers_are_usage_errors(argv, capsys):
         (["run", "DENSE", "--work-dir", "EMPTY"], "no tuning database in .*; write it with"),
         (["compile", "DENSE", "--work-dir", "CORRUPT", "-o", "EMPTY/m.so"], "is corrupt"),
         (["compile", "DENSE", "-o", "EMPTY/no/m.so"], "cannot write"),
+        (["bench-kernel", "--isa", "amx"], "AMX tiles multiply int8 and bfloat16"),
     ],
 )
 def test_errors_are_one_line(tmp_path, dense_file, args, message):

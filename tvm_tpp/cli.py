@@ -359,7 +359,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "int8", "int8_w7", "bfloat16"),
                    default="float32",
                    help="int8: full-range u8 x s8; int8_w7: weights in [-64, 63] (vnni4_w7)")
-    p.add_argument("--isa", help="ISA to benchmark (default: the host's)")
+    p.add_argument("--isa", help="ISA to benchmark (default: the host's); the kernel timed "
+                   "is that ISA's own, never silently another; amx: the AMX tile kernel "
+                   "(--dtype int8 or bfloat16) on a 32x32 tile block, with its fraction of "
+                   "the AMX peak, where this process may run AMX")
     p.add_argument("--json", help="write the result as JSON")
 
     p = add("bench", cmd_bench, "compare with TVM, MetaSchedule and ONNX Runtime (fair timing)")

@@ -9,6 +9,12 @@ Low-precision kernels are reported in GOPS (2 ops per multiply-add) next to the 
 the same shape (``ratio_to_fp32``); their ``fraction_of_peak`` is relative to the *fp32*
 peak, so e.g. 2.0 means twice the fp32 FMA peak.
 
+The kernel timed is the one :func:`~microkernels.brgemm.find_impl` picks, and it must be the
+requested ISA's own (or, for a dtype that ISA adds no kernel for, the one it inherits): a
+block the ISA's kernel refuses is an error, never silently another kernel.  ``isa="amx"``
+times the AMX tile kernel (int8 or bfloat16) on a tile-shaped block, also against the AMX
+peak (:data:`microkernels.amx.OPS_PER_CYCLE`), and only where this process may run AMX.
+
 Examples
 --------
 >>> r = bench_kernel("float32", isa="avx2")  # doctest: +SKIP
@@ -22,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from microkernels import amx, x86
 from microkernels import isa as _isa
-from microkernels import x86
-from microkernels.brgemm import B_RANGES, BrgemmShape, desc_func, dispatch
-from microkernels.machine import host
+from microkernels.brgemm import B_RANGES, BrgemmShape, desc_func, dispatch, implementations
+from microkernels.machine import amx_refused, host, runs_here
 from microkernels.peak import llvm_target
 
+from ..errors import UsageError
 from .timing import tvm_timer
 
 if TYPE_CHECKING:
@@ -65,7 +72,29 @@ def repeated_workload(shape: BrgemmShape, reps: int) -> PrimFunc:
     return func.with_body(SBlockRealize(realize.iter_values, realize.predicate, new_root))
 
 
-def _default_shape(isa: _isa.Isa) -> tuple[int, int, int, int]:
+#: Batch blocks of the AMX default block: A and B of 32 KiB, C of 4 KiB fit the 48 KiB L1d
+#: of every AMX CPU (Sapphire, Emerald and Granite Rapids).
+_AMX_BATCH = 8
+
+
+def _default_shape(isa: _isa.Isa, dtype_a: str = "float32") -> tuple[int, int, int, int]:
+    """The block ``bench-kernel`` times by default: m, n, k, batch.
+
+    AMX (int8 or bf16 A): the full tile-register block, 2 x 2 C tiles of 16 x 16 (m = n = 32)
+    with one full 64-byte tile row of K per multiply (64 int8 or 32 bf16 elements), 8 batch
+    blocks.  Otherwise the fp32 register-tile block below.
+
+    >>> _default_shape(_isa.from_name("amx"), "uint8"), _default_shape(_isa.from_name("amx"),
+    ...                                                                 "bfloat16")
+    ((32, 32, 64, 8), (32, 32, 32, 8))
+    """
+    if isa.has("amx_tile") and dtype_a in amx.OPS_PER_CYCLE:
+        side = 2 * amx.TILE_ROWS  # 2 x 2 C tiles + 2 A + 2 B tiles: all 8 tile registers
+        return side, side, amx.TILE_BYTES // (2 if dtype_a == "bfloat16" else 1), _AMX_BATCH
+    return _fp32_default_shape(isa)
+
+
+def _fp32_default_shape(isa: _isa.Isa) -> tuple[int, int, int, int]:
     """Four fp32 register tiles down, up to two across, K = 128 as 4 batch blocks: L1-resident.
 
     The kernel keeps a B micro-panel in L1 while its row tiles stream A; in a block whose
@@ -112,8 +141,8 @@ def kernel_timer(shape: BrgemmShape, impl: Callable[[BrgemmShape], PrimFunc] | N
     from tvm import s_tir
 
     target_isa = _isa.from_name(shape.isa)
-    if not target_isa.runs_on(_isa.host_flags()):
-        raise ValueError(f"this CPU cannot run {shape.isa} code")
+    if not runs_here(target_isa):  # for AMX: asks Linux for the tile state first
+        raise ValueError(f"this process cannot run {shape.isa} code")
     if impl is None:
         name = dispatch(shape)
     else:
@@ -127,6 +156,24 @@ def kernel_timer(shape: BrgemmShape, impl: Callable[[BrgemmShape], PrimFunc] | N
     args = [tvm.runtime.tensor(x) for x in _operands(shape)]
     timer = tvm_timer(ex.mod, "main", args)
     return lambda: shape.flops * reps / min(timer(1, 1, True)) / 1e9
+
+
+def _own_kernel(shape: BrgemmShape) -> str:
+    """The ISA whose kernel ``shape``'s ISA runs for its dtype and layout: its own, or the
+    one it inherits (AVX-512 BF16's fp32 kernel is AVX-512's)."""
+    registered = set(implementations())
+    return next(name for name in _isa.from_name(shape.isa).lineage() + ("generic",)
+                if (name, shape.dtype_a, shape.layout) in registered)
+
+
+def _refusal(shape: BrgemmShape, kernel: str) -> str:
+    """Why ``kernel``'s implementation refuses ``shape`` (AMX: the tile plan's message)."""
+    if kernel == "amx":
+        try:
+            amx.plan(shape)
+        except ValueError as err:
+            return str(err)
+    return "the block does not fit its register tile"
 
 
 def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None = None,
@@ -146,7 +193,8 @@ def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None =
         ISA name (:data:`microkernels.isa.KNOWN`); must run on this host.
     m, n, k, batch
         Kernel shape; defaults: the L1-resident block of :func:`_default_shape`
-        (24 x 32 x 32 x 4 on AVX2, 24 x 64 x 16 x 4 on AVX-512).
+        (24 x 32 x 32 x 4 on AVX2, 24 x 64 x 16 x 4 on AVX-512; on AMX the tile-shaped
+        32 x 32 x 64 x 8 for int8, 32 x 32 x 32 x 8 for bfloat16).
 
     Returns
     -------
@@ -156,7 +204,17 @@ def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None =
         ``fraction_of_peak``, ``clock_ghz``; for low precision also ``fp32_gflops`` and
         ``ratio_to_fp32``; for full-range int8 without VNNI also ``w7_gflops`` and
         ``w7_ratio_to_fp32`` (the ``vpmaddubsw`` kernel of the ``vnni4_w7`` layout, exact for
-        7-bit weights).
+        7-bit weights); for the AMX kernel also ``amx_ops_per_cycle``, ``amx_peak_gops`` (one
+        core's tile peak at the measured clock) and ``fraction_of_amx_peak``.
+
+    Raises
+    ------
+    ValueError
+        Unknown dtype, a non-x86 ISA, non-positive rounds/runs.
+    UsageError
+        ``isa="amx"`` with a dtype AMX has no tiles for, or where this process may not run
+        AMX (no tiles, or the permission refused); a block the requested ISA's kernel refuses
+        (another kernel would be timed); an ISA this CPU does not run.
     """
     from microkernels.brgemm import find_impl
     from microkernels.peak import FmaChains
@@ -168,11 +226,24 @@ def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None =
     target_isa = host().isa if isa is None else _isa.from_name(isa)
     if target_isa.arch != "x86_64":
         raise ValueError(f"bench_kernel times x86 kernels; {target_isa.name} is not x86")
-    dm, dn, dk, db = _default_shape(target_isa)
     dtype_a, dtype_acc, layout = DTYPES[dtype]
+    dm, dn, dk, db = _default_shape(target_isa, dtype_a)
     shape = BrgemmShape(m=m or dm, n=n or dn, k=k or dk, batch=batch or db, dtype_a=dtype_a,
                         dtype_acc=dtype_acc, layout=layout, isa=target_isa.name)
-    impl_isa = find_impl(shape)[0]
+    impl_isa, expected = find_impl(shape)[0], _own_kernel(shape)
+    if isa is not None and target_isa.has("amx_tile") and expected != "amx":
+        raise UsageError(f"AMX tiles multiply int8 and bfloat16; --isa {isa} --dtype {dtype} "
+                         f"would time the {expected} kernel (ask for --isa {expected})")
+    if impl_isa != expected:
+        block = f"{shape.m}x{shape.n}x{shape.k}x{shape.batch}"
+        raise UsageError(f"the {expected} {dtype} kernel refuses block {block} "
+                         f"({_refusal(shape, expected)}); find_impl would time the {impl_isa} "
+                         "kernel instead")
+    if not runs_here(target_isa):
+        why = ("Linux refused this process the AMX tile permission" if amx_refused()
+               else f"this CPU lacks {' '.join(sorted(target_isa.requires - _isa.host_flags()))}")
+        raise UsageError(f"cannot run {target_isa.name} kernels here: {why}; inspect them with "
+                         f"`tvm-tpp compile --target \"tpp -isa={target_isa.name}\" --emit asm`")
     chains = FmaChains(target_isa.name)
     timers = {"kernel": kernel_timer(shape)}
     if dtype != "float32":
@@ -198,6 +269,10 @@ def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None =
         "fraction_of_peak": round(best["kernel"] / peak.peak_gflops, 4),
         "clock_ghz": round(peak.clock_ghz, 3),
     }
+    if impl_isa == "amx":
+        result["amx_ops_per_cycle"] = amx.OPS_PER_CYCLE[dtype_a]
+        result["amx_peak_gops"] = round(amx.OPS_PER_CYCLE[dtype_a] * peak.clock_ghz, 1)
+        result["fraction_of_amx_peak"] = round(best["kernel"] / result["amx_peak_gops"], 4)
     if "fp32" in best:
         result["fp32_gflops"] = round(best["fp32"], 2)
         result["ratio_to_fp32"] = round(best["kernel"] / best["fp32"], 3)
