@@ -56,12 +56,15 @@ family.  ``"float32"`` multiplies float32 X and W in float32 (the flat BRGEMM, w
 ``"uint8"`` u8 activations by s8 weights accumulating in int32.  The two low-precision kinds
 take W packed along K in the VNNI groups their dot-product instructions read (``vdpbf16ps``,
 ``vpdpbusd``, AMX ``tdpbf16ps``/``tdpbusd``): ``Wp[N/bn, K/a, bn, a]`` with ``a`` = 2 (bf16)
-or 4 (int8) (:meth:`~microkernels.pack.Packing.vnni_blocked_b`), so K and ``bk`` must be
-multiples of ``a``.  The epilogue starts from the accumulator, except that an int32 one meets a
-chain that takes floats only (``scale`` first: dequantization) converted to float32, exactly
-below ``2**24``.  On ``amx`` the kernel runs in tiles when its blocks are tile-shaped
-(:func:`microkernels.amx.plan`; the defaults choose such blocks), otherwise the ISA's
-AVX-512 kernel runs (:func:`microkernels.brgemm.find_impl`'s fallback).
+or 4 (int8) (:meth:`~microkernels.pack.Packing.vnni_blocked_b`), and ``bk`` a multiple of
+``a``.  A K that is not one is padded with zeros to the next (:attr:`GemmProblem.padded_k`,
+which the blocks tile): in the packed weight, and in a zero-padded copy of X that the GEMM
+reads instead (made where ``pack_a`` packs A, or before the loops).  The epilogue starts from
+the accumulator, except that an int32 one meets a chain that takes floats only (``scale``
+first: dequantization) converted to float32, exactly below ``2**24``.  On ``amx`` the kernel
+runs in tiles when its blocks are tile-shaped (:func:`microkernels.amx.plan`; the defaults
+choose such blocks), otherwise the ISA's AVX-512 kernel runs
+(:func:`microkernels.brgemm.find_impl`'s fallback).
 
 Candidates (:func:`candidates`): a few blockings around the default (:func:`blockings`),
 PARLOOPER's loop orders for each (:func:`schedules.space.generate`), ranked within each
@@ -91,7 +94,7 @@ from microkernels import isa as _isa
 from microkernels.brgemm import DTYPES, LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
-from microkernels.pack import Packing
+from microkernels.pack import Packing, padded
 
 from .blocking import divisors, pick_divisor
 from .cost_model import predict
@@ -125,8 +128,7 @@ class GemmProblem:
     Parameters
     ----------
     m, n, k
-        GEMM sizes; for low-precision ``dtype`` K is a multiple of the VNNI group
-        (:attr:`alpha`: 2 for bfloat16, 4 for uint8).
+        GEMM sizes.
     dtype
         X's type (:data:`OPERANDS`): ``"float32"``, ``"bfloat16"`` (bf16 W, float32
         accumulation) or ``"uint8"`` (s8 W, int32 accumulation).
@@ -140,10 +142,8 @@ class GemmProblem:
     >>> p = GemmProblem(37, 48, 68, "uint8", dequant)
     >>> (p.acc_dtype, p.weight_dtype, p.layout, p.epilogue_dtype, p.out_dtype)
     ('int32', 'int8', 'vnni4', 'float32', 'float32')
-    >>> GemmProblem(4, 16, 6, "uint8")
-    Traceback (most recent call last):
-    ...
-    ValueError: GemmProblem(dtype='uint8') needs k divisible by 4 (the VNNI-4 groups ...
+    >>> GemmProblem(4, 16, 6, "uint8").padded_k      # whole VNNI-4 groups
+    8
     """
 
     m: int
@@ -160,11 +160,6 @@ class GemmProblem:
         if self.dtype not in OPERANDS:
             raise ValueError(f"the GEMM template handles {', '.join(OPERANDS)}, "
                              f"got {self.dtype!r}")
-        if self.k % self.alpha:
-            raise ValueError(
-                f"GemmProblem(dtype={self.dtype!r}) needs k divisible by {self.alpha} (the "
-                f"VNNI-{self.alpha} groups of its packed {self.weight_dtype} weight), "
-                f"got k={self.k}; pad K with zeros in X and W")
         self.epilogue.out_dtype(self.epilogue_dtype)  # raises for chains that do not type-check
 
     @property
@@ -189,6 +184,11 @@ class GemmProblem:
     def alpha(self) -> int:
         """K elements per VNNI group of the packed weight (1: not grouped)."""
         return LAYOUTS[self.layout][0]
+
+    @property
+    def padded_k(self) -> int:
+        """K rounded up to whole VNNI groups: the K the blocks tile."""
+        return padded(self.k, self.alpha)
 
     @property
     def element_bytes(self) -> int:
@@ -306,11 +306,12 @@ class GemmConfig:
     def check(self, problem: GemmProblem) -> None:
         """ValueError unless the blocks tile ``problem`` exactly."""
         for block, dim, name in ((self.bm, problem.m, "bm"), (self.bn, problem.n, "bn"),
-                                 (self.bk, problem.k, "bk")):
+                                 (self.bk, problem.padded_k, "bk")):
             if dim % block:
                 raise ValueError(f"{name}={block} does not divide {dim}")
-        if (problem.k // self.bk) % self.k_step:
-            raise ValueError(f"k_step={self.k_step} does not divide K/bk={problem.k // self.bk}")
+        k_blocks = problem.padded_k // self.bk
+        if k_blocks % self.k_step:
+            raise ValueError(f"k_step={self.k_step} does not divide K/bk={k_blocks}")
         if self.bk % problem.alpha:
             raise ValueError(f"bk={self.bk} is not a multiple of {problem.alpha}, the VNNI "
                              f"group of {problem.dtype} GEMMs")
@@ -318,7 +319,7 @@ class GemmConfig:
     def blocked(self, problem: GemmProblem) -> BlockedGemm:
         """The problem in block units, as the space and the cost model see it."""
         self.check(problem)
-        return BlockedGemm(problem.m, problem.n, problem.k, self.bm, self.bn, self.bk,
+        return BlockedGemm(problem.m, problem.n, problem.padded_k, self.bm, self.bn, self.bk,
                            dtype_bytes=problem.element_bytes)
 
 
@@ -327,8 +328,9 @@ def pack_weight(w: np.ndarray, bn: int, problem: GemmProblem | None = None) -> n
 
     float32: ``Wp[N/bn, K, bn]``, each N block's panel contiguous
     (:meth:`~microkernels.pack.Packing.blocked_b`, the flat BRGEMM's B).  bfloat16 and
-    uint8 problems: ``Wp[N/bn, K/a, bn, a]``, each N block's panel in VNNI groups of ``a``
-    consecutive K values (:meth:`~microkernels.pack.Packing.vnni_blocked_b`).  bfloat16
+    uint8 problems: ``Wp[N/bn, K'/a, bn, a]``, each N block's panel in VNNI groups of ``a``
+    consecutive K values (:meth:`~microkernels.pack.Packing.vnni_blocked_b`), K zero-padded
+    to ``K' = problem.padded_k``.  bfloat16
     weights are taken as ``ml_dtypes.bfloat16`` or rounded to it from float32 (to nearest
     even); uint8 problems take integer weights in [-128, 127] (quantizing them is the
     caller's job) and return int8.
@@ -352,7 +354,7 @@ def pack_weight(w: np.ndarray, bn: int, problem: GemmProblem | None = None) -> n
         raise ValueError(f"W must be [K, N] = [{problem.k}, {problem.n}], got {list(w.shape)}")
     alpha = problem.alpha
     packed = Packing.vnni_blocked_b(alpha, bn).pack(_weight_values(w, problem.weight_dtype))
-    return packed.reshape(n // bn, k // alpha, bn, alpha)
+    return packed.reshape(n // bn, problem.padded_k // alpha, bn, alpha)
 
 
 def _weight_values(w: np.ndarray, dtype: str) -> np.ndarray:
@@ -373,14 +375,19 @@ def _weight_values(w: np.ndarray, dtype: str) -> np.ndarray:
 def workload(problem: GemmProblem, config_or_bn: GemmConfig | int) -> PrimFunc:
     """The unscheduled PrimFunc ``(X, Wp, *epilogue operands, Y)``; ``Wp`` is packed with
     the config's ``bn`` as :func:`pack_weight` packs it."""
-    from tvm import te
+    from tvm import te, tirx
 
     from microkernels.epilogue import apply_te
 
     bn = config_or_bn.bn if isinstance(config_or_bn, GemmConfig) else config_or_bn
-    m, n, k, alpha = problem.m, problem.n, problem.k, problem.alpha
+    m, n, k, alpha = problem.m, problem.n, problem.padded_k, problem.alpha
     acc = problem.acc_dtype
-    x = te.placeholder((m, k), problem.dtype, name="X")
+    x = te.placeholder((m, problem.k), problem.dtype, name="X")
+    a = x  # the GEMM's A
+    if k != problem.k:
+        # The kernels read whole VNNI groups: the GEMM reads X through a zero-padded copy.
+        a = te.compute((m, k), lambda i, kk: tirx.if_then_else(
+            kk < problem.k, x[i, kk], tirx.const(0, problem.dtype)), name=_PADDED_X)
     r = te.reduce_axis((0, k), name="k")
     packed_shape = (n // bn, k, bn) if alpha == 1 else (n // bn, k // alpha, bn, alpha)
     wp = te.placeholder(packed_shape, problem.weight_dtype, name="Wp")
@@ -392,8 +399,8 @@ def workload(problem: GemmProblem, config_or_bn: GemmConfig | int) -> PrimFunc:
 
     def product(i, j):
         if problem.dtype == acc:  # float32: no casts in the expression
-            return x[i, r] * weight(j)
-        return x[i, r].astype(acc) * weight(j).astype(acc)
+            return a[i, r] * weight(j)
+        return a[i, r].astype(acc) * weight(j).astype(acc)
 
     c = te.compute((m, n), lambda i, j: te.sum(product(i, j), axis=r), name="C")
     start = problem.epilogue_dtype
@@ -405,6 +412,10 @@ def workload(problem: GemmProblem, config_or_bn: GemmConfig | int) -> PrimFunc:
              for op in problem.epilogue.inputs(start)}
     y = apply_te(problem.epilogue, c, extra) if problem.epilogue.ops else c
     return te.create_prim_func([x, wp, *extra.values(), y])
+
+
+#: The block copying X with K zero-padded to whole VNNI groups.
+_PADDED_X = "X_padded"
 
 
 def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "avx2"
@@ -435,11 +446,15 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
 
     order, grid_loops = nest_loops(sch, spec, {"a": k_blocks, "b": i_blocks, "c": j_blocks})
     sch.reorder(*grid_loops, *order, i_body, j_body, k_body)
-    pack = _pack_a(sch, spec, gemm, config.pack_a, order) if config.pack_a is not None else None
+    # A padded X is copied anyway: the copy is the packing of A (before the loops if unasked).
+    padded_x = sch.get_sblock(_PADDED_X) if problem.padded_k != problem.k else None
+    pack_depth = 0 if config.pack_a is None and padded_x is not None else config.pack_a
+    pack = (_pack_a(sch, spec, gemm, pack_depth, order, padded_x) if pack_depth is not None
+            else None)
     epilogue = sch.get_sblock("epilogue") if problem.epilogue.ops else None
     finish_nest(sch, spec, order, grid_loops, gemm, frozenset("a"), epilogue)
     if pack is not None:
-        _parallel_pack(sch, spec, pack, config.pack_a, bool(grid_loops))
+        _parallel_pack(sch, spec, pack, pack_depth, bool(grid_loops))
     # On amx, blocks that are not tile-shaped get the AVX-512 kernel (find_impl's fallback).
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
@@ -453,8 +468,9 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
 
 
 def _pack_a(sch: s_tir.Schedule, spec: LoopSpec, gemm: SBlockRV, depth: int,
-            order: list[LoopRV]) -> SBlockRV:
-    """Copy the ``X`` slice read below ``depth`` loops into a dense buffer there."""
+            order: list[LoopRV], copy: SBlockRV | None = None) -> SBlockRV:
+    """Copy the ``X`` slice read below ``depth`` loops into a dense buffer there (with the
+    workload's own ``copy`` of X if it has one)."""
     if depth > len(order):
         raise LoopSpecError(f"pack_a={depth} is deeper than the {len(order)} loops of the spec",
                             spec.text, len(spec.text))
@@ -464,7 +480,7 @@ def _pack_a(sch: s_tir.Schedule, spec: LoopSpec, gemm: SBlockRV, depth: int,
         o = spec.occurrences[depth - 1]
         raise LoopSpecError(f"pack_a={depth} splits the collapsed parallel loops", spec.text,
                             o.position)
-    pack = sch.cache_read(gemm, 0, "global")
+    pack = sch.cache_read(gemm, 0, "global") if copy is None else copy
     if depth:
         sch.compute_at(pack, order[depth - 1])
     return pack
@@ -499,7 +515,7 @@ def default_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     """
     whole = whole_k_config(problem, machine)
     if whole.k_step > 1 and problem.m > GEMV_ROWS and \
-            problem.k * whole.bn * problem.element_bytes > machine.caches.l2 // 2:
+            problem.padded_k * whole.bn * problem.element_bytes > machine.caches.l2 // 2:
         return long_k_config(problem.m, whole.bn, whole.bk, machine.threads,
                              max_bm=_max_bm(problem, machine))
     return whole
@@ -521,7 +537,7 @@ def _max_bm(problem: GemmProblem, machine: Machine) -> int:
 
 def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     """The whole K in one BRGEMM call, blocks and loop order as the module describes."""
-    m, n, k = problem.m, problem.n, problem.k
+    m, n, k = problem.m, problem.n, problem.padded_k
     lanes = machine.isa.lanes("float32")  # = int32 lanes: the accumulators' vectors
     if _uses_tiles(problem, machine):
         # Tile-shaped blocks, and K blocks of whole tile rows where K allows.
@@ -576,7 +592,7 @@ def blockings(problem: GemmProblem, machine: Machine) -> list[GemmConfig]:
     (:func:`long_k_config`)."""
     base = default_config(problem, machine)
     out = [base]
-    if problem.k // base.bk > 1:
+    if problem.padded_k // base.bk > 1:
         whole = whole_k_config(problem, machine)
         split = GemmConfig(whole.bm, whole.bn, whole.bk, Candidate("BCa"))
         packed = (long_k_config(problem.m, base.bn, base.bk, machine.threads,

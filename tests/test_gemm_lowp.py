@@ -1,8 +1,9 @@
 """Low-precision GEMMs of the GEMM template: bfloat16 (VNNI-2) and uint8 x int8 (VNNI-4).
 
 Each GEMM is scheduled, built and run on this host against numpy on random data with odd
-sizes (37 x 48 x 68, a GEMV, N not a multiple of a vector): uint8 exactly, in int32 and
-through dequantizing and requantizing epilogues; bfloat16 within the accuracy of its inputs.
+sizes (37 x 48 x 68, a GEMV, N not a multiple of a vector, K not a multiple of the VNNI
+group): uint8 exactly, in int32 and through dequantizing and requantizing epilogues; bfloat16
+within the accuracy of its inputs.
 ISAs this host cannot run are checked by the instructions in their assembly: AMX tiles for
 tile-shaped blocks (and the AVX-512 fallback for others), ``vpdpbusd`` for AVX512-VNNI; AVX2's
 exact emulation of u8 x s8 runs here.
@@ -120,7 +121,7 @@ def _check(problem: GemmProblem, config: GemmConfig, isa_name: str) -> None:
 # ----------------------------------------------------------------------- u8 x s8 -> int32
 
 
-U8_SHAPES = [(37, 48, 68), (1, 48, 68), (13, 40, 36), (6, 20, 8)]
+U8_SHAPES = [(37, 48, 68), (1, 48, 68), (13, 40, 36), (6, 20, 8), (37, 48, 66), (1, 24, 5)]
 
 
 @pytest.mark.parametrize("isa_name", [
@@ -150,8 +151,9 @@ def test_u8_epilogues(epilogue, m):
     ("acb", {}, 1, 1),             # A packed under the K loop
     ("bC{R:2}aB{C:1}cb", {"b": (4, 2), "c": (2,)}, 1, None),
 ])
-def test_u8_loop_specs(spec, block_steps, k_step, pack_a):
-    problem = GemmProblem(48, 64, 96, "uint8", DEQUANT)
+@pytest.mark.parametrize("k", [96, 94])  # 94: K padded to 96, X's copy made where A is packed
+def test_u8_loop_specs(spec, block_steps, k_step, pack_a, k):
+    problem = GemmProblem(48, 64, k, "uint8", DEQUANT)
     config = GemmConfig.of(spec, 6, 16, 24, k_step=k_step, block_steps=block_steps,
                            pack_a=pack_a)
     _check(problem, config, "avx512_bf16" if _runs_here("avx512_bf16") else "avx2")
@@ -164,7 +166,7 @@ def test_u8_loop_specs(spec, block_steps, k_step, pack_a):
     pytest.param("avx512_bf16", marks=_needs("avx512_bf16")),  # vdpbf16ps
     "avx2",                                                    # exact emulation
 ])
-@pytest.mark.parametrize("m, n, k", [(37, 48, 68), (1, 48, 68), (13, 40, 36)])
+@pytest.mark.parametrize("m, n, k", [(37, 48, 68), (1, 48, 68), (13, 40, 36), (37, 48, 67)])
 def test_bf16(isa_name, m, n, k):
     problem = GemmProblem(m, n, k, "bfloat16")
     config = default_config(problem, _machine(isa_name))
@@ -201,8 +203,6 @@ def test_problem_types():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"dtype": "int8"}, "handles float32, bfloat16, uint8"),
-    ({"dtype": "uint8", "k": 6}, "needs k divisible by 4"),
-    ({"dtype": "bfloat16", "k": 7}, "needs k divisible by 2"),
     ({"dtype": "bfloat16", "epilogue": REQUANT}, "takes int32"),
     ({"dtype": "uint8", "epilogue": Epilogue((EpilogueOp("scale", value=0.5),
                                               EpilogueOp("requantize", value=0.5, dtype="int8")))},
@@ -211,6 +211,21 @@ def test_problem_types():
 def test_problem_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GemmProblem(**{"m": 4, "n": 16, "k": 8, **kwargs})
+
+
+def test_padded_k():
+    """K is padded to whole VNNI groups in the packed weight and in a copy of X the GEMM
+    reads; X itself keeps its K (test_u8_exact and test_bf16 run such GEMMs)."""
+    problem = GemmProblem(8, 16, 6, "uint8")
+    assert problem.padded_k == 8 and GemmProblem(8, 16, 7, "bfloat16").padded_k == 8
+    assert GemmProblem(8, 16, 7).padded_k == 7
+    func = schedule(problem, default_config(problem, _machine("avx2")), "avx2").mod["main"]
+    shapes = [tuple(int(d) for d in p.ty.shape) for p in func.params[:2]]
+    assert shapes == [(8, 6), (1, 2, 16, 4)]
+    w = np.ones((6, 16), "int8")
+    assert pack_weight(w, 16, problem)[0, 1, 0].tolist() == [1, 1, 0, 0]
+    with pytest.raises(ValueError, match="bk=6 does not divide 8"):
+        GemmConfig.of("BCa", 8, 16, 6).check(problem)
 
 
 def test_config_needs_whole_vnni_groups():
