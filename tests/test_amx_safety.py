@@ -60,6 +60,13 @@ def test_info_says_amx_is_disabled(fake_amx_host, capsys):
     assert amx_rows and all(line.endswith("[disabled]") for line in amx_rows)
 
 
+def test_run_says_amx_is_disabled(fake_amx_host, dense_file, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ./tvm_tpp_work database
+    fake_amx_host(granted=False)
+    assert cli.main(["run", str(dense_file), "--repeat", "1"]) == 0
+    assert f"for avx512_bf16; {REFUSED}" in capsys.readouterr().out
+
+
 def test_amx_build_does_not_run_when_refused(fake_amx_host, dense_model, tmp_path):
     """Compiled and loaded AMX builds ask before running, and refuse (no SIGILL)."""
     compiled = tvm_tpp.compile(dense_model, target="tpp -isa=amx")

@@ -192,7 +192,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     inputs = random_inputs(compiled.inputs, seed=args.seed)
     outputs = compiled.run(**inputs)
     times = compiled.time(inputs, number=args.number, repeat=args.repeat)
-    print(f"compiled in {compiled.compile_seconds:.1f} s for {compiled.target.attrs['model']}")
+    from microkernels.machine import amx_refused
+
+    refused = "; amx (tile permission refused: AMX kernels disabled)" if amx_refused() else ""
+    print(f"compiled in {compiled.compile_seconds:.1f} s for "
+          f"{compiled.target.attrs['model']}{refused}")
     _print_kernels(compiled, args.report)
     print(f"latency      : median {1e3 * float(np.median(times)):.3f} ms over {args.repeat} runs")
     if args.check == "onnxruntime":
