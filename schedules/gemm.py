@@ -330,10 +330,9 @@ def pack_weight(w: np.ndarray, bn: int, problem: GemmProblem | None = None) -> n
     (:meth:`~microkernels.pack.Packing.blocked_b`, the flat BRGEMM's B).  bfloat16 and
     uint8 problems: ``Wp[N/bn, K'/a, bn, a]``, each N block's panel in VNNI groups of ``a``
     consecutive K values (:meth:`~microkernels.pack.Packing.vnni_blocked_b`), K zero-padded
-    to ``K' = problem.padded_k``.  bfloat16
-    weights are taken as ``ml_dtypes.bfloat16`` or rounded to it from float32 (to nearest
-    even); uint8 problems take integer weights in [-128, 127] (quantizing them is the
-    caller's job) and return int8.
+    to ``K' = problem.padded_k``.  bfloat16 weights are taken as ``ml_dtypes.bfloat16`` or
+    rounded to it from float32 (to nearest even); uint8 problems take integer weights in
+    [-128, 127] (quantizing them is the caller's job) and return int8.
 
     Examples
     --------
@@ -347,11 +346,11 @@ def pack_weight(w: np.ndarray, bn: int, problem: GemmProblem | None = None) -> n
     k, n = w.shape
     if n % bn:
         raise ValueError(f"bn={bn} does not divide N={n}")
+    if problem is not None and (k, n) != (problem.k, problem.n):
+        raise ValueError(f"W must be [K, N] = [{problem.k}, {problem.n}], got {list(w.shape)}")
     if problem is None or problem.layout == "flat":
         # A unit bn leaves its axis out of the packing; the template's operand keeps it.
         return Packing.blocked_b(bn).pack(w).reshape(n // bn, k, bn)
-    if (k, n) != (problem.k, problem.n):
-        raise ValueError(f"W must be [K, N] = [{problem.k}, {problem.n}], got {list(w.shape)}")
     alpha = problem.alpha
     packed = Packing.vnni_blocked_b(alpha, bn).pack(_weight_values(w, problem.weight_dtype))
     return packed.reshape(n // bn, problem.padded_k // alpha, bn, alpha)

@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 import tvm
 
+import tvm_tpp
 from microkernels import amx, isa
 from microkernels.brgemm import BrgemmShape, find_impl
 from microkernels.epilogue import Epilogue, EpilogueOp, reference
 from microkernels.machine import Machine
 from microkernels.pack import Packing
+from schedules import search
+from schedules.database import Database, TuningKey
 from schedules.gemm import (
     GemmConfig,
     GemmProblem,
@@ -285,6 +288,23 @@ def test_pack_weight_layouts():
 def test_pack_weight_errors(dtype, w, message):
     with pytest.raises(ValueError, match=message):
         pack_weight(w, 8, GemmProblem(4, 16, 8, dtype))
+
+
+def test_tune(tmp_path):
+    """The tuner times low-precision candidates (arguments in the problem's dtypes) and keys
+    their winner by the dtype; the float32 GEMM of the same shape is another key."""
+    host = "avx512_bf16" if _runs_here("avx512_bf16") else "avx2"
+    target = tvm_tpp.target(f"tpp -isa={host} -num-cores=1")
+    database = Database(tmp_path / "tuning.json")
+    for dtype in ("uint8", "bfloat16"):
+        problem = GemmProblem(37, 48, 66, dtype, DEQUANT if dtype == "uint8" else Epilogue())
+        result = search.tune(problem, target, database=database, top_k=2)
+        assert all(m.seconds is not None for m in result.measurements)
+        assert Database(tmp_path / "tuning.json").get(TuningKey.of(problem, target)) == \
+            result.best
+        _check(problem, result.best, host)
+    assert Database(tmp_path / "tuning.json").get(
+        TuningKey.of(GemmProblem(37, 48, 66), target)) is None
 
 
 def test_dense_key_and_default_carry_the_dtype():
