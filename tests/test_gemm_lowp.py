@@ -65,13 +65,14 @@ def _build(problem: GemmProblem, config: GemmConfig, isa_name: str):
 
 
 def _operands(problem: GemmProblem, rng: np.random.Generator):
-    """X, W (float32 for bfloat16: pack_weight rounds it) and the epilogue's operands."""
+    """X, W (float32 for bfloat16: rounded to bf16 for the kernel) and the epilogue's
+    operands."""
     m, n, k = problem.m, problem.n, problem.k
     if problem.dtype == "uint8":
         x = rng.integers(0, 255, (m, k), endpoint=True).astype("uint8")
         w = rng.integers(-128, 127, (k, n), endpoint=True).astype("int8")
     else:
-        x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+        x = rng.standard_normal((m, k)).astype("float32")
         w = rng.standard_normal((k, n)).astype("float32")
     extra = {}
     for op in problem.epilogue.inputs(problem.epilogue_dtype):
@@ -89,8 +90,8 @@ def _accumulator(problem: GemmProblem, x: np.ndarray, w: np.ndarray) -> np.ndarr
     """The exact ``X @ W`` of the kernel's operands, as the accumulator's dtype."""
     if problem.dtype == "uint8":
         return (x.astype(np.int64) @ w.astype(np.int64)).astype(np.int32)
-    w16 = w.astype(ml_dtypes.bfloat16)
-    return (x.astype(np.float64) @ w16.astype(np.float64)).astype(np.float32)
+    x16, w16 = (v.astype(ml_dtypes.bfloat16).astype(np.float64) for v in (x, w))
+    return (x16 @ w16).astype(np.float32)
 
 
 def _run(problem: GemmProblem, config: GemmConfig, isa_name: str, seed: int = 0):
@@ -98,14 +99,15 @@ def _run(problem: GemmProblem, config: GemmConfig, isa_name: str, seed: int = 0)
     x, w, extra = _operands(problem, np.random.default_rng(seed))
     func = _build(problem, config, isa_name)
     y = tvm.runtime.empty((problem.m, problem.n), problem.out_dtype)
-    func(tvm.runtime.tensor(x), tvm.runtime.tensor(pack_weight(w, config.bn, problem)),
+    x_in = x.astype(ml_dtypes.bfloat16) if problem.dtype == "bfloat16" else x
+    func(tvm.runtime.tensor(x_in), tvm.runtime.tensor(pack_weight(w, config.bn, problem)),
          *[tvm.runtime.tensor(v) for v in extra.values()], y)
     return y.numpy(), x, w, extra
 
 
-def _check(problem: GemmProblem, config: GemmConfig, isa_name: str) -> None:
-    """The GEMM against numpy: exact for integer results and bf16 conversions of the same
-    float32 values; float32 results within float32 accumulation's rounding."""
+def _check(problem: GemmProblem, config: GemmConfig, isa_name: str):
+    """The GEMM against numpy: exact for integer results, bf16 results within one ulp,
+    float32 results within float32 accumulation's rounding.  Returns (Y, X, W)."""
     y, x, w, extra = _run(problem, config, isa_name)
     acc = _accumulator(problem, x, w)
     if problem.epilogue_dtype != problem.acc_dtype:
@@ -119,6 +121,7 @@ def _check(problem: GemmProblem, config: GemmConfig, isa_name: str) -> None:
     else:
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert np.abs(y.astype(np.float64)).max() > 0
+    return y, x, w
 
 
 # ----------------------------------------------------------------------- u8 x s8 -> int32
@@ -172,10 +175,8 @@ def test_u8_loop_specs(spec, block_steps, k_step, pack_a, k):
 @pytest.mark.parametrize("m, n, k", [(37, 48, 68), (1, 48, 68), (13, 40, 36), (37, 48, 67)])
 def test_bf16(isa_name, m, n, k):
     problem = GemmProblem(m, n, k, "bfloat16")
-    config = default_config(problem, _machine(isa_name))
-    _check(problem, config, isa_name)
-    y, x, w, _ = _run(problem, config, isa_name)
-    exact = x.astype(np.float32).astype(np.float64) @ w  # the float32 GEMM bf16 approximates
+    y, x, w = _check(problem, default_config(problem, _machine(isa_name)), isa_name)
+    exact = x.astype(np.float64) @ w  # the float32 GEMM that bf16 approximates
     assert np.linalg.norm(y - exact) <= 1e-2 * np.linalg.norm(exact)
 
 
