@@ -7,7 +7,7 @@ from microkernels import isa as _isa
 from microkernels import peak as _peak
 from microkernels.brgemm import BrgemmShape
 from tvm_tpp.bench import kernel
-from tvm_tpp.bench.kernel import _default_shape, _own_kernel, bench_kernel
+from tvm_tpp.bench.kernel import _default_shape, _own_kernel, bench_kernel, build_kernel
 from tvm_tpp.bench.report import format_bench_kernel
 from tvm_tpp.errors import UsageError
 
@@ -127,3 +127,14 @@ def test_amx_result_reports_the_tile_kernel_and_its_peak(fake_amx_host, monkeypa
     text = format_bench_kernel(r)
     assert "(vnni4, amx kernel)" in text
     assert "AMX tiles: 100.0% of the 6144.0 GOPS AMX peak (2048 int8 ops per cycle" in text
+
+
+@pytest.mark.parametrize("dtype, instruction", [("uint8", "tdpbusd"), ("bfloat16", "tdpbf16ps")])
+def test_amx_default_block_times_the_tile_kernel(dtype, instruction):
+    """What an AMX host would time: the tile program (asm for sapphirerapids, not run here)."""
+    acc, layout = ("float32", "vnni2") if dtype == "bfloat16" else ("int32", "vnni4")
+    m, n, k, batch = _default_shape(_isa.from_name("amx"), dtype)
+    ex, reps = build_kernel(BrgemmShape(m, n, k, batch, dtype, acc, layout, "amx"))
+    ops = [line.split()[0] for line in ex.mod.inspect_source("asm").splitlines()
+           if line.startswith("\t") and line.split()]
+    assert reps > 1 and instruction in ops and "ldtilecfg" in ops and "tilerelease" in ops

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     import numpy as np
     from tvm.tirx import PrimFunc
 
-__all__ = ["bench_kernel", "kernel_timer", "repeated_workload", "DTYPES"]
+__all__ = ["bench_kernel", "build_kernel", "kernel_timer", "repeated_workload", "DTYPES"]
 
 #: CLI dtype -> (dtype of A, accumulator, layout).
 DTYPES: dict[str, tuple[str, str, str]] = {
@@ -133,16 +133,13 @@ def _operands(shape: BrgemmShape) -> list[np.ndarray]:
             np.zeros((shape.m, shape.n), "int32")]
 
 
-def kernel_timer(shape: BrgemmShape, impl: Callable[[BrgemmShape], PrimFunc] | None = None
-                 ) -> Callable[[], float]:
-    """Compile ``shape``'s kernel (or ``impl``) into a repeated workload; return a function that
-    runs it once and gives its GFLOPS (GOPS)."""
+def build_kernel(shape: BrgemmShape, impl: Callable[[BrgemmShape], PrimFunc] | None = None
+                 ) -> tuple[Any, int]:
+    """Compile ``shape``'s kernel (or ``impl``) into a repeated workload for ``shape.isa``
+    (on any host: nothing runs); return the executable and its repetitions per run."""
     import tvm
     from tvm import s_tir
 
-    target_isa = _isa.from_name(shape.isa)
-    if not runs_here(target_isa):  # for AMX: asks Linux for the tile state first
-        raise ValueError(f"this process cannot run {shape.isa} code")
     if impl is None:
         name = dispatch(shape)
     else:
@@ -152,7 +149,18 @@ def kernel_timer(shape: BrgemmShape, impl: Callable[[BrgemmShape], PrimFunc] | N
     reps = max(1, int(_FLOPS_PER_CALL // shape.flops))
     sch = s_tir.Schedule(repeated_workload(shape, reps))
     sch.tensorize(sch.get_loops(sch.get_sblock("brgemm"))[1], name)
-    ex = tvm.compile(sch.mod, target=llvm_target(target_isa))
+    return tvm.compile(sch.mod, target=llvm_target(_isa.from_name(shape.isa))), reps
+
+
+def kernel_timer(shape: BrgemmShape, impl: Callable[[BrgemmShape], PrimFunc] | None = None
+                 ) -> Callable[[], float]:
+    """Compile ``shape``'s kernel (or ``impl``) into a repeated workload; return a function that
+    runs it once and gives its GFLOPS (GOPS)."""
+    import tvm
+
+    if not runs_here(_isa.from_name(shape.isa)):  # for AMX: asks Linux for the tile state
+        raise ValueError(f"this process cannot run {shape.isa} code")
+    ex, reps = build_kernel(shape, impl)
     args = [tvm.runtime.tensor(x) for x in _operands(shape)]
     timer = tvm_timer(ex.mod, "main", args)
     return lambda: shape.flops * reps / min(timer(1, 1, True)) / 1e9
