@@ -122,12 +122,13 @@ class CompiledModel:
         # Every run and time (of a compiled or loaded model) comes here first: for an AMX
         # build, runs_on_host asks Linux for the tile state (once per process) and says no
         # where it is refused, so no tile instruction runs without it (it would be SIGILL).
-        if not self.runnable:
-            raise NotRunnableError(
-                f"code for {self.target.attrs.get('model') or self.target} cannot run on this "
-                "CPU; export it or inspect it with `tvm-tpp compile --emit asm`"
-            )
+        # A granted permission lasts for the process, so the first call checks for all.
         if self._vm is None:
+            if not self.runnable:
+                raise NotRunnableError(
+                    f"code for {self.target.attrs.get('model') or self.target} cannot run on "
+                    "this CPU; export it or inspect it with `tvm-tpp compile --emit asm`"
+                )
             self._vm = relax.VirtualMachine(self.executable, tvm.cpu())
         return self._vm
 
