@@ -192,11 +192,21 @@ def _contrib_quantize_dequantize(rng, zero):
     model.graph.node.insert(0, nodes[0])
     return model
 
+
+def _qlinear_softmax(rng, zero):
+    inputs = {"x": _quantized(rng, (3, 11), "uint8")}
+    consts = {"sx": _scale(rng, base=0.03), "zx": _zero_point(rng, "uint8", None, zero),
+              "sy": np.float32(1 / 256), "zy": np.array(0, "uint8")}
+    node = helper.make_node("QLinearSoftmax", ["x", "sx", "zx", "sy", "zy"], ["y"],
+                            name="qsoftmax", domain=MS, axis=-1, opset=13)
+    return _one_node(node, inputs, consts, ("uint8", (3, 11)))
+
 _CASES = {
     "QLinearMatMul": _qlinear_matmul,
     "QLinearConv": _qlinear_conv,
     "QGemm": _qgemm,
     "QLinearAdd": _qlinear_add,
+    "QLinearSoftmax": _qlinear_softmax,
     "MatMulInteger": _matmul_integer,
     "ConvInteger": _conv_integer,
     "MatMulIntegerToFloat": _matmul_integer_to_float,
@@ -268,14 +278,28 @@ def test_per_channel_below_opset_13_is_converted():
     _compare(run_onnxruntime(rewritten, inputs)[0], run_onnxruntime(model, inputs)[0])
 
 
+
+def test_unnamed_node_in_opset_9_model():
+    # A com.microsoft QLinearAdd needs no default opset, its QDQ form 10 (13 for per-channel
+    # scales, which to_qdq always provides); an unnamed node stays unnamed, its helpers are
+    # named after its output.
+    model = _qlinear_add(np.random.default_rng(4), 0)
+    model.graph.node[0].name = ""
+    model.opset_import[0].version = 9
+    rewritten = to_qdq(model)
+    assert max(o.version for o in rewritten.opset_import if o.domain == "") == 13
+    assert [n.name for n in rewritten.graph.node] == ["y/dq_a", "y/dq_b", "y/float", ""]
+    inputs = _inputs(model, seed=0)
+    _compare(run_onnxruntime(rewritten, inputs)[0], run_onnxruntime(model, inputs)[0])
+
 def test_unsupported_quantized_op_names_it():
     rng = np.random.default_rng(0)
-    node = helper.make_node("QLinearSoftmax", ["x", "sx", "zx", "sy", "zy"], ["y"], name="soft",
-                            domain=MS, axis=-1, opset=13)
+    node = helper.make_node("QLinearReduceMean", ["x", "sx", "zx", "sy", "zy"], ["y"],
+                            name="mean", domain=MS, axes=[1], keepdims=1)
     model = _one_node(node, {"x": _quantized(rng, (2, 5), "uint8")},
                       {"sx": np.float32(0.1), "zx": np.array(128, "uint8"),
-                       "sy": np.float32(1 / 256), "zy": np.array(0, "uint8")}, ("uint8", (2, 5)))
-    with pytest.raises(ModelError, match="QLinearSoftmax"):
+                       "sy": np.float32(0.1), "zy": np.array(128, "uint8")}, ("uint8", (2, 1)))
+    with pytest.raises(ModelError, match="QLinearReduceMean"):
         tvm_tpp.compile(model, target="tpp")
 
 
@@ -359,7 +383,11 @@ def _output_steps(model: onnx.ModelProto) -> list[float | None]:
     return steps
 
 
-def _check_network(model: onnx.ModelProto, how: str, tmp_path, expect_ops: set[str]) -> None:
+def _check_network(model: onnx.ModelProto, how: str, tmp_path, expect_ops: set[str],
+                   float_rtol: float = 1e-2) -> None:
+    """Build ONNX Runtime's ``how`` quantization of ``model`` and compare on seeded inputs: a
+    quantized output within one step, a float one within ``float_rtol`` normwise with at most
+    1 % of its values off by more than 1e-3 of its range."""
     path = _quantize(model, how, tmp_path)
     quantized = onnx.load(path)
     ops = {n.op_type for n in quantized.graph.node}
@@ -371,7 +399,8 @@ def _check_network(model: onnx.ModelProto, how: str, tmp_path, expect_ops: set[s
         for g, w, step in zip(got, want, _output_steps(quantized), strict=True):
             assert np.std(w) > 0, "degenerate case: constant output"
             if step is None:
-                assert max_errors([g], [w])[1] <= 1e-2
+                assert max_errors([g], [w])[1] <= float_rtol
+                assert np.mean(np.abs(g - w) > 1e-3 * np.max(np.abs(w))) <= 0.01
             else:
                 # One step, plus float32 rounding of the dequantized values themselves.
                 assert np.max(np.abs(g - w)) <= step * (1 + 1e-5)
@@ -403,8 +432,12 @@ def test_quantized_network_matches_onnxruntime(name, how, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["QOperator", "dynamic"])
 def test_quantized_bert_matches_onnxruntime(how, tmp_path):
-    _check_network(models.load("bert"), how, tmp_path, {"DynamicQuantizeLinear"}
-                   if how == "dynamic" else {"QLinearMatMul"})
+    expect = {"DynamicQuantizeLinear"} if how == "dynamic" else {"QLinearMatMul", "QLinearSoftmax"}
+    # BERT's output is LayerNorm of a dequantized sum: where float rounding moves an intermediate
+    # quantized value across a rounding boundary (0.3-0.6 % of the outputs), the normalisation
+    # makes that step 1-2 % of the output's range.  ONNX Runtime differs from itself as much
+    # (1.0-1.4 %) between this model and its QDQ form, measured 2026-11-25.
+    _check_network(models.load("bert"), how, tmp_path, expect, float_rtol=3e-2)
 
 
 def test_rewrite_keeps_names_and_passes_the_checker(tmp_path):

@@ -56,8 +56,8 @@ from .errors import ModelError
 __all__ = ["to_qdq"]
 
 _MS = "com.microsoft"
-# Per-axis DequantizeLinear (a 1-D scale with an ``axis``) exists from opset 13 on.
-_PER_AXIS_OPSET = 13
+# Per-axis QuantizeLinear/DequantizeLinear (a 1-D scale with an ``axis``) exist from opset 13 on.
+_QDQ_OPSET = 13
 # Quantized operators are recognised by name, so that one we do not rewrite is refused here with
 # its name instead of reaching TVM; the three below are the QDQ vocabulary the frontend has.
 _QUANTIZED_PREFIXES = ("QLinear", "QGemm", "QAttention", "QOrdered", "QEmbed", "DynamicQuantize")
@@ -76,8 +76,9 @@ def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     -------
     onnx.ModelProto
         ``model`` itself when nothing needs rewriting, else a copy that passes
-        ``onnx.checker.check_model`` (the default opset raised to 13 by ONNX's version converter
-        when a per-channel scale needs a per-axis ``DequantizeLinear``).
+        ``onnx.checker.check_model``; a default opset below 13 (which per-channel scales need
+        for a per-axis ``DequantizeLinear``) is first raised to 13 by ONNX's version converter.
+        Nodes inside control-flow bodies (If, Loop) are not rewritten.
 
     Raises
     ------
@@ -92,26 +93,27 @@ def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     >>> to_qdq(float_model) is float_model
     True
     """
-    graph = model.graph
-    if not any(_needs_rewrite(node) for node in graph.node):
+    if not any(_needs_rewrite(node) for node in model.graph.node):
         return model
+    if _default_opset(model) < _QDQ_OPSET:
+        # Converted before the rewrite: the converter has no adapter for a DequantizeLinear
+        # in a model older than the operator.
+        try:
+            model = onnx.version_converter.convert_version(model, _QDQ_OPSET)
+        except Exception as err:  # the converter raises bare RuntimeErrors from C++
+            raise ModelError(
+                f"the QDQ form needs opset {_QDQ_OPSET}; converting the model from opset "
+                f"{_default_opset(model)} failed: {err}"
+            ) from None
     rewriter = _Rewriter(model)
     nodes = []
-    for node in graph.node:
+    for node in model.graph.node:
         nodes.extend(rewriter.rewrite(node) if _needs_rewrite(node) else [node])
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     out.graph.initializer.extend(rewriter.new_initializers)
-    if rewriter.per_axis and _default_opset(out) < _PER_AXIS_OPSET:
-        try:
-            out = onnx.version_converter.convert_version(out, _PER_AXIS_OPSET)
-        except Exception as err:  # the converter raises bare RuntimeErrors from C++
-            raise ModelError(
-                f"per-channel quantization needs opset {_PER_AXIS_OPSET}; converting the model "
-                f"from opset {_default_opset(out)} failed: {err}"
-            ) from None
     onnx.checker.check_model(out)
     return out
 
@@ -147,7 +149,6 @@ class _Rewriter:
         self.used = {name for node in model.graph.node for name in [*node.input, *node.output]}
         self.used |= {node.name for node in model.graph.node} | set(self.constants)
         self.new_initializers: list[onnx.TensorProto] = []
-        self.per_axis = False
         self.emitted: list[onnx.NodeProto] = []
         self.node = onnx.NodeProto()
 
@@ -180,7 +181,8 @@ class _Rewriter:
     # -- emitting ------------------------------------------------------------------------------
 
     def fresh(self, role: str) -> str:
-        base = f"{self.node.name}/{role}"
+        """An unused name for a helper node or value: ``<node name or first output>/<role>``."""
+        base = f"{self.node.name or self.node.output[0]}/{role}"
         name, i = base, 1
         while name in self.used:
             name, i = f"{base}_{i}", i + 1
@@ -206,10 +208,7 @@ class _Rewriter:
         shape = self.shape(scale)
         if shape is None:
             self.fail(f"the shape of scale/zero point {scale!r} is unknown")
-        if int(np.prod(shape)) <= 1:
-            return {}
-        self.per_axis = True
-        return {"axis": axis}
+        return {"axis": axis} if int(np.prod(shape)) > 1 else {}
 
     def dq(self, x: str, scale: str, zero_point: str, role: str, axis: int = 1,
            output: str | None = None) -> str:
@@ -247,10 +246,7 @@ class _Rewriter:
     # -- the rewrites --------------------------------------------------------------------------
 
     def rewrite(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-        self.node = onnx.NodeProto()
-        self.node.CopyFrom(node)
-        if not node.name:
-            self.node.name = self.fresh(node.output[0])
+        self.node = node
         self.emitted = []
         rule = _RULES.get(node.op_type)
         if rule is None:
@@ -296,6 +292,18 @@ def _qlinear_unary(float_op: str, keep: Sequence[str] = (),
 
     return rule
 
+
+
+def _qlinear_softmax(r: _Rewriter, i: list[str], attrs: dict) -> None:
+    """QLinearSoftmax(X, sx, zx, sy, zy) with Softmax's ``axis``; its ``opset`` attribute says
+    whose Softmax: before 13 it normalised over all dimensions from ``axis`` on, which is the
+    opset-13 Softmax only for the last axis."""
+    axis = int(attrs.get("axis", -1 if attrs.get("opset", 13) >= 13 else 1))
+    rank = len(r.shape(i[0]) or ())
+    if attrs.get("opset", 13) < 13 and axis not in (-1, rank - 1):
+        r.fail(f"the Softmax of opset {attrs['opset']} on axis {axis} is not supported")
+    x = r.dq(i[0], i[1], i[2], "dq_x")
+    r.q(r.emit("Softmax", [x], "float", axis=axis), i[3], i[4], like=i[0])
 
 def _qlinear_matmul(r: _Rewriter, i: list[str], attrs: dict) -> None:
     a = r.dq(i[0], i[1], i[2], "dq_a", axis=-2)
@@ -385,7 +393,6 @@ def _contrib_qdq(float_op: str) -> Callable[[_Rewriter, list[str], dict], None]:
     def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
         if i[2] and r.elem_type(i[2]) not in (TensorProto.UINT8, TensorProto.INT8):
             r.fail("only 8-bit (u)int types have a standard-domain equivalent")
-        r.per_axis |= "axis" in attrs
         r.emit(float_op, [n for n in i[:3] if n], "", r.node.output[0], **attrs)
 
     return rule
@@ -404,6 +411,7 @@ _RULES: dict[str, Callable[[_Rewriter, list[str], dict], None]] = {
     "QLinearSigmoid": _qlinear_unary("Sigmoid"),
     "QLinearLeakyRelu": _qlinear_unary("LeakyRelu", keep=("alpha",), defaults={"alpha": 0.01}),
     "QLinearConcat": _qlinear_concat,
+    "QLinearSoftmax": _qlinear_softmax,
     "MatMulInteger": _integer_op("MatMul", a_axis=-2, b_axis=-1),
     "ConvInteger": _integer_op("Conv", a_axis=1, b_axis=0),
     "MatMulIntegerToFloat": _matmul_integer_to_float,
