@@ -61,8 +61,8 @@ _OPS: dict[str, tuple[int, str]] = {
     "bfloat16": (2, "tdpbf16ps"),
 }
 
-#: One core's AMX peak by dtype of A: multiply-adds are 2 ops (Sapphire Rapids: 1024 bf16 and
-#: 2048 int8 ops per cycle), what ``bench-kernel --isa amx`` reports its fraction of.
+#: One core's AMX peak in ops per cycle (a multiply-add is 2 ops) by dtype of A, Sapphire
+#: Rapids' figures; ``bench-kernel --isa amx`` reports the fraction of it a kernel reaches.
 OPS_PER_CYCLE: dict[str, int] = {"uint8": 2048, "int8": 2048, "bfloat16": 1024}
 
 #: Functions an AMX emulator must export for :func:`impl_func` with ``emulate=True``.

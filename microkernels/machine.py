@@ -24,6 +24,7 @@ True
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,15 +84,22 @@ class Machine:
         return f"{self.isa.name}/{self.mcpu}/{self.threads}t"
 
 
+@functools.cache
+def _cpu() -> tuple[_isa.Isa, frozenset[str]]:
+    # This CPU's richest ISA and its flags: /proc/cpuinfo does not change, and reading it
+    # is slow on many-core hosts, while runs_here is asked before every model's first run.
+    return _isa.detect(), _isa.host_flags()
+
+
 def amx_refused() -> bool:
     """Whether this CPU has AMX tiles but Linux refused this process their state."""
-    return "amx_tile" in _isa.host_flags() and not _amx.tiles_usable()
+    return "amx_tile" in _cpu()[1] and not _amx.tiles_usable()
 
 
 def host_isa() -> _isa.Isa:
     """The richest ISA this process may run: the CPU's (:func:`microkernels.isa.detect`), one
     step down (AVX-512 BF16) when it is AMX and the tile permission is refused."""
-    chosen = _isa.detect()
+    chosen = _cpu()[0]
     while chosen.has("amx_tile") and not _amx.tiles_usable() and chosen.parent is not None:
         chosen = _isa.KNOWN[chosen.parent]
     return chosen
@@ -113,7 +121,7 @@ def host_isa_text() -> str:
 def runs_here(isa: _isa.Isa) -> bool:
     """Whether this process may execute ``isa``'s code: the CPU has its flags and, for AMX,
     the tile permission was granted (asked here, once, if not yet)."""
-    return isa.runs_on(_isa.host_flags()) and (not isa.has("amx_tile") or _amx.tiles_usable())
+    return isa.runs_on(_cpu()[1]) and (not isa.has("amx_tile") or _amx.tiles_usable())
 
 
 def host(threads: int | None = None) -> Machine:

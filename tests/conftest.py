@@ -52,9 +52,13 @@ def amx_tile_permission():
 def fake_amx_host(monkeypatch):
     """``fake_amx_host(granted, flags=AMX's)`` fakes an AMX host whose tile permission Linux
     grants or refuses; returns the list of permission requests made."""
-    from microkernels import amx, isa
+    from microkernels import amx, isa, machine
 
     real_flags = isa.host_flags
+
+    def forget() -> None:  # the per-process caches of what the CPU and Linux said
+        amx.tiles_usable.cache_clear()
+        machine._cpu.cache_clear()
 
     def fake(granted: bool, flags: frozenset[str] = isa.from_name("amx").requires):
         asked: list[bool] = []
@@ -66,8 +70,8 @@ def fake_amx_host(monkeypatch):
         monkeypatch.setattr(isa, "host_flags",
                             lambda cpuinfo=None: flags if cpuinfo is None else real_flags(cpuinfo))
         monkeypatch.setattr(amx, "request_permission", request)
-        amx.tiles_usable.cache_clear()
+        forget()
         return asked
 
     yield fake
-    amx.tiles_usable.cache_clear()  # the next call asks the real host again
+    forget()  # the next call asks the real host again

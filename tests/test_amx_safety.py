@@ -3,7 +3,7 @@ has no tiles) no AMX ISA is picked, dispatched or run, and the host description 
 
 This Zen 4 has no AMX, so the AMX host is faked (``fake_amx_host`` in conftest.py): its CPU
 flags (``isa.host_flags``) and Linux's answer (``amx.request_permission``) are monkeypatched,
-and ``tiles_usable``'s per-process cache is cleared around each test.
+and the per-process caches (``tiles_usable``, the CPU flags) are cleared around each test.
 """
 
 import numpy as np
