@@ -6,10 +6,16 @@ group): uint8 exactly, in int32 and through dequantizing and requantizing epilog
 within the accuracy of its inputs.
 ISAs this host cannot run are checked by the instructions in their assembly: AMX tiles for
 tile-shaped blocks (and the AVX-512 fallback for others), ``vpdpbusd`` for AVX512-VNNI; AVX2's
-exact emulation of u8 x s8 runs here.
+exact emulation of u8 x s8 runs here.  The AMX GEMMs also run here, their tile program calling
+the C emulator of tests/amx (as in test_brgemm_amx.py) instead of the tile instructions.
 """
 
+import ctypes
 import re
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -18,11 +24,11 @@ import tvm
 
 import tvm_tpp
 from microkernels import amx, isa
-from microkernels.brgemm import BrgemmShape, find_impl
+from microkernels.brgemm import BrgemmShape, desc_func, dispatch, find_impl
 from microkernels.epilogue import Epilogue, EpilogueOp, reference
 from microkernels.machine import Machine
 from microkernels.pack import Packing
-from schedules import search
+from schedules import gemm, search
 from schedules.database import Database, TuningKey
 from schedules.gemm import (
     GemmConfig,
@@ -33,6 +39,7 @@ from schedules.gemm import (
     schedule,
 )
 from schedules.ops import OPS
+from schedules.space import Candidate
 
 HOST = isa.host_flags()
 MCPU = {"avx2": "haswell", "avx512": "skylake-avx512", "avx512_vnni": "cascadelake",
@@ -262,6 +269,10 @@ def test_amx_default_uses_whole_tile_rows():
     assert (cfg.bm, cfg.bn, cfg.bk % 64) == (32, 32, 0)
     cfg = default_config(GemmProblem(128, 768, 768, "bfloat16"), _machine("amx"))
     assert (cfg.bm, cfg.bn, cfg.bk % 32) == (32, 32, 0)
+    # A K too long for L2 packs A (int8) except in bf16, whose tiles read X in place.
+    long_k = (256, 1024, 32768)
+    assert default_config(GemmProblem(*long_k, "uint8"), _machine("amx")).pack_a == 1
+    assert default_config(GemmProblem(*long_k, "bfloat16"), _machine("amx")).pack_a is None
 
 
 def test_pack_weight_layouts():
@@ -342,6 +353,8 @@ def test_amx_asm(dtype, multiply):
     ops = _ops(_asm(problem, wide, "amx"))
     assert multiply not in ops and "ldtilecfg" not in ops
     assert ("vpdpbusd" if dtype == "uint8" else "vdpbf16ps") in ops
+    packed = _ops(_asm(problem, replace(config, pack_a=0), "amx"))
+    assert (multiply in packed) is (dtype == "uint8")  # bf16 tiles cannot read the copy
 
 
 def test_avx512_vnni_asm():
@@ -355,3 +368,63 @@ def test_avx2_asm_is_exact_emulation():
     problem = GemmProblem(37, 48, 68, "uint8")
     asm = _asm(problem, default_config(problem, _machine("avx2")), "avx2")
     assert "vpmaddwd" in _ops(asm) and not re.search(r"vpdpbusd|vpmaddubsw|zmm", asm)
+
+
+# --------------------------------------------------------------- AMX tile program, emulated
+
+
+@pytest.fixture(scope="module")
+def amx_emulator(tmp_path_factory):
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no host C compiler to build the AMX emulator")
+    lib = tmp_path_factory.mktemp("amx") / "amx_emu.so"
+    source = Path(__file__).parent / "amx" / "amx_emu.c"
+    subprocess.run([compiler, "-O2", "-ffp-contract=off", "-shared", "-fPIC", str(source),
+                    "-o", str(lib)], check=True)
+    emu = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the LLVM JIT resolves from here
+    for name in ("faults", "configs", "releases"):
+        getattr(emu, f"tpp_amx_emu_{name}").restype = ctypes.c_int64
+    return emu
+
+
+def _emulated_dispatch(shape: BrgemmShape) -> str:
+    """:func:`~microkernels.brgemm.dispatch`, with AMX kernels calling the emulator."""
+    if find_impl(shape)[0] != "amx":
+        return dispatch(shape)
+    name = shape.name + "_emulated"
+    if tvm.s_tir.TensorIntrin.get(name, allow_missing=True) is None:
+        tvm.s_tir.TensorIntrin.register(name, desc_func(shape),
+                                        amx.impl_func(shape, emulate=True))
+    return name
+
+
+@pytest.mark.parametrize("dtype, m, n, k, epilogue, pack_a", [
+    ("uint8", 37, 48, 66, DEQUANT, None),     # row tails, K padded to 68
+    ("uint8", 64, 64, 256, REQUANT, 1),       # whole tiles, 4 K steps per call, A packed
+    ("bfloat16", 1, 48, 68, Epilogue(), None),
+    ("bfloat16", 40, 32, 96, Epilogue(), None),
+    # A is a copy (odd K padded; packed): the AVX-512 kernel runs, TVM stores the copy as fp32
+    pytest.param("bfloat16", 1, 48, 67, Epilogue(), None, marks=_needs("avx512_bf16")),
+    pytest.param("bfloat16", 40, 32, 96, Epilogue(), 1, marks=_needs("avx512_bf16")),
+])
+def test_amx_gemm_emulated(amx_emulator, monkeypatch, dtype, m, n, k, epilogue, pack_a):
+    """The template's AMX GEMM (default blocks) runs its tile program under the emulator with
+    the operands, strides and C blocks the schedule gives it, and matches numpy.  The
+    emulator's tile registers are one global state, not one per thread: the loops run serial.
+    """
+    problem = GemmProblem(m, n, k, dtype, epilogue)
+    default = default_config(problem, _machine("amx"))
+    c = default.candidate
+    serial = Candidate(c.spec.lower(), c.block_steps, c.steps)
+    config = replace(default.with_candidate(serial), pack_a=pack_a)
+    tiles = not (dtype == "bfloat16" and (pack_a is not None or problem.padded_k != k))
+    monkeypatch.setattr(gemm, "dispatch", _emulated_dispatch)
+    # The emulated program needs no vector ISA; the AVX-512 fallback needs this host's.
+    monkeypatch.setitem(MCPU, "amx", "znver4" if _runs_here("avx512_bf16") else "haswell")
+    amx_emulator.tpp_amx_emu_reset()
+    _check(problem, config, "amx")
+    assert amx_emulator.tpp_amx_emu_faults() == 0
+    calls = (m // config.bm) * (n // config.bn) * (problem.padded_k // config.bk // config.k_step)
+    assert amx_emulator.tpp_amx_emu_configs() == (calls if tiles else 0)
+    assert amx_emulator.tpp_amx_emu_releases() == amx_emulator.tpp_amx_emu_configs()

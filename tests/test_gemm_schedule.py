@@ -115,7 +115,7 @@ def test_blocks_must_tile():
         schedule(GemmProblem(64, 128, 96), GemmConfig.of("bCa", 7, 32, 24))
     with pytest.raises(ValueError, match="k_step=3 does not divide"):
         schedule(GemmProblem(64, 128, 96), GemmConfig.of("bCa", 8, 32, 24, k_step=3))
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="handles float32, bfloat16, uint8, got 'int8'"):
         GemmProblem(4, 4, 4, dtype="int8")
 
 
