@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -81,9 +82,11 @@ def _assert_within_one_step(got: np.ndarray, want: np.ndarray) -> None:
 
 
 def _fit_uint8(real: np.ndarray) -> dict[str, np.ndarray]:
-    """Output scale and zero point covering ``real`` (a sample output), as calibration would."""
-    scale = np.float32((real.max() - real.min()) / 255)
-    return {"sy": scale, "zy": np.array(np.clip(np.round(-real.min() / scale), 0, 255), "uint8")}
+    """Output scale and zero point covering ``real`` (a sample output) and 0, as calibration
+    would."""
+    low, high = min(real.min(), 0.0), max(real.max(), 0.0)
+    scale = np.float32((high - low) / 255)
+    return {"sy": scale, "zy": np.array(np.round(-low / scale), "uint8")}
 
 
 def _qlinear_matmul(rng, zero):
@@ -201,12 +204,62 @@ def _qlinear_softmax(rng, zero):
                             name="qsoftmax", domain=MS, axis=-1, opset=13)
     return _one_node(node, inputs, consts, ("uint8", (3, 11)))
 
+
+def _qlinear_mul(rng, zero):
+    inputs = {"a": _quantized(rng, (3, 5, 7), "uint8"), "b": _quantized(rng, (5, 1), "uint8")}
+    consts = {"sa": _scale(rng), "za": _zero_point(rng, "uint8", None, zero),
+              "sb": _scale(rng), "zb": _zero_point(rng, "uint8", None, None),
+              "sc": np.float32(0.1), "zc": np.array(128, "uint8")}
+    node = helper.make_node("QLinearMul", ["a", "sa", "za", "b", "sb", "zb", "sc", "zc"], ["y"],
+                            name="qmul", domain=MS)
+    return _one_node(node, inputs, consts, ("uint8", (3, 5, 7)))
+
+
+def _unary(op: str, shape: tuple[int, ...], out_shape: tuple[int, ...],
+           real: Callable[[np.ndarray], np.ndarray], **attrs):
+    """QLinear<op>(X, sx, zx, sy, zy) on uint8 ``shape``; ``real`` (about) maps the dequantized
+    input to the real output, for the output's scale and zero point."""
+
+    def build(rng, zero):
+        inputs = {"x": _quantized(rng, shape, "uint8")}
+        consts = {"sx": _scale(rng), "zx": _zero_point(rng, "uint8", None, zero)}
+        x = (inputs["x"] - consts["zx"].astype(float)) * consts["sx"]
+        node = helper.make_node(op, ["x", "sx", "zx", "sy", "zy"], ["y"], name=op.lower(),
+                                domain=MS, **attrs)
+        return _one_node(node, inputs, consts | _fit_uint8(real(x)), ("uint8", out_shape))
+
+    return build
+
+
+def _window_means(x: np.ndarray) -> np.ndarray:
+    return np.lib.stride_tricks.sliding_window_view(x, (3, 3), axis=(2, 3)).mean(axis=(-2, -1))
+
+
+def _qlinear_concat(rng, zero):
+    inputs = {"a": _quantized(rng, (1, 3, 5), "uint8"), "b": _quantized(rng, (1, 4, 5), "uint8")}
+    consts = {"sy": np.float32(0.06), "zy": np.array(128, "uint8"),
+              "sa": _scale(rng), "za": _zero_point(rng, "uint8", None, zero),
+              "sb": _scale(rng), "zb": _zero_point(rng, "uint8", None, None)}
+    node = helper.make_node("QLinearConcat", ["sy", "zy", "a", "sa", "za", "b", "sb", "zb"],
+                            ["y"], name="qconcat", domain=MS, axis=1)
+    return _one_node(node, inputs, consts, ("uint8", (1, 7, 5)))
+
 _CASES = {
     "QLinearMatMul": _qlinear_matmul,
     "QLinearConv": _qlinear_conv,
     "QGemm": _qgemm,
     "QLinearAdd": _qlinear_add,
     "QLinearSoftmax": _qlinear_softmax,
+    "QLinearMul": _qlinear_mul,
+    "QLinearConcat": _qlinear_concat,
+    "QLinearSigmoid": _unary("QLinearSigmoid", (3, 17), (3, 17), lambda x: 1 / (1 + np.exp(-x))),
+    "QLinearLeakyRelu": _unary("QLinearLeakyRelu", (3, 17), (3, 17),
+                               lambda x: np.where(x > 0, x, 0.2 * x), alpha=0.2),
+    "QLinearGlobalAveragePool": _unary("QLinearGlobalAveragePool", (1, 32, 3, 5), (1, 32, 1, 1),
+                                       lambda x: x.mean(axis=(2, 3))),
+    "QLinearAveragePool": _unary("QLinearAveragePool", (1, 2, 7, 9), (1, 2, 4, 4), _window_means,
+                                 kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 0],
+                                 count_include_pad=0),
     "MatMulInteger": _matmul_integer,
     "ConvInteger": _conv_integer,
     "MatMulIntegerToFloat": _matmul_integer_to_float,
@@ -268,6 +321,17 @@ def test_qgemm_with_float_output():
     inputs = _inputs(model, seed=0)
     _compare(compiled.run(**inputs)[0], run_onnxruntime(model, inputs)[0])
 
+
+
+def test_computed_scales_multiply_in_the_graph():
+    # A scale that is not an initializer: the bias scale sx * sw becomes a Mul node.
+    model = _qlinear_conv(np.random.default_rng(5), 0)
+    model.graph.node.insert(0, helper.make_node("Identity", ["sx"], ["sx_computed"], name="id"))
+    model.graph.node[1].input[1] = "sx_computed"
+    rewritten = to_qdq(model)
+    assert "Mul" in {n.op_type for n in rewritten.graph.node}
+    inputs = _inputs(model, seed=0)
+    _compare(run_onnxruntime(rewritten, inputs)[0], run_onnxruntime(model, inputs)[0])
 
 def test_per_channel_below_opset_13_is_converted():
     # QLinearConv exists from opset 10; its per-channel scale needs a per-axis DequantizeLinear.

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import numpy as np
 import onnx
@@ -167,6 +168,7 @@ class _Rewriter:
         return tuple(d.dim_value for d in dims)
 
     def elem_type(self, name: str) -> int:
+        """The ``TensorProto`` element type of a value."""
         if name in self.constants:
             return helper.np_dtype_to_tensor_dtype(self.constants[name].dtype)
         tensor = self.types.get(name)
@@ -174,7 +176,8 @@ class _Rewriter:
             self.fail(f"the element type of {name!r} is unknown")
         return tensor.elem_type
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str) -> NoReturn:
+        """Refuse the node being rewritten, saying why."""
         node = self.node
         raise ModelError(f"quantized operator {node.op_type} ({node.name!r}): {why}")
 
@@ -210,11 +213,10 @@ class _Rewriter:
             self.fail(f"the shape of scale/zero point {scale!r} is unknown")
         return {"axis": axis} if int(np.prod(shape)) > 1 else {}
 
-    def dq(self, x: str, scale: str, zero_point: str, role: str, axis: int = 1,
-           output: str | None = None) -> str:
+    def dq(self, x: str, scale: str, zero_point: str, role: str, axis: int = 1) -> str:
+        """A helper DequantizeLinear; ``axis`` is where a per-channel scale's channels are."""
         inputs = [x, scale] + ([zero_point] if zero_point else [])
-        return self.emit("DequantizeLinear", inputs, role, output,
-                         **self.axis_attrs(scale, axis))
+        return self.emit("DequantizeLinear", inputs, role, **self.axis_attrs(scale, axis))
 
     def q(self, y: str, scale: str, zero_point: str, like: str) -> str:
         """Quantize ``y`` into the node's first output; a missing zero point is 0 of ``like``'s
@@ -231,9 +233,16 @@ class _Rewriter:
             values = [self.constants[n] for n in names]
             value = np.float32(factor) * functools.reduce(np.multiply, values)
             return self.constant(np.asarray(value, dtype=np.float32), role)
+        shapes = [self.shape(n) for n in names]
+        if any(shape is None for shape in shapes):
+            self.fail(f"the shapes of the scales {list(names)} are unknown")
         result = names[0]
         for name in [*names[1:], self.constant(np.array(factor, np.float32), f"{role}_factor")]:
             result = self.emit("Mul", [result, name], role)
+        # Recorded for axis_attrs: shape inference ran before these values existed.
+        product_type = helper.make_tensor_type_proto(TensorProto.FLOAT,
+                                                     np.broadcast_shapes(*shapes))
+        self.types[result] = product_type.tensor_type
         return result
 
     def unit_scale(self, zero_point: str, role: str) -> str:
@@ -291,7 +300,6 @@ def _qlinear_unary(float_op: str, keep: Sequence[str] = (),
         r.q(r.emit(float_op, [x], "float", **kept), i[3], i[4], like=i[0])
 
     return rule
-
 
 
 def _qlinear_softmax(r: _Rewriter, i: list[str], attrs: dict) -> None:
