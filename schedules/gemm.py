@@ -92,6 +92,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from microkernels import amx as _amx
 from microkernels import isa as _isa
 from microkernels.brgemm import DTYPES, LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
@@ -524,22 +525,41 @@ def default_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     if whole.k_step > 1 and problem.m > GEMV_ROWS and not tiles_need_x and \
             problem.padded_k * whole.bn * problem.element_bytes > machine.caches.l2 // 2:
         return long_k_config(problem.m, whole.bn, whole.bk, machine.threads,
-                             max_bm=_max_bm(problem, machine))
+                             max_bm=_max_bm(problem, machine, whole.bn))
     return whole
-
-
-#: AMX tiles: C blocks of up to 32 x 32 fit the eight tile registers with their A and B
-#: tiles (:func:`microkernels.amx.plan`), and one tile row holds 64 bytes of K.
-_AMX_BLOCK = 32
-_AMX_TILE_BYTES = 64
 
 
 def _uses_tiles(problem: GemmProblem, machine: Machine) -> bool:
     return problem.dtype != "float32" and machine.isa.has("amx_tile")
 
 
-def _max_bm(problem: GemmProblem, machine: Machine) -> int:
-    return _AMX_BLOCK if _uses_tiles(problem, machine) else 256
+def _tile_rows(bn: int) -> int:
+    """The most rows of a C block ``bn`` columns wide whose C, A and B tiles fit the tile
+    registers (:func:`microkernels.amx.plan`): 48 for 16 columns, 32 for 32, 16 for 48;
+    0 for wider blocks.
+
+    >>> [_tile_rows(bn) for bn in (16, 24, 48, 64)]
+    [48, 32, 16, 0]
+    """
+    cols = -(-bn // _amx.TILE_ROWS)  # column tiles are 16 wide, as row tiles are 16 high
+    row_tiles = (_amx.NUM_TILES - cols) // (cols + 1)  # rows*cols + rows + cols tiles
+    return max(row_tiles, 0) * _amx.TILE_ROWS
+
+
+def _max_bm(problem: GemmProblem, machine: Machine, bn: int) -> int:
+    return _tile_rows(bn) if _uses_tiles(problem, machine) else 256
+
+
+def _tile_blocks(m: int, n: int) -> tuple[int, int]:
+    """The tile-shaped ``(bm, bn)`` dividing ``(m, n)`` with the most C per call (the most
+    tile multiplies per A and B tile loaded), preferring whole 16-wide column tiles.
+
+    >>> _tile_blocks(128, 768), _tile_blocks(37, 48), _tile_blocks(1, 4096)
+    ((32, 32), (37, 16), (1, 32))
+    """
+    pairs = [(bm, bn) for bn in divisors(n) if _tile_rows(bn)
+             for bm in divisors(m) if bm <= _tile_rows(bn)]
+    return max(pairs, key=lambda p: (p[0] * p[1], p[1] % 16 == 0, p[1]))
 
 
 def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
@@ -548,9 +568,8 @@ def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     lanes = machine.isa.lanes("float32")  # = int32 lanes: the accumulators' vectors
     if _uses_tiles(problem, machine):
         # Tile-shaped blocks, and K blocks of whole tile rows where K allows.
-        bn = pick_divisor(n, _AMX_BLOCK, 16)
-        bm = pick_divisor(m, _AMX_BLOCK, 16)
-        bk = _k_block(k, problem.alpha, _AMX_TILE_BYTES // problem.element_bytes)
+        bm, bn = _tile_blocks(m, n)
+        bk = _k_block(k, problem.alpha, _amx.TILE_BYTES // problem.element_bytes)
     else:
         if n % lanes == 0:
             bn = pick_divisor(n, max(64, 2 * lanes), 2 * lanes)
@@ -603,7 +622,7 @@ def blockings(problem: GemmProblem, machine: Machine) -> list[GemmConfig]:
         whole = whole_k_config(problem, machine)
         split = GemmConfig(whole.bm, whole.bn, whole.bk, Candidate("BCa"))
         packed = (long_k_config(problem.m, base.bn, base.bk, machine.threads,
-                                max_bm=_max_bm(problem, machine))
+                                max_bm=_max_bm(problem, machine, base.bn))
                   if problem.m > GEMV_ROWS else None)
         out += [c for c in (whole, split, packed) if c is not None and c != base]
     return out
