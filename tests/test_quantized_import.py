@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import (
     CalibrationDataReader,
     QuantFormat,
+    QuantType,
     quantize_dynamic,
     quantize_static,
 )
@@ -424,14 +425,18 @@ class _RandomReader(CalibrationDataReader):
         return next(self._batches, None)
 
 
-def _quantize(model: onnx.ModelProto, how: str, tmp_path) -> str:
+def _quantize(model: onnx.ModelProto, how: str, tmp_path,
+              activations: QuantType = QuantType.QUInt8) -> str:
+    """ONNX Runtime's quantization of ``model``: ``"dynamic"``, or static in format ``how``
+    with per-channel int8 weights and ``activations``."""
     src, dst = tmp_path / "float.onnx", tmp_path / f"{how}.onnx"
     onnx.save(model, str(src))
     if how == "dynamic":
         quantize_dynamic(str(src), str(dst))
     else:
         quantize_static(str(src), str(dst), _RandomReader(model),
-                        quant_format=getattr(QuantFormat, how), per_channel=True)
+                        quant_format=getattr(QuantFormat, how), per_channel=True,
+                        activation_type=activations)
     return str(dst)
 
 
@@ -448,11 +453,11 @@ def _output_steps(model: onnx.ModelProto) -> list[float | None]:
 
 
 def _check_network(model: onnx.ModelProto, how: str, tmp_path, expect_ops: set[str],
-                   float_rtol: float = 1e-2) -> None:
+                   float_rtol: float = 1e-2, activations: QuantType = QuantType.QUInt8) -> None:
     """Build ONNX Runtime's ``how`` quantization of ``model`` and compare on seeded inputs: a
     quantized output within one step, a float one within ``float_rtol`` normwise with at most
     1 % of its values off by more than 1e-3 of its range."""
-    path = _quantize(model, how, tmp_path)
+    path = _quantize(model, how, tmp_path, activations)
     quantized = onnx.load(path)
     ops = {n.op_type for n in quantized.graph.node}
     assert expect_ops <= ops, f"ONNX Runtime's {how} model has {sorted(ops)}"
@@ -492,6 +497,13 @@ def test_quantized_network_matches_onnxruntime(name, how, tmp_path):
     expect = _EXPECTED.get((name, how), {"QuantizeLinear", "DequantizeLinear"})
     _check_network(model, how, tmp_path, expect)
 
+
+
+@pytest.mark.parametrize("how", ["QDQ", "QOperator"])
+def test_int8_activations_match_onnxruntime(how, tmp_path):
+    # Signed activations: zero points anywhere in -128..127 instead of 0..255.
+    expect = {"QLinearConv", "QLinearConcat"} if how == "QOperator" else {"DequantizeLinear"}
+    _check_network(_conv_net(), how, tmp_path, expect, activations=QuantType.QInt8)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["QOperator", "dynamic"])
