@@ -268,6 +268,10 @@ class _Rewriter:
         return self.emitted
 
 
+# A rewrite: (rewriter, the node's inputs with absent optional ones as "", its attributes).
+_Rule = Callable[[_Rewriter, list[str], dict], None]
+
+
 def _padded(node: onnx.NodeProto, length: int = 9) -> list[str]:
     """The node's inputs with absent optional ones as ""."""
     return [*node.input, *[""] * max(0, length - len(node.input))]
@@ -277,7 +281,7 @@ def _attrs(node: onnx.NodeProto) -> dict[str, object]:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _qlinear_binary(float_op: str) -> Callable[[_Rewriter, list[str], dict], None]:
+def _qlinear_binary(float_op: str) -> _Rule:
     """QLinearAdd/QLinearMul(A, sa, za, B, sb, zb, sc, zc)."""
 
     def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
@@ -289,7 +293,7 @@ def _qlinear_binary(float_op: str) -> Callable[[_Rewriter, list[str], dict], Non
 
 
 def _qlinear_unary(float_op: str, keep: Sequence[str] = (),
-                   defaults: dict | None = None) -> Callable[[_Rewriter, list[str], dict], None]:
+                   defaults: dict | None = None) -> _Rule:
     """QLinear<op>(X, sx, zx, sy, zy) with the float op's attributes ``keep``."""
 
     def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
@@ -312,6 +316,7 @@ def _qlinear_softmax(r: _Rewriter, i: list[str], attrs: dict) -> None:
         r.fail(f"the Softmax of opset {attrs['opset']} on axis {axis} is not supported")
     x = r.dq(i[0], i[1], i[2], "dq_x")
     r.q(r.emit("Softmax", [x], "float", axis=axis), i[3], i[4], like=i[0])
+
 
 def _qlinear_matmul(r: _Rewriter, i: list[str], attrs: dict) -> None:
     a = r.dq(i[0], i[1], i[2], "dq_a", axis=-2)
@@ -357,7 +362,7 @@ def _qlinear_concat(r: _Rewriter, i: list[str], attrs: dict) -> None:
         like=inputs[2])
 
 
-def _integer_op(float_op: str, a_axis: int, b_axis: int):
+def _integer_op(float_op: str, a_axis: int, b_axis: int) -> _Rule:
     """MatMulInteger/ConvInteger(a, b, za, zb) -> Cast<int32>(op(a - za, b - zb)) in float."""
 
     def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
@@ -395,7 +400,7 @@ def _matmul_bias(r: _Rewriter, a: str, b: str, bias: str) -> None:
         r.emit("MatMul", [a, b], "", r.node.output[0])
 
 
-def _contrib_qdq(float_op: str) -> Callable[[_Rewriter, list[str], dict], None]:
+def _contrib_qdq(float_op: str) -> _Rule:
     """com.microsoft Quantize/DequantizeLinear: the standard op when its types are 8-bit."""
 
     def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
@@ -406,7 +411,7 @@ def _contrib_qdq(float_op: str) -> Callable[[_Rewriter, list[str], dict], None]:
     return rule
 
 
-_RULES: dict[str, Callable[[_Rewriter, list[str], dict], None]] = {
+_RULES: dict[str, _Rule] = {
     "QLinearMatMul": _qlinear_matmul,
     "QLinearConv": _qlinear_conv,
     "QGemm": _qgemm,
