@@ -201,7 +201,8 @@ class GemmProblem:
     @property
     def epilogue_dtype(self) -> str:
         """The dtype the epilogue starts from: the accumulator's, or float32 when the
-        accumulator is int32 and the chain takes floats only (it dequantizes)."""
+        accumulator is int32 and the chain has an op that takes floats only (``scale``:
+        it dequantizes); the whole chain then works on float32."""
         try:
             self.epilogue.out_dtype(self.acc_dtype)
             return self.acc_dtype
@@ -228,7 +229,8 @@ class GemmConfig:
     Parameters
     ----------
     bm, bn, bk
-        Block sizes: each divides its dimension.
+        Block sizes: each divides its dimension (K: the problem's ``padded_k``), and ``bk``
+        takes whole VNNI groups (a multiple of the problem's ``alpha``).
     candidate
         The loop_spec over ``a`` (K blocks), ``b`` (M blocks), ``c`` (N blocks) with its block
         steps; its step of ``a`` is ``k_step``, the K blocks one BRGEMM call reduces.
