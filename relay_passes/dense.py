@@ -132,9 +132,11 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         args.append(_as_matrix(residual, m, n))
     out = relax.call_tir(gv, args, relax.TensorType((m, n), "float32"))
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
-    # The BRGEMM schedules.gemm.schedule tensorizes with (float32, flat: what this pass routes).
+    # The BRGEMM schedules.gemm.schedule tensorizes with (its operands follow the problem's
+    # dtype, so the report stays right when this pass routes low precision).
     brgemm = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
-                         isa=isa.name)
+                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
+                         layout=problem.layout, isa=isa.name)
     report.append(Offload.routed(pattern.name("matmul"), (m, n, k),  # e.g. matmul+bias+relu
                                  f"{name} [{config.spec}{packed}]", brgemm))
     return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
