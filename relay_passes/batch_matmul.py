@@ -36,7 +36,6 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
-from microkernels.brgemm import BrgemmShape
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules.batch_gemm import BatchGemmProblem, schedule
@@ -45,6 +44,7 @@ from schedules.tuner import Tuner, config_for
 from .scaffold import (
     KernelAdder,
     Offload,
+    dispatched_brgemm,
     is_call_to,
     offload_name,
     offload_patterns,
@@ -232,15 +232,12 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
                                y_interleaved=y_inter)
     config = config_for(problem, target, tuner)
     name = f"tpp_batch_matmul_{problem.name}"
-    isa = machine_of(target).isa
-    gv = add_kernel(schedule(problem, config, isa).mod["main"], name)
+    sch = schedule(problem, config, machine_of(target).isa)
+    gv = add_kernel(sch.mod["main"], name)
     args = [_view(x_src, problem.x_shape), _view(b_src, problem.b_shape), *extra]
     out = relax.call_tir(gv, args, relax.TensorType(problem.y_shape, "float32"))
-    # The BRGEMM schedules.batch_gemm.schedule tensorizes with: the whole K per call.
-    brgemm = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=k // config.bk,
-                         isa=isa.name)
     report.append(Offload.routed(offload_name("batch_matmul", ops), (batch, m, n, k), name,
-                                 brgemm))
+                                 dispatched_brgemm(sch)))
     shape = static_shape(orig.ty.shape)
     return out if shape == problem.y_shape else relax.op.reshape(out, shape)
 

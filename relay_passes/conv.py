@@ -51,7 +51,13 @@ from schedules.tuner import Tuner, config_for
 
 from .layouts import TO_NCHW, TO_NHWC, simplify_layouts
 from .prepare import sum_to_add
-from .scaffold import Offload, epilogue_patterns, offload_patterns, static_shape
+from .scaffold import (
+    Offload,
+    dispatched_brgemm,
+    epilogue_patterns,
+    offload_patterns,
+    static_shape,
+)
 
 if TYPE_CHECKING:  # annotations only
     from .scaffold import EpiloguePattern, KernelAdder
@@ -150,7 +156,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     sh, sw = problem.stride
     name = (f"tpp_conv2d_{n}x{c}x{h}x{w}_{k}x{r}x{s}_s{sh}x{sw}"
             + (f"_{problem.epilogue.name}" if pattern.ops() else ""))
-    gv = add_kernel(_kernel(kernel_problem, config, isa.name), name)
+    func, brgemm = _kernel(kernel_problem, config, isa.name)
+    gv = add_kernel(func, name)
 
     packed = _unfold_input(x, problem) if unfold else _pack_input(x, problem)
     args = [packed, relax.const(pack_weight(unfold_weight(weight) if unfold else weight,
@@ -161,9 +168,6 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         args.append(relax.op.reshape(relax.op.permute_dims(residual, TO_NHWC),
                                      (problem.rows, k)))
     out = relax.call_tir(gv, args, relax.TensorType((problem.rows, k), "float32"))
-    # The BRGEMM schedules.conv.schedule tensorizes with: one filter tap's channel blocks.
-    brgemm = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
-                         isa=isa.name)
     report.append(Offload.routed(pattern.name("conv2d"), out_shape, f"{name} [{config.spec}]",
                                  brgemm))
     nhwc = relax.op.reshape(out, (n, problem.p, problem.q, k))
@@ -171,9 +175,12 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel(problem: ConvProblem, config: ConvConfig, isa: str) -> tvm.tirx.PrimFunc:
-    """The scheduled PrimFunc, built once per distinct layer (a ResNet repeats its blocks)."""
-    return schedule(problem, config, isa).mod["main"]
+def _kernel(problem: ConvProblem, config: ConvConfig, isa: str
+            ) -> tuple[tvm.tirx.PrimFunc, BrgemmShape | None]:
+    """The scheduled PrimFunc and the BRGEMM it calls, built once per distinct layer (a
+    ResNet repeats its blocks)."""
+    sch = schedule(problem, config, isa)
+    return sch.mod["main"], dispatched_brgemm(sch)
 
 
 def _padded_nhwc(x, problem: ConvProblem, extra_right: int = 0):

@@ -38,12 +38,17 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
-from microkernels.brgemm import BrgemmShape
 from microkernels.machine import machine_of
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import Tuner, config_for
 
-from .scaffold import Offload, epilogue_patterns, offload_patterns, static_shape
+from .scaffold import (
+    Offload,
+    dispatched_brgemm,
+    epilogue_patterns,
+    offload_patterns,
+    static_shape,
+)
 
 if TYPE_CHECKING:  # annotations only
     from .scaffold import EpiloguePattern, KernelAdder
@@ -123,7 +128,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     isa = machine_of(target).isa
     config = config_for(problem, target, tuner)
     name = f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if pattern.ops() else "")
-    gv = add_kernel(schedule(problem, config, isa).mod["main"], name)
+    sch = schedule(problem, config, isa)
+    gv = add_kernel(sch.mod["main"], name)
 
     args = [_as_matrix(x, m, k), relax.const(pack_weight(weight.astype(np.float32), config.bn))]
     if bias is not None:
@@ -132,13 +138,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         args.append(_as_matrix(residual, m, n))
     out = relax.call_tir(gv, args, relax.TensorType((m, n), "float32"))
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
-    # The BRGEMM schedules.gemm.schedule tensorizes with (its operands follow the problem's
-    # dtype, so the report stays right when this pass routes low precision).
-    brgemm = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
-                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
-                         layout=problem.layout, isa=isa.name)
     report.append(Offload.routed(pattern.name("matmul"), (m, n, k),  # e.g. matmul+bias+relu
-                                 f"{name} [{config.spec}{packed}]", brgemm))
+                                 f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch)))
     return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import tvm
-from tvm import relax
+from tvm import relax, s_tir
 from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
 
-from microkernels.brgemm import BrgemmShape, find_impl
+from microkernels.brgemm import DTYPES, BrgemmShape, find_impl
 from microkernels.epilogue import Epilogue, EpilogueOp
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "MakeRewriter",
     "Offload",
     "add_kernel",
+    "dispatched_brgemm",
     "epilogue_patterns",
     "is_call_to",
     "is_tensor_of",
@@ -62,6 +63,8 @@ ACTIVATIONS: Mapping[str, EpilogueOp] = {
 #: chain where a pass accepts it (its constants are checked against ``_GELU_CONSTANTS``).
 GELU_SPELLED_OUT = "gelu_erf"
 _GELU_CONSTANTS = (math.sqrt(2.0), 1.0, 0.5)  # the divisor, the one, the half
+#: How every BRGEMM intrinsic's name starts (:attr:`microkernels.brgemm.BrgemmShape.name`).
+_BRGEMM_PREFIX = "tpp_brgemm_"
 # relax OpPatternKind::kOpaque: FuseOps fuses nothing into (or around) such a function.
 _OP_PATTERN_OPAQUE = 8
 
@@ -74,11 +77,12 @@ class Offload:
 
     ``shape`` is the problem's (e.g. ``(m, n, k)`` of a dense layer) when offloaded, the
     output shape otherwise.  ``isa``, ``dtypes`` and ``layout`` describe the BRGEMM the
-    kernel calls (None for what stayed with TVM): the ISA whose implementation
-    :func:`microkernels.brgemm.find_impl` picked for it (``"amx"`` only where the AMX tile
-    kernel runs: a block that is not tile-shaped gets the AVX-512 one), its operand types as
-    ``A*B->C`` and its layout of B (:data:`microkernels.brgemm.LAYOUTS`).  Build offloaded
-    records with :meth:`routed`, which fills them from the kernel's :class:`BrgemmShape`.
+    kernel calls (None for what stayed with TVM, and for a kernel without one): the ISA whose
+    implementation :func:`microkernels.brgemm.find_impl` picked for it (``"amx"`` only where
+    the AMX tile kernel runs: a block that is not tile-shaped gets the AVX-512 one), its
+    operand types as ``A*B->C`` and its layout of B (:data:`microkernels.brgemm.LAYOUTS`).
+    Build offloaded records with :meth:`routed`, from the BRGEMM the schedule tensorized with
+    (:func:`dispatched_brgemm`).
 
     Examples
     --------
@@ -95,9 +99,10 @@ class Offload:
     layout: str | None = None
 
     @classmethod
-    def routed(cls, op: str, shape: tuple[int, ...], kernel: str, brgemm: BrgemmShape
+    def routed(cls, op: str, shape: tuple[int, ...], kernel: str, brgemm: BrgemmShape | None
                ) -> Offload:
-        """The record of an operator that became ``kernel``, which calls ``brgemm``.
+        """The record of an operator that became ``kernel``, which calls ``brgemm`` (None: no
+        BRGEMM, e.g. a conv whose blocks are all 1, computed by scalar code).
 
         Examples
         --------
@@ -110,6 +115,8 @@ class Offload:
         >>> o.isa, o.dtypes, o.layout
         ('amx', 'uint8*int8->int32', 'vnni4')
         """
+        if brgemm is None:
+            return cls(op, shape, kernel)
         return cls(op, shape, kernel, isa=_impl_isa(brgemm),
                    dtypes=f"{brgemm.dtype_a}*{brgemm.dtype_b}->{brgemm.dtype_acc}",
                    layout=brgemm.layout)
@@ -119,6 +126,39 @@ class Offload:
 def _impl_isa(brgemm: BrgemmShape) -> str:
     # find_impl builds the impl function (a TVMScript parse); networks repeat their blocks.
     return find_impl(brgemm)[0]
+
+
+def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
+    """The BRGEMM a scheduled kernel was tensorized with (None: it calls none).
+
+    Read from the schedule's trace, not re-derived from the template's config, so the report
+    names what the template really dispatched (it may pick another ISA's kernel for a block,
+    e.g. AVX-512 for a copied bf16 A on AMX).  The intrinsic's name is
+    :attr:`BrgemmShape.name`, ``tpp_brgemm_<isa>_<dtype of A>_<layout>_<m>x<n>x<k>x<batch>``.
+
+    Examples
+    --------
+    >>> from microkernels.brgemm import desc_func, dispatch
+    >>> shape = BrgemmShape(8, 16, 4, 2, "uint8", "int32", "vnni4_w7", "avx512_bf16")
+    >>> sch = s_tir.Schedule(desc_func(shape, as_workload=True))
+    >>> sch.tensorize(sch.get_loops(sch.get_sblock("brgemm"))[0], dispatch(shape))
+    >>> dispatched_brgemm(sch) == shape
+    True
+    """
+    names = [str(inst.attrs[0]) for inst in sch.trace.insts if inst.kind.name == "Tensorize"]
+    if not names:
+        return None
+    name = names[-1]
+    head, _, dims = name.removeprefix(_BRGEMM_PREFIX).rpartition("_")
+    for dtype_a, dtype_acc in DTYPES:
+        isa, found, layout = head.partition(f"_{dtype_a}_")
+        if found:
+            m, n, k, batch = (int(d) for d in dims.split("x"))
+            shape = BrgemmShape(m, n, k, batch, dtype_a, dtype_acc, layout, isa)
+            if shape.name == name:
+                return shape
+    raise ValueError(f"{name!r} is not the name of a BRGEMM intrinsic")
+
 
 
 def static_shape(shape: Any) -> tuple[int, ...] | None:

@@ -99,3 +99,32 @@ def test_bench_worker_asks_before_any_job(monkeypatch):
     with pytest.raises(Stop):
         protocol.main(["{}"])
     assert order == ["tiles", "job"]
+
+
+def _spr():
+    return machine.Machine(isa.from_name("amx"), isa.Caches(48 << 10, 2 << 20, 105 << 20),
+                           threads=1, mcpu="sapphirerapids", fp32_flops_per_cycle=64.0)
+
+
+@pytest.mark.parametrize("dtype, pack_a, expected", [
+    ("uint8", None, ("amx", "uint8*int8->int32", "vnni4")),
+    ("bfloat16", None, ("amx", "bfloat16*bfloat16->float32", "vnni2")),
+    # The template gives a bf16 A it copies to the AVX-512 kernel: the report says so.
+    ("bfloat16", 0, ("avx512_bf16", "bfloat16*bfloat16->float32", "vnni2")),
+    ("float32", None, ("avx512", "float32*float32->float32", "flat")),  # no fp32 tiles
+])
+def test_report_names_the_brgemm_the_template_dispatched(dtype, pack_a, expected):
+    """The report reads the kernel from the schedule (its tensorize), so 'amx' appears
+    exactly where the tile kernel runs (cross-compiled for Sapphire Rapids: nothing runs)."""
+    from dataclasses import replace
+
+    from relay_passes.scaffold import Offload, dispatched_brgemm
+    from schedules.gemm import GemmProblem, default_config, schedule
+
+    problem = GemmProblem(64, 64, 256, dtype=dtype)
+    config = default_config(problem, _spr())
+    if pack_a is not None:
+        config = replace(config, pack_a=pack_a)
+    sch = schedule(problem, config, "amx")
+    o = Offload.routed("matmul", (64, 64, 256), "tpp_dense", dispatched_brgemm(sch))
+    assert (o.isa, o.dtypes, o.layout) == expected
