@@ -75,3 +75,26 @@ def fake_amx_host(monkeypatch):
 
     yield fake
     forget()  # the next call asks the real host again
+
+
+@pytest.fixture(scope="session")
+def amx_emulator(tmp_path_factory):
+    """The C emulator of the AMX instructions (tests/amx/amx_emu.c), built and loaded once per
+    session: the LLVM JIT resolves the emulated kernels' calls from the first such library
+    loaded into the process, so a second copy would never see a call."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no host C compiler to build the AMX emulator")
+    lib = tmp_path_factory.mktemp("amx") / "amx_emu.so"
+    source = Path(__file__).parent / "amx" / "amx_emu.c"
+    subprocess.run([compiler, "-O2", "-ffp-contract=off", "-shared", "-fPIC", str(source),
+                    "-o", str(lib)], check=True)
+    emu = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the JIT resolves from here
+    for name in ("faults", "configs", "releases"):
+        getattr(emu, f"tpp_amx_emu_{name}").restype = ctypes.c_int64
+    return emu

@@ -13,10 +13,7 @@ On a host with AMX the real kernels run natively and are compared with numpy.  E
     kernel call outside the K loop, and keeps C in tiles across the whole batch-reduce.
 """
 
-import ctypes
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import ml_dtypes
@@ -92,20 +89,6 @@ def test_registered_for_amx_only():
 # --------------------------------------------------------------------- (a) numerics, emulated
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no host C compiler to build the AMX emulator")
-    lib = tmp_path_factory.mktemp("amx") / "amx_emu.so"
-    subprocess.run([compiler, "-O2", "-ffp-contract=off", "-shared", "-fPIC",
-                    str(EMULATOR_SOURCE), "-o", str(lib)], check=True)
-    emu = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the LLVM JIT resolves from here
-    for name in ("faults", "configs", "releases"):
-        getattr(emu, f"tpp_amx_emu_{name}").restype = ctypes.c_int64
-    return emu
-
-
 def _tiled(kernel: BrgemmShape, intrin: str, rows: int, cols: int):
     """The ``rows x cols`` block grid of ``kernel`` calls: the workload and its schedule."""
     big = BrgemmShape(kernel.m * rows, kernel.n * cols, kernel.k, kernel.batch, kernel.dtype_a,
@@ -155,17 +138,17 @@ KERNELS = [
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda s: s.name)
-def test_emulated_tile_program_matches_numpy(emulator, kernel):
+def test_emulated_tile_program_matches_numpy(amx_emulator, kernel):
     name = kernel.name + "_emulated"
     if s_tir.TensorIntrin.get(name, allow_missing=True) is None:
         s_tir.TensorIntrin.register(name, desc_func(kernel), amx.impl_func(kernel, emulate=True))
     big, mod = _tiled(kernel, name, rows=2, cols=3)
     operands = _operands(big, np.random.default_rng(7))
-    emulator.tpp_amx_emu_reset()
+    amx_emulator.tpp_amx_emu_reset()
     got = _run_host(mod, operands[:3])
-    assert emulator.tpp_amx_emu_faults() == 0
-    assert emulator.tpp_amx_emu_configs() == 6 == emulator.tpp_amx_emu_releases()
-    assert emulator.tpp_amx_emu_configured() == 0
+    assert amx_emulator.tpp_amx_emu_faults() == 0
+    assert amx_emulator.tpp_amx_emu_configs() == 6 == amx_emulator.tpp_amx_emu_releases()
+    assert amx_emulator.tpp_amx_emu_configured() == 0
     _check(big, got, operands[3])
 
 
@@ -192,18 +175,18 @@ def test_desc_on_same_schedule_matches_numpy(kernel):
     _check(big, _run_host(mod, operands[:3]), operands[3])
 
 
-def test_emulator_flags_invalid_tile_programs(emulator):
+def test_emulator_flags_invalid_tile_programs(amx_emulator):
     """The fault checks are live: a bad palette and mismatched tile shapes are counted."""
     p = amx.plan(_shape(16, 16, 64, 1, "uint8"))
-    emulator.tpp_amx_emu_reset()
-    emulator.tpp_amx_emu_ldtilecfg(p.config())
-    emulator.tpp_amx_emu_tdpbusd(0, 1, 2)
-    assert emulator.tpp_amx_emu_faults() == 0
-    emulator.tpp_amx_emu_tdpbusd(0, 0, 2)  # destination used as a source
-    emulator.tpp_amx_emu_tdpbusd(0, 1, 5)  # tile 5 not configured
-    emulator.tpp_amx_emu_ldtilecfg(b"\x02" + p.config()[1:])  # palette 2
-    assert emulator.tpp_amx_emu_faults() == 3
-    assert emulator.tpp_amx_emu_configured() == 0
+    amx_emulator.tpp_amx_emu_reset()
+    amx_emulator.tpp_amx_emu_ldtilecfg(p.config())
+    amx_emulator.tpp_amx_emu_tdpbusd(0, 1, 2)
+    assert amx_emulator.tpp_amx_emu_faults() == 0
+    amx_emulator.tpp_amx_emu_tdpbusd(0, 0, 2)  # destination used as a source
+    amx_emulator.tpp_amx_emu_tdpbusd(0, 1, 5)  # tile 5 not configured
+    amx_emulator.tpp_amx_emu_ldtilecfg(b"\x02" + p.config()[1:])  # palette 2
+    assert amx_emulator.tpp_amx_emu_faults() == 3
+    assert amx_emulator.tpp_amx_emu_configured() == 0
 
 
 # ------------------------------------------------------------------ (b) instructions, asm

@@ -10,12 +10,8 @@ exact emulation of u8 x s8 runs here.  The AMX GEMMs also run here, their tile p
 the C emulator of tests/amx (as in test_brgemm_amx.py) instead of the tile instructions.
 """
 
-import ctypes
 import re
-import shutil
-import subprocess
 from dataclasses import replace
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -373,21 +369,6 @@ def test_avx2_asm_is_exact_emulation():
 
 
 # --------------------------------------------------------------- AMX tile program, emulated
-
-
-@pytest.fixture(scope="module")
-def amx_emulator(tmp_path_factory):
-    compiler = shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        pytest.skip("no host C compiler to build the AMX emulator")
-    lib = tmp_path_factory.mktemp("amx") / "amx_emu.so"
-    source = Path(__file__).parent / "amx" / "amx_emu.c"
-    subprocess.run([compiler, "-O2", "-ffp-contract=off", "-shared", "-fPIC", str(source),
-                    "-o", str(lib)], check=True)
-    emu = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # the LLVM JIT resolves from here
-    for name in ("faults", "configs", "releases"):
-        getattr(emu, f"tpp_amx_emu_{name}").restype = ctypes.c_int64
-    return emu
 
 
 def _emulated_dispatch(shape: BrgemmShape) -> str:
