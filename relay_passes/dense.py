@@ -11,6 +11,14 @@ What does not fit (non-float32, symbolic shapes) is left to TVM's own lowering a
 the report with the reason; matmuls of two activations (attention's ``Q @ K^T``) are
 :mod:`relay_passes.batch_matmul`'s.
 
+Precision (:data:`PRECISIONS`): ``"float32"`` computes in float32; ``"bf16"`` multiplies in
+bfloat16 accumulating in float32 (``vdpbf16ps`` on AVX-512 BF16, AMX ``tdpbf16ps`` for
+tile-shaped blocks): the weights are rounded to bf16 (to nearest even) and packed in VNNI-2
+groups at compile time, the activations are converted to bf16 right before the kernel, and
+the epilogue (bias, residual, activation) and the output stay float32, so the rest of the
+network does not change.  Only the dense layers take the precision: convolutions and
+attention's batch GEMMs stay float32 kernels.
+
 Examples
 --------
 >>> import numpy as np
@@ -24,6 +32,10 @@ Examples
 >>> mod = rewrite_dense(bb.get(), target, report)
 >>> [(r.op, r.shape, r.kernel) for r in report]
 [('matmul+relu', (5, 40, 24), 'tpp_dense_5x40x24_relu [...]')]
+>>> report = []
+>>> _ = rewrite_dense(bb.get(), target, report, precision="bf16")
+>>> [(r.kernel.split()[0], r.dtypes, r.layout) for r in report]
+[('tpp_dense_5x40x24_relu_bf16', 'bfloat16*bfloat16->float32', 'vnni2')]
 """
 
 from __future__ import annotations
@@ -53,7 +65,10 @@ from .scaffold import (
 if TYPE_CHECKING:  # annotations only
     from .scaffold import EpiloguePattern, KernelAdder
 
-__all__ = ["rewrite_dense"]
+__all__ = ["rewrite_dense", "PRECISIONS"]
+
+#: ``precision`` of the dense layers -> the GEMM problem's dtype (X's, W's follows).
+PRECISIONS: dict[str, str] = {"float32": "float32", "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -73,17 +88,22 @@ def _matmul() -> _Matmul:
 
 
 def rewrite_dense(
-    mod: tvm.IRModule, target: Target, report: list[Offload], tuner: Tuner | None = None
+    mod: tvm.IRModule, target: Target, report: list[Offload], tuner: Tuner | None = None,
+    precision: str = "float32",
 ) -> tvm.IRModule:
     """Replace every float32 dense chain with a constant weight by a TPP kernel call.
 
     With a ``tuner`` each GEMM gets its tuned configuration (tuned now if its database does
-    not know it yet); without one, the default heuristic's.
+    not know it yet); without one, the default heuristic's.  ``precision`` (a key of
+    :data:`PRECISIONS`) is the type the GEMMs multiply in; inputs and outputs stay float32.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    dtype = PRECISIONS[precision]
 
     def make_rewriter(add_kernel, pattern, _func):
         return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
-                                              report)
+                                              report, dtype)
 
     chains = epilogue_patterns(_matmul, spelled_out_gelu=True, root_of=lambda a: a.matmul)
     return offload_patterns(mod, chains, make_rewriter, report, "relax.matmul", _why_left)
@@ -103,7 +123,8 @@ def _unsupported(x: relax.Expr, weight: np.ndarray) -> str | None:
 
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
              pattern: EpiloguePattern[_Matmul], add_kernel: KernelAdder,
-             target: Target, tuner: Tuner | None, report: list[Offload]) -> relax.Expr:
+             target: Target, tuner: Tuner | None, report: list[Offload], dtype: str
+             ) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, with _why_left().
     mm = pattern.anchor
@@ -124,14 +145,20 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         return orig
 
     m = int(np.prod(x_shape[:-1]))
-    problem = GemmProblem(m, n, k, epilogue=pattern.epilogue())
+    problem = GemmProblem(m, n, k, dtype, pattern.epilogue())
     isa = machine_of(target).isa
     config = config_for(problem, target, tuner)
-    name = f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if pattern.ops() else "")
+    name = (f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if pattern.ops() else "")
+            + ("_bf16" if dtype == "bfloat16" else ""))
     sch = schedule(problem, config, isa)
     gv = add_kernel(sch.mod["main"], name)
 
-    args = [_as_matrix(x, m, k), relax.const(pack_weight(weight.astype(np.float32), config.bn))]
+    x_matrix = _as_matrix(x, m, k)
+    if dtype != "float32":
+        # A kernel of its own converts X; the next step is converting in the epilogue of
+        # X's producer (a bf16 convert TPP), which saves writing and re-reading X in float32.
+        x_matrix = relax.op.astype(x_matrix, dtype)
+    args = [x_matrix, relax.const(pack_weight(weight.astype(np.float32), config.bn, problem))]
     if bias is not None:
         args.append(relax.const(bias.reshape(n).astype(np.float32)))
     if residual is not None:

@@ -33,7 +33,8 @@ __all__ = ["prepare", "tpp_rewrites", "tpp_pipeline"]
 
 
 def tpp_rewrites(
-    target: Target, report: list[Offload] | None = None, tuner: Tuner | TaskCollector | None = None
+    target: Target, report: list[Offload] | None = None, tuner: Tuner | TaskCollector | None = None,
+    precision: str = "float32",
 ) -> tvm.transform.Pass:
     """Prepare, then route a ``tpp`` target's dense, conv and attention chains to TPP kernels
     (other targets: preparation only); no lowering.
@@ -42,7 +43,8 @@ def tpp_rewrites(
     operator: the kernel it became or why it stayed with TVM.  ``tuner`` gives each GEMM,
     convolution and batch GEMM its tuned configuration (a :class:`~schedules.tuner.Tuner`),
     or records them as tuning tasks (a :class:`~schedules.tuner.TaskCollector`); operators
-    without one get their defaults.
+    without one get their defaults.  ``precision`` is the dense layers' (``"float32"`` or
+    ``"bf16"``: :data:`relay_passes.dense.PRECISIONS`); conv and attention stay float32.
     """
 
     @tvm.transform.module_pass(opt_level=0, name="TppRewrites")
@@ -51,7 +53,7 @@ def tpp_rewrites(
         if not is_tpp(target):
             return mod
         found = report if report is not None else []
-        mod = rewrite_dense(mod, target, found, tuner)
+        mod = rewrite_dense(mod, target, found, tuner, precision)
         mod = rewrite_conv(mod, target, found, tuner)
         # What dense left: matmuls whose operands both vary.
         mod = rewrite_batch_matmul(mod, target, found, tuner)
@@ -62,14 +64,15 @@ def tpp_rewrites(
 
 
 def tpp_pipeline(
-    target: Target, report: list[Offload] | None = None, tuner: Tuner | None = None
+    target: Target, report: list[Offload] | None = None, tuner: Tuner | None = None,
+    precision: str = "float32",
 ) -> tvm.transform.Pass:
     """:func:`tpp_rewrites`, then TVM's CPU lowering with schedules for what stayed with TVM
     (a target without the ``tpp`` key gets TVM's default pipeline after the preparation)."""
 
     @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        mod = tpp_rewrites(target, report, tuner)(mod)
+        mod = tpp_rewrites(target, report, tuner, precision)(mod)
         if not is_tpp(target):
             return relax.get_default_pipeline(target)(mod)
         with target:

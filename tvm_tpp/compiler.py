@@ -34,6 +34,7 @@ from tvm import relax
 from tvm.target import Target
 
 from relay_passes import Offload
+from relay_passes.dense import PRECISIONS
 from relay_passes.pipeline import tpp_pipeline, tpp_rewrites
 from schedules import tuner as _tuner
 from schedules.tuner import Database, TaskCollector, Tuner, TuneResult
@@ -282,19 +283,26 @@ def _lookup(database: Database | None) -> Tuner | None:
     return Tuner(database) if database is not None else None
 
 
+def _precision(precision: str) -> None:
+    """``precision`` checked: a user's typo is a one-line error, not a pass's ValueError."""
+    if precision not in PRECISIONS:
+        raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
 def _measurable(tgt: Target) -> None:
     if not runs_on_host(tgt):
         raise NotRunnableError(f"tuning measures on this CPU, which cannot run {tgt}")
 
 
 def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: float | None,
-                top_k: int, on_tuned: Callable[[Problem, TuneResult], None] | None
-                ) -> list[Tuned]:
+                top_k: int, on_tuned: Callable[[Problem, TuneResult], None] | None,
+                precision: str) -> list[Tuned]:
     # The graph passes find the operators; tuning them here, outside the lowering, keeps
     # the measurements' own builds from running inside the model's.
     collector = TaskCollector()
     with tgt:
-        tpp_rewrites(tgt, tuner=collector)(mod)  # the rewrites name the tasks; no lowering
+        # The rewrites name the tasks (bf16 GEMMs are problems, and keys, of their own).
+        tpp_rewrites(tgt, tuner=collector, precision=precision)(mod)
     tuned = []
     for problem in collector.tasks.values():
         result = _tuner.tune(problem, tgt, database=database, top_k=top_k,
@@ -314,6 +322,7 @@ def tune(
     budget: float | None = None,
     top_k: int = _TOP_K,
     on_tuned: Callable[[Problem, TuneResult], None] | None = None,
+    precision: str = "float32",
 ) -> list[Tuned]:
     """Tune each GEMM, conv and batch GEMM of a model into ``work_dir/tuning.json``.
 
@@ -333,6 +342,8 @@ def tune(
     on_tuned
         Called with ``(problem, TuneResult)`` after each operator (a GemmProblem, ConvProblem
         or BatchGemmProblem), e.g. to show progress.
+    precision
+        As for :func:`compile`: tune the GEMMs a build of that precision runs.
 
     Returns
     -------
@@ -343,6 +354,8 @@ def tune(
     ------
     NotRunnableError
         The target is not one this CPU runs.
+    UsageError
+        ``precision`` is neither ``"float32"`` nor ``"bf16"``.
 
     Examples
     --------
@@ -351,9 +364,11 @@ def tune(
     ['BCa', 'aBC', 'BCa']
     """
     tgt = make_target(target)
+    _precision(precision)
     _measurable(tgt)
     mod, _ = import_model(model, input_shapes)
-    return _tune_tasks(mod, tgt, _database(Path(work_dir) / DATABASE), budget, top_k, on_tuned)
+    return _tune_tasks(mod, tgt, _database(Path(work_dir) / DATABASE), budget, top_k, on_tuned,
+                       precision)
 
 
 def lower(
@@ -362,9 +377,10 @@ def lower(
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     *,
     work_dir: str | os.PathLike | None = None,
+    precision: str = "float32",
 ) -> tvm.IRModule:
-    """The Relax+TIR module after the target's graph passes, configs as :func:`compile` picks
-    them (what ``tvm-tpp compile --emit tir`` shows).
+    """The Relax+TIR module after the target's graph passes, configs and precision as
+    :func:`compile` picks them (what ``tvm-tpp compile --emit tir`` shows).
 
     Examples
     --------
@@ -373,9 +389,11 @@ def lower(
     True
     """
     tgt = make_target(target)
+    _precision(precision)
     mod, _ = import_model(model, input_shapes)
     with tgt:  # the graph pipeline without code generation
-        return tpp_pipeline(tgt, tuner=_lookup(_existing_database(work_dir)))(mod)
+        return tpp_pipeline(tgt, tuner=_lookup(_existing_database(work_dir)),
+                            precision=precision)(mod)
 
 
 def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
@@ -388,6 +406,7 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     tune_budget: float | None = None,
     on_tuned: Callable[[Problem, TuneResult], None] | None = None,
     untuned: bool = False,
+    precision: str = "float32",
 ) -> CompiledModel:
     """Import, rewrite to TPP kernels, and build a model.
 
@@ -415,6 +434,11 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     untuned
         Build every operator with its untuned default, whatever a work directory holds (the
         baseline the tuner is measured against).
+    precision
+        ``"float32"``, or ``"bf16"``: the dense layers multiply in bfloat16 with float32
+        accumulation (weights rounded and packed at compile time, activations converted
+        before each kernel; inputs, outputs, epilogues, convolutions and attention stay
+        float32).  Expect a normwise error vs float32 of about 1e-3 instead of 1e-6.
 
     Raises
     ------
@@ -426,8 +450,11 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         ``tune`` for a target this CPU does not run.
     DatabaseError
         The given ``work_dir`` has no database, or its database is corrupt.
+    UsageError
+        ``precision`` is neither ``"float32"`` nor ``"bf16"``, or ``untuned`` with tuning.
     """
     tgt = make_target(target)
+    _precision(precision)
     if untuned and (tune or work_dir is not None):
         raise UsageError("untuned builds read no work directory and tune nothing")
     if tune:
@@ -437,10 +464,11 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         database = None if untuned else _existing_database(work_dir)
     start = time.perf_counter()
     mod, specs = import_model(model, input_shapes)
-    tuned = _tune_tasks(mod, tgt, database, tune_budget, _TOP_K, on_tuned) if tune else []
+    tuned = (_tune_tasks(mod, tgt, database, tune_budget, _TOP_K, on_tuned, precision)
+             if tune else [])
     report: list[Offload] = []
-    executable = tvm.compile(mod, target=tgt,
-                             relax_pipeline=tpp_pipeline(tgt, report, _lookup(database)))
+    executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(
+        tgt, report, _lookup(database), precision))
     return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report,
                          sum(t.result.tune_seconds for t in tuned),
                          database.path if database is not None else None)
