@@ -12,6 +12,7 @@ $ tvm-tpp info
 $ tvm-tpp tune mlp --budget 2           # writes ./tvm_tpp_work/tuning.json
 $ tvm-tpp run mlp --check onnxruntime   # built with the configs tuned in ./tvm_tpp_work
 $ tvm-tpp run resnet50 --work-dir resnet_work --report
+$ tvm-tpp run bert --precision bf16 --check onnxruntime   # dense layers in bf16
 $ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
 $ tvm-tpp bench mlp bert --impls tpp,tvm-default,onnxruntime --json bench.json
 """
@@ -168,10 +169,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     output = _output(args.output)
     model, shapes = _model(args.model, args.batch), _shapes(args.shape)
     if args.emit == "tir":
-        module = compiler.lower(model, args.target, shapes, work_dir=args.work_dir)
+        module = compiler.lower(model, args.target, shapes, work_dir=args.work_dir,
+                                precision=args.precision)
         _write(output, module.script(), args.emit)
         return 0
-    compiled = compiler.compile(model, args.target, shapes, work_dir=args.work_dir)
+    compiled = compiler.compile(model, args.target, shapes, work_dir=args.work_dir,
+                                precision=args.precision)
     if args.emit == "so":
         compiled.export(output)
         print(f"wrote {output} and {output}.json ({compiled.compile_seconds:.1f} s)")
@@ -188,7 +191,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .reference import max_errors, random_inputs, run_onnxruntime
 
     model = _model(args.model, args.batch)
-    compiled = compiler.compile(model, args.target, _shapes(args.shape), work_dir=args.work_dir)
+    compiled = compiler.compile(model, args.target, _shapes(args.shape), work_dir=args.work_dir,
+                                precision=args.precision)
     inputs = random_inputs(compiled.inputs, seed=args.seed)
     outputs = compiled.run(**inputs)
     times = compiled.time(inputs, number=args.number, repeat=args.repeat)
@@ -203,10 +207,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         proto = onnx_import.load_onnx(model)
         expected = run_onnxruntime(proto, inputs)
         abs_err, rel_err = max_errors(outputs, expected)
-        status = "OK" if rel_err <= args.rtol else "MISMATCH"
+        rtol = args.rtol if args.rtol is not None else _RTOL[args.precision]
+        status = "OK" if rel_err <= rtol else "MISMATCH"
         print(f"vs ORT       : max abs err {abs_err:.3e}, max rel err {rel_err:.3e} [{status}]")
         return 0 if status == "OK" else 1
     return 0
+
+
+#: --check's default tolerance by --precision: bf16 rounds X and W to 8 significant bits, and
+#: its normwise error over a few thousand-term dot products is about 1e-3.
+_RTOL = {"float32": 1e-4, "bf16": 1e-2}
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -323,6 +333,11 @@ def _parser() -> argparse.ArgumentParser:
                        "config, the ISA of its BRGEMM (amx where the tile kernel runs), "
                        "operand dtypes and layout, or why it stayed with TVM (-v/--verbose: "
                        "the same)")
+        # No argparse choices: a bad value is then compiler's one-line UsageError, not a
+        # usage dump.
+        p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
+                       help="bf16: dense layers multiply in bfloat16, accumulating in float32 "
+                       "(conv, attention and everything else stay float32)")
 
     p = add("info", cmd_info, "host ISA, caches, target and registered microkernels")
     p.add_argument("-v", "--verbose", action="store_true", help="also print the tpp target")
@@ -336,7 +351,8 @@ def _parser() -> argparse.ArgumentParser:
     p = add("run", cmd_run, "compile and run a model on random inputs, optionally checked")
     model_options(p)
     p.add_argument("--check", choices=("onnxruntime",), help="compare outputs with ONNX Runtime")
-    p.add_argument("--rtol", type=float, default=1e-4, help="max relative error for --check")
+    p.add_argument("--rtol", type=float, help="max normwise relative error for --check "
+                   "(default: 1e-4, with --precision bf16 1e-2)")
     p.add_argument("--repeat", type=_at_least(1, int), default=10, help="timed samples")
     p.add_argument("--number", type=_at_least(1, int), default=1, help="runs per timed sample")
     p.add_argument("--seed", type=int, default=0)
