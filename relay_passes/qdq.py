@@ -1,0 +1,316 @@
+"""int8 dense layers in QDQ form to the int8 TPP GEMM (u8 x s8 -> s32, VNNI-4).
+
+Quantized ONNX models import in QDQ form (:mod:`tvm_tpp.quantized` normalizes the others to
+it), which TVM's ONNX frontend turns into ``relax.quantize`` / ``relax.dequantize`` around float
+operators.  This pass matches the dense layer of that form,
+
+``quantize(relu(matmul(dequantize(x_q, sx, zx), dequantize(W_q, sw, 0)) + b), sy, zy)``
+
+(``quantize``, ``relu`` and ``+ b`` each optional)
+
+with ``W_q`` a constant int8 ``[K, N]`` (or ``[N, K]`` under ``permute_dims``: ONNX Gemm with
+``transB``), ``sw`` per tensor or per output column, ``b`` a constant float bias, and makes the
+whole chain one kernel of :mod:`schedules.gemm` on the quantized integers.  The zero point of
+x is folded in at compile time (``sum_k (x_q - zx) W_q = acc - zx colsum(W_q)``):
+
+* float output: epilogue ``scale`` (``sx sw[n]``), then ``bias`` ``b[n] - sx sw[n] zx colsum[n]``,
+  then ``relu``; the template converts the int32 accumulator to float32 for it;
+* uint8/int8 output: int32 ``bias`` ``round(b[n] / (sx sw[n])) - zx colsum[n]``, ``relu``, then
+  ``requantize`` by ``sx sw[n] / sy`` to zero point ``zy``, all on the exact int32.
+
+int8 activations become the kernel's uint8 by ``x_q + 128`` (and ``zx + 128``).
+
+The pass must run on the module as imported, BEFORE :func:`relay_passes.prepare.prepare`:
+its FoldConstant folds ``dequantize(W_q)`` into a float32 constant and the int8 weights and
+their scales are gone.  What it leaves (a non-zero weight zero point, a per-K weight scale,
+symbolic shapes) keeps its dequantize, folds there, and goes the float32 way; the report says
+why.
+
+Examples
+--------
+>>> import numpy as np
+>>> target = Target({"kind": "llvm", "keys": ["tpp", "cpu"], "model": "avx512_vnni"})
+>>> x = relax.Var("x", relax.TensorType((5, 37), "uint8"))
+>>> w = np.ones((37, 29), "int8")
+>>> bb = relax.BlockBuilder()
+>>> with bb.function("main", [x]):
+...     xf = bb.emit(relax.op.dequantize(x, relax.const(0.1), relax.const(3, "uint8")))
+...     wf = bb.emit(relax.op.dequantize(relax.const(w), relax.const(0.5),
+...                                      relax.const(0, "int8")))
+...     _ = bb.emit_func_output(bb.emit(relax.op.nn.relu(bb.emit(relax.op.matmul(xf, wf)))))
+>>> report = []
+>>> mod = rewrite_qdq_dense(bb.get(), target, report)
+>>> [(r.op, r.shape, r.dtypes, r.layout) for r in report]
+[('matmul_qdq+relu', (5, 29, 37), 'uint8*int8->int32', 'vnni4')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
+from tvm.target import Target
+
+from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.machine import machine_of
+from schedules.gemm import GemmProblem, pack_weight, schedule
+from schedules.tuner import TaskCollector, Tuner, config_for
+
+from .scaffold import Offload, dispatched_brgemm, is_call_to, rewrite_patterns, static_shape
+
+if TYPE_CHECKING:  # annotations only
+    from .scaffold import KernelAdder
+
+__all__ = ["rewrite_qdq_dense"]
+
+#: What the int8 kernel takes for X: uint8; int8 activations are shifted into it by this.
+_S8_SHIFT = 128
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """One QDQ dense pattern: the root to match and the sub-patterns to read a match by."""
+
+    root: DFPattern
+    xq: DFPattern
+    sx: DFPattern
+    zx: DFPattern
+    wq: DFPattern
+    sw: DFPattern
+    zw: DFPattern
+    w_dequantized: DFPattern  # the dequantize of W_q, to read its axis
+    w_transposed: DFPattern
+    bias: DFPattern | None
+    relu: bool
+    sy: DFPattern | None  # with zy: the output's quantize, if the chain ends with one
+    zy: DFPattern | None
+
+    def name(self, out_dtype: str) -> str:
+        """The report's name, e.g. ``matmul_qdq+bias+relu+quantize_u8``."""
+        parts = ["matmul_qdq", *(["bias"] if self.bias is not None else []),
+                 *(["relu"] if self.relu else [])]
+        if self.sy is not None:
+            parts.append("quantize_" + {"uint8": "u8", "int8": "s8"}[out_dtype])
+        return "+".join(parts)
+
+
+def _chains() -> list[_Chain]:
+    """Every chain, longest first (the whole epilogue is taken before its prefixes)."""
+    out = []
+    for quantized in (True, False):
+        for relu in (True, False):
+            for with_bias in (True, False):
+                xq, sx, zx, wq, sw, zw = (wildcard(), is_const(), is_const(), is_const(),
+                                          is_const(), is_const())
+                x = is_op("relax.dequantize")(xq, sx, zx)
+                w = is_op("relax.dequantize")(wq, sw, zw)
+                wt = is_op("relax.permute_dims")(w)
+                node = is_op("relax.matmul")(x, w) | is_op("relax.matmul")(x, wt)
+                bias = None
+                if with_bias:
+                    bias = is_const()
+                    node = is_op("relax.add")(node, bias) | is_op("relax.add")(bias, node)
+                if relu:
+                    node = is_op("relax.nn.relu")(node)
+                sy = zy = None
+                if quantized:
+                    sy, zy = is_const(), is_const()
+                    node = is_op("relax.quantize")(node, sy, zy)
+                out.append(_Chain(node, xq, sx, zx, wq, sw, zw, w, wt, bias, relu, sy, zy))
+    return out
+
+
+def rewrite_qdq_dense(
+    mod: tvm.IRModule, target: Target, report: list[Offload],
+    tuner: Tuner | TaskCollector | None = None,
+) -> tvm.IRModule:
+    """Replace every int8 QDQ dense chain with a constant weight by an int8 TPP kernel call.
+
+    Run it on the imported module, before :func:`relay_passes.prepare.prepare` (whose constant
+    folding loses the int8 weights).  ``report`` receives one record per QDQ matmul: its
+    kernel, or why it stays dequantized (then the float32 dense pass sees it after folding).
+    With a ``tuner`` each GEMM gets its tuned configuration, or is recorded as a task.
+    """
+
+    def make_rewriter(add_kernel, chain, _func):
+        return lambda orig, matches: _rewrite(orig, matches, chain, add_kernel, target, tuner,
+                                              report)
+
+    new_mod = relax.transform.DeadCodeElimination()(
+        rewrite_patterns(mod, _chains(), make_rewriter))
+    _report_leftovers(new_mod, report)
+    return new_mod
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """The quantized weight as ``[K, N]`` int8 with per-column scales (per tensor: repeated)."""
+
+    w: np.ndarray  # int8 [K, N]
+    scale: np.ndarray  # float64 [N]
+
+
+def _weights(wq: np.ndarray, sw: np.ndarray, zw: np.ndarray, axis: int, transposed: bool
+             ) -> _Weights | str:
+    """The weight of ``dequantize(wq, sw, zw, axis)`` (transposed if ``transposed``) as
+    ``[K, N]``, or why the int8 kernel cannot take it.
+
+    Examples
+    --------
+    >>> w = np.zeros((3, 2), "int8")
+    >>> _weights(w, np.array([0.5, 0.25], "float32"), np.zeros(2, "int8"), 1, False).scale
+    array([0.5 , 0.25])
+    >>> _weights(w, np.float32(0.5), np.int8(1), 1, False)
+    'weight zero point is not 0 (only symmetric int8 weights)'
+    """
+    if wq.dtype != np.int8 or wq.ndim != 2:
+        return f"weight is {wq.dtype} of rank {wq.ndim}, not an int8 matrix"
+    if np.any(zw != 0):
+        return "weight zero point is not 0 (only symmetric int8 weights)"
+    n_axis = 0 if transposed else 1  # the axis of wq that becomes N
+    n = wq.shape[n_axis]
+    if sw.size != 1 and (sw.size != n or axis % 2 != n_axis):
+        return "weight scale is not per tensor or per output column"
+    w = wq.T if transposed else wq
+    return _Weights(np.ascontiguousarray(w), np.broadcast_to(
+        sw.astype(np.float64).reshape(-1), (n,)).copy())
+
+
+def _scalar(value: np.ndarray) -> float | None:
+    return float(value.reshape(-1)[0]) if value.size == 1 else None
+
+
+def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _Chain,
+             add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None,
+             report: list[Offload]) -> relax.Expr:
+    # Returning ``orig`` leaves the chain to a shorter pattern or to the float path; what
+    # stays is reported once, by _report_leftovers.
+    def const(p: DFPattern) -> np.ndarray:
+        return matches[p].value.numpy()
+
+    if chain.w_transposed in matches and not _is_transpose(matches[chain.w_transposed]):
+        return orig
+    xq = matches[chain.xq]
+    weights = _weights(const(chain.wq), const(chain.sw), const(chain.zw),
+                       int(matches[chain.w_dequantized].attrs.axis), chain.w_transposed in matches)
+    sx, zx = _scalar(const(chain.sx)), _scalar(const(chain.zx))
+    if isinstance(weights, str) or _activation_problem(xq, weights.w.shape[0]) or sx is None \
+            or zx is None:
+        return orig
+    x_shape = static_shape(xq.ty.shape)
+    k, n = weights.w.shape
+    m = int(np.prod(x_shape[:-1]))
+    bias = const(chain.bias).astype(np.float64) if chain.bias is not None else np.zeros(n)
+    if bias.size != n or bias.shape[-1] != n:
+        return orig
+    bias = bias.reshape(n)
+    out_dtype = "float32"
+    if chain.sy is not None:
+        sy, zy = _scalar(const(chain.sy)), _scalar(const(chain.zy))
+        out_dtype = str(matches[chain.root].ty.dtype)
+        if sy is None or zy is None or out_dtype not in ("uint8", "int8"):
+            return orig  # per-channel output quantization: the float kernel, then TVM's
+    x = _as_matrix(xq, m, k)
+    if str(xq.ty.dtype) == "int8":
+        # The kernel's A is unsigned: x_q + 128 in [0, 255], and the zero point with it.
+        x = relax.op.astype(relax.op.add(relax.op.astype(x, "int32"),
+                                         relax.const(_S8_SHIFT, "int32")), "uint8")
+        zx += _S8_SHIFT
+
+    # acc - zx colsum(W) is sum_k (x_q - zx) W_q: the zero point folded in per column.
+    colsum = weights.w.astype(np.int64).sum(axis=0)
+    scale = sx * weights.scale  # float64 [N]: real = scale * (acc - zx colsum)
+    per_tensor = bool(np.all(scale == scale[0]))
+    operands: list[np.ndarray]
+    if chain.sy is None:
+        ops = [EpilogueOp("scale", value=float(scale[0])) if per_tensor
+               else EpilogueOp("scale", broadcast="row"), EpilogueOp("bias")]
+        operands = [*([] if per_tensor else [scale.astype(np.float32)]),
+                    (bias - scale * zx * colsum).astype(np.float32)]
+    else:
+        requant = scale / sy
+        ops = [EpilogueOp("bias")]
+        int_bias = np.rint(bias / scale) - zx * colsum
+        if np.abs(int_bias).max(initial=0) >= 2**31:
+            return orig
+        operands = [int_bias.astype(np.int32)]
+        if bool(np.all(requant == requant[0])):
+            ops.append(EpilogueOp("requantize", value=float(requant[0]), zero_point=int(zy),
+                                  dtype=out_dtype))
+        else:
+            ops.append(EpilogueOp("requantize", broadcast="row", zero_point=int(zy),
+                                  dtype=out_dtype))
+            operands.append(requant.astype(np.float32))
+    if chain.relu:  # before requantize (its scale is positive), after the float bias
+        ops.insert(len(ops) - (chain.sy is not None), EpilogueOp("relu"))
+    problem = GemmProblem(m, n, k, "uint8", Epilogue(tuple(ops)))
+
+    config = config_for(problem, target, tuner)
+    name = f"tpp_qdq_dense_{m}x{n}x{k}_{problem.epilogue.name}"
+    sch = schedule(problem, config, machine_of(target).isa)
+    gv = add_kernel(sch.mod["main"], name)
+    args = [x, relax.const(pack_weight(weights.w, config.bn, problem)),
+            *(relax.const(v) for v in operands)]
+    out = relax.call_tir(gv, args, relax.TensorType((m, n), out_dtype))
+    packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
+    report.append(Offload.routed(chain.name(out_dtype), (m, n, k),
+                                 f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch)))
+    out_shape = (*x_shape[:-1], n)
+    return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
+
+
+def _is_transpose(call: relax.Call) -> bool:
+    axes = call.attrs.axes
+    return axes is None or [int(a) for a in axes] == [1, 0]
+
+
+def _activation_problem(xq: relax.Expr, k: int) -> str | None:
+    """Why the quantized activation ``xq`` cannot be the kernel's A for K = ``k`` (or None)."""
+    if not isinstance(xq.ty, relax.TensorType) or str(xq.ty.dtype) not in ("uint8", "int8"):
+        return "activation is not uint8 or int8"
+    shape = static_shape(xq.ty.shape)
+    if shape is None or len(shape) < 2 or shape[-1] != k:
+        return "activation shape is symbolic or not a [.., K] matrix for this weight"
+    return None
+
+
+def _report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
+    """Report each matmul still reading a dequantized constant int8 weight, with the reason."""
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            bound = relax.analysis.get_var2val(func)
+            relax.analysis.post_order_visit(func, lambda e, b=bound: _report_left(e, b, report))
+
+
+def _report_left(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr],
+                 report: list[Offload]) -> None:
+    def value(e: relax.Expr) -> relax.Expr:
+        return bound.get(e, e) if isinstance(e, relax.Var) else e
+
+    if not is_call_to(expr, "relax.matmul"):
+        return
+    x, w = (value(a) for a in expr.args)
+    transposed = is_call_to(w, "relax.permute_dims")
+    if transposed:
+        w = value(w.args[0])
+    if not (is_call_to(w, "relax.dequantize")
+            and all(isinstance(a, relax.Constant) for a in w.args)):
+        return  # not an int8 weight: the float32 passes' matmul
+    wq, sw, zw = (a.value.numpy() for a in w.args)
+    why = _weights(wq, sw, zw, int(w.attrs.axis), transposed)
+    if not isinstance(why, str):
+        why = (_activation_problem(x.args[0], wq.shape[1 - transposed])
+               if is_call_to(x, "relax.dequantize")
+               else "activation is not dequantized from uint8 or int8")
+    report.append(Offload("matmul_qdq", static_shape(expr.ty.shape) or (),
+                          reason=f"{why or 'pattern not matched'}; left dequantized to float32"))
+
+
+def _as_matrix(expr: relax.Expr, rows: int, cols: int) -> relax.Expr:
+    shape = static_shape(expr.ty.shape)
+    return expr if shape == (rows, cols) else relax.op.reshape(expr, (rows, cols))
