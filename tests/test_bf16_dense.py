@@ -108,3 +108,13 @@ def test_float32_is_unchanged():
     explicit = tvm_tpp.compile(model, untuned=True, precision="float32")
     np.testing.assert_array_equal(default.run(**inputs)[0], explicit.run(**inputs)[0])
     assert explicit.report[0].dtypes == "float32*float32->float32"
+
+
+def test_tune_then_compile_in_bf16(tmp_path):
+    """bf16 GEMMs are tuning tasks of their own, which the bf16 build then looks up."""
+    model = make_dense_model(m=64, k=96, n=64)
+    tuned = tvm_tpp.tune(model, work_dir=tmp_path, budget=1.0, top_k=2, precision="bf16")
+    assert [t.problem.dtype for t in tuned] == ["bfloat16"]
+    compiled = tvm_tpp.compile(model, work_dir=tmp_path, precision="bf16")
+    assert compiled.report[0].kernel.endswith(f"[{tuned[0].result.best.spec}]")
+    assert compiled.report[0].dtypes == BF16

@@ -438,7 +438,7 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         ``"float32"``, or ``"bf16"``: the dense layers multiply in bfloat16 with float32
         accumulation (weights rounded and packed at compile time, activations converted
         before each kernel; inputs, outputs, epilogues, convolutions and attention stay
-        float32).  Expect a normwise error vs float32 of about 1e-3 instead of 1e-6.
+        float32).  Expect a normwise error vs float32 of a few 1e-3 instead of 1e-6.
 
     Raises
     ------
