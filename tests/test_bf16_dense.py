@@ -116,5 +116,5 @@ def test_tune_then_compile_in_bf16(tmp_path):
     tuned = tvm_tpp.tune(model, work_dir=tmp_path, budget=1.0, top_k=2, precision="bf16")
     assert [t.problem.dtype for t in tuned] == ["bfloat16"]
     compiled = tvm_tpp.compile(model, work_dir=tmp_path, precision="bf16")
-    assert compiled.report[0].kernel.endswith(f"[{tuned[0].result.best.spec}]")
+    assert f"[{tuned[0].result.best.spec}" in compiled.report[0].kernel
     assert compiled.report[0].dtypes == BF16
