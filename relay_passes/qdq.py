@@ -113,7 +113,9 @@ def _chains() -> list[_Chain]:
                 node = is_op("relax.matmul")(x, w) | is_op("relax.matmul")(x, wt)
                 bias = None
                 if with_bias:
-                    bias = is_const()
+                    # ONNX Runtime's QDQ Gemm keeps its bias as int32 + dequantize.
+                    bias = is_const() | is_op("relax.dequantize")(is_const(), is_const(),
+                                                                  is_const())
                     node = is_op("relax.add")(node, bias) | is_op("relax.add")(bias, node)
                 if relu:
                     node = is_op("relax.nn.relu")(node)
@@ -181,6 +183,25 @@ def _weights(wq: np.ndarray, sw: np.ndarray, zw: np.ndarray, axis: int, transpos
         sw.astype(np.float64).reshape(-1), (n,)).copy())
 
 
+def _constant(expr: relax.Expr) -> np.ndarray:
+    """The float64 value of a constant, or of ``dequantize`` of constants (a quantized bias).
+
+    Examples
+    --------
+    >>> q = relax.const(np.array([3, -2], "int32"))
+    >>> _constant(relax.op.dequantize(q, relax.const(0.5), relax.const(1, "int32"), axis=0))
+    array([ 1. , -1.5])
+    """
+    if isinstance(expr, tvm.ir.expr.Constant):
+        return expr.value.numpy().astype(np.float64)
+    q, scale, zero = (a.value.numpy().astype(np.float64) for a in expr.args)
+    if scale.size != 1:  # per channel along the op's axis
+        axis = int(expr.attrs.axis) % q.ndim
+        shape = [-1 if d == axis else 1 for d in range(q.ndim)]
+        scale, zero = scale.reshape(shape), zero.reshape(shape) if zero.size != 1 else zero
+    return (q - zero) * scale
+
+
 def _scalar(value: np.ndarray) -> float | None:
     return float(value.reshape(-1)[0]) if value.size == 1 else None
 
@@ -205,7 +226,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     x_shape = static_shape(xq.ty.shape)
     k, n = weights.w.shape
     m = int(np.prod(x_shape[:-1]))
-    bias = const(chain.bias).astype(np.float64) if chain.bias is not None else np.zeros(n)
+    bias = _constant(matches[chain.bias]) if chain.bias is not None else np.zeros(n)
     if bias.size != n or bias.shape[-1] != n:
         return orig
     bias = bias.reshape(n)
@@ -299,7 +320,7 @@ def _report_left(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr],
     if transposed:
         w = value(w.args[0])
     if not (is_call_to(w, "relax.dequantize")
-            and all(isinstance(a, relax.Constant) for a in w.args)):
+            and all(isinstance(a, tvm.ir.expr.Constant) for a in w.args)):
         return  # not an int8 weight: the float32 passes' matmul
     wq, sw, zw = (a.value.numpy() for a in w.args)
     why = _weights(wq, sw, zw, int(w.attrs.axis), transposed)

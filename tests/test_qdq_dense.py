@@ -1,0 +1,240 @@
+"""int8 dense layers in QDQ form on the int8 TPP GEMM (relay_passes.qdq), against ONNX Runtime.
+
+Single layers built with onnx.helper (MatMul and Gemm, bias, relu, per-tensor and per-channel
+weights, uint8 and int8 activations, float and quantized outputs, odd sizes) and the bundled
+mlp quantized by onnxruntime.quantization: the pass runs on the imported module (before the
+pipeline's preparation folds the weights' dequantize), then the model is built with the tpp
+target and run against ONNX Runtime on the same quantized model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+from tvm import relax
+
+import tvm_tpp
+from relay_passes.qdq import rewrite_qdq_dense
+from relay_passes.scaffold import Offload, is_call_to
+from tvm_tpp import models
+from tvm_tpp.compiler import import_model
+from tvm_tpp.onnx_import import input_specs
+from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
+from tvm_tpp.tpp_target import target as tpp_target
+
+_ONNX = {"uint8": TensorProto.UINT8, "int8": TensorProto.INT8}
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One QDQ dense layer: ``[Q(] [relu(] op(DQ(Q(x)), DQ(W_q)) [+ b] [)]`` (``out``: the
+    output's quantized type, None for a float output)."""
+
+    op: str  # "MatMul" (W [K, N]) or "Gemm" (transB: W [N, K])
+    x_dtype: str
+    zx: int
+    per_channel: bool
+    bias: bool
+    relu: bool
+    out: str | None
+    m: int = 5
+    k: int = 37
+    n: int = 29
+    zw: int = 0
+
+
+def _layer_model(layer: _Layer, seed: int = 0) -> tuple[onnx.ModelProto, float | None]:
+    """The ONNX model of ``layer`` and its output's quantization step (None: float output).
+
+    The output scale and zero point are fitted to the layer's real output range on seeded
+    inputs (with 0 in it), so that no case saturates."""
+    rng = np.random.default_rng(seed)
+    m, k, n = layer.m, layer.k, layer.n
+    w_shape = (k, n) if layer.op == "MatMul" else (n, k)
+    n_axis = 1 if layer.op == "MatMul" else 0
+    wq = rng.integers(-128, 128, w_shape).astype(np.int8)
+    sw = (rng.uniform(0.002, 0.02, n) if layer.per_channel else np.array(0.01)).astype("float32")
+    zw = np.full(sw.shape, layer.zw, np.int8)
+    sx = np.float32(0.02)
+    b = rng.standard_normal(n).astype("float32")
+    inits = {"wq": wq, "sw": sw, "zw": zw, "sx": sx, "zx": np.array(layer.zx, layer.x_dtype),
+             **({"b": b} if layer.bias else {})}
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["wd"], axis=n_axis)]
+    if layer.op == "Gemm":
+        nodes.append(helper.make_node("Gemm", ["xd", "wd", *(["b"] if layer.bias else [])],
+                                      ["acc"], transB=1))
+    else:
+        nodes.append(helper.make_node("MatMul", ["xd", "wd"], ["mm" if layer.bias else "acc"]))
+        if layer.bias:
+            nodes.append(helper.make_node("Add", ["mm", "b"], ["acc"]))
+    last = "acc"
+    if layer.relu:
+        nodes.append(helper.make_node("Relu", ["acc"], ["act"]))
+        last = "act"
+    step = None
+    if layer.out is not None:
+        real = _real_output(layer, wq, sw, b, rng)
+        info = np.iinfo(layer.out)
+        lo, hi = min(real.min(), 0.0), max(real.max(), 0.0)
+        step = float(np.float32((hi - lo) / (info.max - info.min)))
+        inits["sy"] = np.float32(step)
+        inits["zy"] = np.array(np.clip(round(info.min - lo / step), info.min, info.max),
+                               layer.out)
+        nodes += [helper.make_node("QuantizeLinear", [last, "sy", "zy"], ["yq"]),
+                  helper.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"])]
+    else:
+        nodes[-1].output[0] = "y"
+    graph = helper.make_graph(
+        nodes, "qdq_dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
+        [numpy_helper.from_array(np.asarray(v), name) for name, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return model, step
+
+
+def _real_output(layer: _Layer, wq: np.ndarray, sw: np.ndarray, b: np.ndarray,
+                 rng: np.random.Generator) -> np.ndarray:
+    """The layer's float output on a few inputs drawn as :func:`_inputs` draws them."""
+    info = np.iinfo(layer.x_dtype)
+    x = _inputs(layer, rng, batches=4).reshape(-1, layer.k)
+    xd = (np.clip(np.rint(x / 0.02) + layer.zx, info.min, info.max) - layer.zx) * 0.02
+    w = (wq * sw.reshape(1, -1) if layer.op == "MatMul" else (wq * sw.reshape(-1, 1)).T)
+    y = xd @ w + (b if layer.bias else 0.0)
+    return np.maximum(y, 0.0) if layer.relu else y
+
+
+def _inputs(layer: _Layer, rng: np.random.Generator, batches: int = 1) -> np.ndarray:
+    # Centred on the zero point's real value, so that both sides of it are covered.
+    centre = -0.02 * (layer.zx - np.iinfo(layer.x_dtype).min - 127.5)
+    return (centre + 1.5 * rng.standard_normal((batches, layer.m, layer.k))).astype("float32")
+
+
+def _rewrite_and_compile(model: onnx.ModelProto) -> tuple[relax.Expr, list[Offload],
+                                                           tvm_tpp.CompiledModel]:
+    """The pass on the imported model, then the tpp build (its pipeline prepares the rest)."""
+    mod, _ = import_model(model)
+    report: list[Offload] = []
+    mod = rewrite_qdq_dense(mod, tpp_target("tpp"), report)
+    return mod, report, tvm_tpp.compile(mod, target="tpp")
+
+
+def _check(got: np.ndarray, want: np.ndarray, step: float | None) -> None:
+    """Within one output quantization step where the output is quantized (and equal but for
+    1 % of the values: the kernel's integer chain is exact, only ties may round apart), else
+    1e-2 normwise."""
+    assert np.std(want) > 0, "degenerate case: constant output"
+    if step is None:
+        assert max_errors([got], [want])[1] <= 1e-2
+    else:
+        assert np.max(np.abs(got.astype(np.float64) - want)) <= step * (1 + 1e-6)
+        assert np.mean(got != want) <= 0.01
+
+
+def _assert_int8_kernels(report: list[Offload], count: int) -> None:
+    assert len(report) == count, report
+    for entry in report:
+        assert entry.kernel is not None and entry.kernel.startswith("tpp_qdq_dense_"), entry
+        assert (entry.dtypes, entry.layout) == ("uint8*int8->int32", "vnni4"), entry
+
+
+_LAYERS = {
+    "matmul_u8_zp255_per_channel_bias_relu_u8out":
+        _Layer("MatMul", "uint8", 255, per_channel=True, bias=True, relu=True, out="uint8"),
+    "gemm_s8_zp-128_per_tensor_bias_s8out":
+        _Layer("Gemm", "int8", -128, per_channel=False, bias=True, relu=False, out="int8"),
+    "matmul_u8_zp0_per_tensor_float":
+        _Layer("MatMul", "uint8", 0, per_channel=False, bias=False, relu=False, out=None),
+    "gemm_s8_zp3_per_channel_bias_relu_float":
+        _Layer("Gemm", "int8", 3, per_channel=True, bias=True, relu=True, out=None),
+    "gemm_u8_zp0_per_channel_relu_s8out":
+        _Layer("Gemm", "uint8", 0, per_channel=True, bias=False, relu=True, out="int8",
+               m=3, k=64, n=48),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_LAYERS))
+def test_qdq_layer_matches_onnxruntime(name):
+    layer = _LAYERS[name]
+    model, step = _layer_model(layer)
+    _, report, compiled = _rewrite_and_compile(model)
+    _assert_int8_kernels(report, 1)
+    assert report[0].shape == (layer.m, layer.n, layer.k)
+    assert report[0].op.startswith("matmul_qdq" + "+bias" * layer.bias + "+relu" * layer.relu)
+    rng = np.random.default_rng(7)
+    for _ in range(2):
+        x = _inputs(layer, rng)[0]
+        _check(compiled.run(x=x)[0], run_onnxruntime(model, {"x": x})[0], step)
+
+
+def test_rewritten_call_reads_uint8_x_and_a_vnni4_int8_weight():
+    layer = _LAYERS["gemm_s8_zp-128_per_tensor_bias_s8out"]
+    mod, _ = import_model(_layer_model(layer)[0])
+    mod = rewrite_qdq_dense(mod, tpp_target("tpp"), [])
+    calls, dequantized_constants = [], []
+
+    def visit(expr: relax.Expr) -> None:
+        if is_call_to(expr, "relax.call_tir"):
+            calls.append(expr)
+        if is_call_to(expr, "relax.dequantize") and isinstance(expr.args[0], tvm.ir.expr.Constant):
+            dequantized_constants.append(expr)
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    assert len(calls) == 1 and not dequantized_constants  # W_q is in the kernel's operand
+    x, packed, bias = calls[0].args[1].fields
+    assert str(x.ty.dtype) == "uint8"  # int8 activations shifted into the kernel's A
+    w = packed.value.numpy()
+    # [N/bn, K'/4, bn, 4]: VNNI-4 groups of K zero-padded from 37 to 40
+    assert w.dtype == np.int8 and w.ndim == 4 and w.shape[1] * w.shape[3] == 40
+    assert w.shape[3] == 4 and w.shape[0] * w.shape[2] == layer.n
+    assert bias.value.numpy().dtype == np.int32  # quantized output: the exact int32 chain
+    assert str(calls[0].ty.dtype) == "int8"
+
+
+def test_nonzero_weight_zero_point_is_left_with_a_reason():
+    layer = _Layer("MatMul", "uint8", 0, per_channel=False, bias=True, relu=False, out=None,
+                   zw=1)
+    model, step = _layer_model(layer)
+    _, report, compiled = _rewrite_and_compile(model)
+    assert [(r.op, r.kernel) for r in report] == [("matmul_qdq", None)]
+    assert "weight zero point is not 0" in report[0].reason
+    x = _inputs(layer, np.random.default_rng(3))[0]  # the float path still computes it
+    _check(compiled.run(x=x)[0], run_onnxruntime(model, {"x": x})[0], step)
+
+
+class _RandomReader(CalibrationDataReader):
+    """Calibration on seeded random inputs, as random_inputs draws them."""
+
+    def __init__(self, model: onnx.ModelProto, samples: int = 8) -> None:
+        specs = input_specs(model)
+        self._batches = iter([random_inputs(specs, seed=100 + s) for s in range(samples)])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._batches, None)
+
+
+def test_quantized_mlp_runs_every_matmul_on_int8_kernels(tmp_path):
+    model = models.load("mlp")
+    src, dst = tmp_path / "mlp.onnx", tmp_path / "mlp_qdq.onnx"
+    onnx.save(model, str(src))
+    quantize_static(str(src), str(dst), _RandomReader(model), quant_format=QuantFormat.QDQ,
+                    per_channel=True)
+    quantized = onnx.load(str(dst))
+    matmuls = sum(n.op_type in ("MatMul", "Gemm") for n in quantized.graph.node)
+    _, report, compiled = _rewrite_and_compile(quantized)
+    _assert_int8_kernels(report, matmuls)
+    producers = {out: n for n in quantized.graph.node for out in n.output}
+    last = producers[quantized.graph.output[0].name]
+    assert last.op_type == "DequantizeLinear"
+    step = float(numpy_helper.to_array(
+        next(t for t in quantized.graph.initializer if t.name == last.input[1])))
+    for seed in range(2):
+        inputs = random_inputs(compiled.inputs, seed=seed)
+        _check(compiled.run(**inputs)[0], run_onnxruntime(quantized, inputs)[0], step)
