@@ -178,6 +178,8 @@ def _weights(wq: np.ndarray, sw: np.ndarray, zw: np.ndarray, axis: int, transpos
     n = wq.shape[n_axis]
     if sw.size != 1 and (sw.size != n or axis % 2 != n_axis):
         return "weight scale is not per tensor or per output column"
+    if not np.all(np.isfinite(sw) & (sw > 0)):
+        return "weight scale is not positive"  # the folding divides by it
     w = wq.T if transposed else wq
     return _Weights(np.ascontiguousarray(w), np.broadcast_to(
         sw.astype(np.float64).reshape(-1), (n,)).copy())

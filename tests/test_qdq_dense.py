@@ -47,6 +47,7 @@ class _Layer:
     k: int = 37
     n: int = 29
     zw: int = 0
+    lead: tuple[int, ...] = ()  # leading dimensions of x: [*lead, m, k]
 
 
 def _layer_model(layer: _Layer, seed: int = 0) -> tuple[onnx.ModelProto, float | None]:
@@ -93,8 +94,9 @@ def _layer_model(layer: _Layer, seed: int = 0) -> tuple[onnx.ModelProto, float |
     else:
         nodes[-1].output[0] = "y"
     graph = helper.make_graph(
-        nodes, "qdq_dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
+        nodes, "qdq_dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                        [*layer.lead, m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*layer.lead, m, n])],
         [numpy_helper.from_array(np.asarray(v), name) for name, v in inits.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     return model, step
@@ -114,7 +116,8 @@ def _real_output(layer: _Layer, wq: np.ndarray, sw: np.ndarray, b: np.ndarray,
 def _inputs(layer: _Layer, rng: np.random.Generator, batches: int = 1) -> np.ndarray:
     # Centred on the zero point's real value, so that both sides of it are covered.
     centre = -0.02 * (layer.zx - np.iinfo(layer.x_dtype).min - 127.5)
-    return (centre + 1.5 * rng.standard_normal((batches, layer.m, layer.k))).astype("float32")
+    shape = (batches, *layer.lead, layer.m, layer.k)
+    return (centre + 1.5 * rng.standard_normal(shape)).astype("float32")
 
 
 def _rewrite_and_compile(model: onnx.ModelProto) -> tuple[relax.Expr, list[Offload],
@@ -154,6 +157,9 @@ _LAYERS = {
         _Layer("MatMul", "uint8", 0, per_channel=False, bias=False, relu=False, out=None),
     "gemm_s8_zp3_per_channel_bias_relu_float":
         _Layer("Gemm", "int8", 3, per_channel=True, bias=True, relu=True, out=None),
+    "matmul_rank3_u8_zp128_per_channel_bias_u8out":
+        _Layer("MatMul", "uint8", 128, per_channel=True, bias=True, relu=False, out="uint8",
+               lead=(2,)),
     "gemm_u8_zp0_per_channel_relu_s8out":
         _Layer("Gemm", "uint8", 0, per_channel=True, bias=False, relu=True, out="int8",
                m=3, k=64, n=48),
@@ -166,7 +172,7 @@ def test_qdq_layer_matches_onnxruntime(name):
     model, step = _layer_model(layer)
     _, report, compiled = _rewrite_and_compile(model)
     _assert_int8_kernels(report, 1)
-    assert report[0].shape == (layer.m, layer.n, layer.k)
+    assert report[0].shape == (int(np.prod(layer.lead)) * layer.m, layer.n, layer.k)
     assert report[0].op.startswith("matmul_qdq" + "+bias" * layer.bias + "+relu" * layer.relu)
     rng = np.random.default_rng(7)
     for _ in range(2):
