@@ -77,6 +77,7 @@ class _Chain:
     """One QDQ dense pattern: the root to match and the sub-patterns to read a match by."""
 
     root: DFPattern
+    x_dequantized: DFPattern
     xq: DFPattern
     sx: DFPattern
     zx: DFPattern
@@ -123,7 +124,7 @@ def _chains() -> list[_Chain]:
                 if quantized:
                     sy, zy = is_const(), is_const()
                     node = is_op("relax.quantize")(node, sy, zy)
-                out.append(_Chain(node, xq, sx, zx, wq, sw, zw, w, wt, bias, relu, sy, zy))
+                out.append(_Chain(node, x, xq, sx, zx, wq, sw, zw, w, wt, bias, relu, sy, zy))
     return out
 
 
@@ -221,10 +222,10 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     xq = matches[chain.xq]
     weights = _weights(const(chain.wq), const(chain.sw), const(chain.zw),
                        int(matches[chain.w_dequantized].attrs.axis), chain.w_transposed in matches)
-    sx, zx = _scalar(const(chain.sx)), _scalar(const(chain.zx))
-    if isinstance(weights, str) or _activation_problem(xq, weights.w.shape[0]) or sx is None \
-            or zx is None:
+    if isinstance(weights, str) or _activation_problem(matches[chain.x_dequantized],
+                                                       weights.w.shape[0]):
         return orig
+    sx, zx = (float(const(p).reshape(-1)[0]) for p in (chain.sx, chain.zx))
     x_shape = static_shape(xq.ty.shape)
     k, n = weights.w.shape
     m = int(np.prod(x_shape[:-1]))
@@ -292,10 +293,15 @@ def _is_transpose(call: relax.Call) -> bool:
     return axes is None or [int(a) for a in axes] == [1, 0]
 
 
-def _activation_problem(xq: relax.Expr, k: int) -> str | None:
-    """Why the quantized activation ``xq`` cannot be the kernel's A for K = ``k`` (or None)."""
+def _activation_problem(dequantized: relax.Call, k: int) -> str | None:
+    """Why the activation of ``dequantize(x_q, sx, zx)`` cannot be the kernel's A for K = ``k``
+    (None if it can)."""
+    xq, sx, zx = dequantized.args
     if not isinstance(xq.ty, relax.TensorType) or str(xq.ty.dtype) not in ("uint8", "int8"):
         return "activation is not uint8 or int8"
+    if not all(isinstance(a, tvm.ir.expr.Constant) and a.value.numpy().size == 1
+               for a in (sx, zx)):
+        return "activation is not quantized per tensor with constant scale and zero point"
     shape = static_shape(xq.ty.shape)
     if shape is None or len(shape) < 2 or shape[-1] != k:
         return "activation shape is symbolic or not a [.., K] matrix for this weight"
@@ -327,7 +333,7 @@ def _report_left(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr],
     wq, sw, zw = (a.value.numpy() for a in w.args)
     why = _weights(wq, sw, zw, int(w.attrs.axis), transposed)
     if not isinstance(why, str):
-        why = (_activation_problem(x.args[0], wq.shape[1 - transposed])
+        why = (_activation_problem(x, wq.shape[1 - transposed])
                if is_call_to(x, "relax.dequantize")
                else "activation is not dequantized from uint8 or int8")
     report.append(Offload("matmul_qdq", static_shape(expr.ty.shape) or (),
