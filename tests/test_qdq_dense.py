@@ -22,6 +22,7 @@ from tvm import relax
 import tvm_tpp
 from relay_passes.qdq import rewrite_qdq_dense
 from relay_passes.scaffold import Offload, is_call_to
+from schedules.tuner import TaskCollector
 from tvm_tpp import models
 from tvm_tpp.compiler import import_model
 from tvm_tpp.onnx_import import input_specs
@@ -244,3 +245,33 @@ def test_quantized_mlp_runs_every_matmul_on_int8_kernels(tmp_path):
     for seed in range(2):
         inputs = random_inputs(compiled.inputs, seed=seed)
         _check(compiled.run(**inputs)[0], run_onnxruntime(quantized, inputs)[0], step)
+
+
+def _relax_layer(x_scale: relax.Expr, params: list[relax.Var]) -> tvm.IRModule:
+    """``dequantize(x) @ dequantize(W)`` in Relax, x's scale given (a constant or a param)."""
+    x = params[0]
+    w = np.ones((24, 32), "int8")
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        xf = bb.emit(relax.op.dequantize(x, x_scale, relax.const(0, "uint8")))
+        wf = bb.emit(relax.op.dequantize(relax.const(w), relax.const(0.5), relax.const(0, "int8")))
+        bb.emit_func_output(bb.emit(relax.op.matmul(xf, wf)))
+    return bb.get()
+
+
+def test_computed_activation_scale_is_left_with_a_reason():
+    # What DynamicQuantizeMatMul becomes: x's scale is computed from x at run time.
+    x = relax.Var("x", relax.TensorType((4, 24), "uint8"))
+    scale = relax.Var("scale", relax.TensorType((), "float32"))
+    report: list[Offload] = []
+    rewrite_qdq_dense(_relax_layer(scale, [x, scale]), tpp_target("tpp"), report)
+    assert [(r.op, r.shape, r.kernel) for r in report] == [("matmul_qdq", (4, 32), None)]
+    assert report[0].reason.startswith("activation is not quantized per tensor with constant")
+
+
+def test_tuning_tasks_are_uint8_gemms():
+    x = relax.Var("x", relax.TensorType((4, 24), "uint8"))
+    tasks = TaskCollector()
+    rewrite_qdq_dense(_relax_layer(relax.const(0.1), [x]), tpp_target("tpp"), [], tasks)
+    assert [(key.op, key.shape, key.dtype) for key in tasks.tasks] == [
+        ("dense", (4, 32, 24), "uint8")]
