@@ -251,18 +251,22 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     scale = sx * weights.scale  # float64 [N]: real = scale * (acc - zx colsum)
     per_tensor = bool(np.all(scale == scale[0]))
     operands: list[np.ndarray]
+    # A bias that is all zeros (no bias, zx = 0) is left out: one load per element less.
     if chain.sy is None:
         ops = [EpilogueOp("scale", value=float(scale[0])) if per_tensor
-               else EpilogueOp("scale", broadcast="row"), EpilogueOp("bias")]
-        operands = [*([] if per_tensor else [scale.astype(np.float32)]),
-                    (bias - scale * zx * colsum).astype(np.float32)]
+               else EpilogueOp("scale", broadcast="row")]
+        operands = [] if per_tensor else [scale.astype(np.float32)]
+        float_bias = (bias - scale * zx * colsum).astype(np.float32)
+        if np.any(float_bias):
+            ops.append(EpilogueOp("bias"))
+            operands.append(float_bias)
     else:
         requant = scale / sy
-        ops = [EpilogueOp("bias")]
         int_bias = np.rint(bias / scale) - zx * colsum
         if np.abs(int_bias).max(initial=0) >= 2**31:
             return orig
-        operands = [int_bias.astype(np.int32)]
+        ops, operands = ([EpilogueOp("bias")], [int_bias.astype(np.int32)]) if np.any(
+            int_bias) else ([], [])
         if bool(np.all(requant == requant[0])):
             ops.append(EpilogueOp("requantize", value=float(requant[0]), zero_point=int(zy),
                                   dtype=out_dtype))
