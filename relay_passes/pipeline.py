@@ -27,6 +27,7 @@ from .batch_matmul import rewrite_batch_matmul
 from .conv import rewrite_conv
 from .dense import rewrite_dense
 from .prepare import prepare
+from .qdq import rewrite_qdq_dense
 from .scaffold import Offload
 
 __all__ = ["prepare", "tpp_rewrites", "tpp_pipeline"]
@@ -36,8 +37,8 @@ def tpp_rewrites(
     target: Target, report: list[Offload] | None = None, tuner: Tuner | TaskCollector | None = None,
     precision: str = "float32",
 ) -> tvm.transform.Pass:
-    """Prepare, then route a ``tpp`` target's dense, conv and attention chains to TPP kernels
-    (other targets: preparation only); no lowering.
+    """Route a ``tpp`` target's int8 (QDQ) dense layers, prepare, then route its float dense,
+    conv and attention chains to TPP kernels (other targets: preparation only); no lowering.
 
     ``report`` (if given) receives one :class:`~relay_passes.scaffold.Offload` per matched
     operator: the kernel it became or why it stayed with TVM.  ``tuner`` gives each GEMM,
@@ -49,10 +50,13 @@ def tpp_rewrites(
 
     @tvm.transform.module_pass(opt_level=0, name="TppRewrites")
     def _rewrites(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        mod = prepare()(mod)
         if not is_tpp(target):
-            return mod
+            return prepare()(mod)
         found = report if report is not None else []
+        # Quantized (QDQ) dense layers first: prepare's FoldConstant would fold
+        # dequantize(W_q) into float32 weights and lose the int8 values and their scales.
+        mod = rewrite_qdq_dense(mod, target, found, tuner)
+        mod = prepare()(mod)
         mod = rewrite_dense(mod, target, found, tuner, precision)
         mod = rewrite_conv(mod, target, found, tuner)
         # What dense left: matmuls whose operands both vary.
