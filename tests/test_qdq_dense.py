@@ -15,8 +15,9 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from conftest import RandomCalibration
 from onnx import TensorProto, helper, numpy_helper
-from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+from onnxruntime.quantization import QuantFormat, quantize_static
 from tvm import relax
 
 import tvm_tpp
@@ -25,7 +26,6 @@ from relay_passes.scaffold import Offload, is_call_to
 from schedules.tuner import TaskCollector
 from tvm_tpp import models
 from tvm_tpp.compiler import import_model
-from tvm_tpp.onnx_import import input_specs
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 from tvm_tpp.tpp_target import target as tpp_target
 
@@ -216,22 +216,11 @@ def test_nonzero_weight_zero_point_is_left_with_a_reason():
     _check(compiled.run(x=x)[0], run_onnxruntime(model, {"x": x})[0], step)
 
 
-class _RandomReader(CalibrationDataReader):
-    """Calibration on seeded random inputs, as random_inputs draws them."""
-
-    def __init__(self, model: onnx.ModelProto, samples: int = 8) -> None:
-        specs = input_specs(model)
-        self._batches = iter([random_inputs(specs, seed=100 + s) for s in range(samples)])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._batches, None)
-
-
 def test_quantized_mlp_runs_every_matmul_on_int8_kernels(tmp_path):
     model = models.load("mlp")
     src, dst = tmp_path / "mlp.onnx", tmp_path / "mlp_qdq.onnx"
     onnx.save(model, str(src))
-    quantize_static(str(src), str(dst), _RandomReader(model), quant_format=QuantFormat.QDQ,
+    quantize_static(str(src), str(dst), RandomCalibration(model), quant_format=QuantFormat.QDQ,
                     per_channel=True)
     quantized = onnx.load(str(dst))
     matmuls = sum(n.op_type in ("MatMul", "Gemm") for n in quantized.graph.node)

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 import pytest
+from conftest import RandomCalibration
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import (
-    CalibrationDataReader,
     QuantFormat,
     QuantType,
     quantize_dynamic,
@@ -28,7 +28,6 @@ from onnxruntime.quantization import (
 import tvm_tpp
 from tvm_tpp import models
 from tvm_tpp.errors import ModelError
-from tvm_tpp.onnx_import import input_specs
 from tvm_tpp.quantized import to_qdq
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
@@ -414,17 +413,6 @@ def _conv_net() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-class _RandomReader(CalibrationDataReader):
-    """Calibration on seeded random inputs, as random_inputs draws them."""
-
-    def __init__(self, model: onnx.ModelProto, samples: int = 8) -> None:
-        specs = input_specs(model)
-        self._batches = iter([random_inputs(specs, seed=100 + s) for s in range(samples)])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._batches, None)
-
-
 def _quantize(model: onnx.ModelProto, how: str, tmp_path,
               activations: QuantType = QuantType.QUInt8) -> str:
     """ONNX Runtime's quantization of ``model``: ``"dynamic"``, or static in format ``how``
@@ -434,7 +422,7 @@ def _quantize(model: onnx.ModelProto, how: str, tmp_path,
     if how == "dynamic":
         quantize_dynamic(str(src), str(dst))
     else:
-        quantize_static(str(src), str(dst), _RandomReader(model),
+        quantize_static(str(src), str(dst), RandomCalibration(model),
                         quant_format=getattr(QuantFormat, how), per_channel=True,
                         activation_type=activations)
     return str(dst)
