@@ -5,6 +5,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+# The seeded random calibration reader the quantization tests share is the library's own.
+from tvm_tpp.quantized import RandomCalibration  # noqa: F401
+
 
 def make_dense_model(m: int = 4, k: int = 24, n: int = 40, relu: bool = True,
                      batch_dim: int | str = None, seed: int = 0) -> onnx.ModelProto:
@@ -98,19 +101,3 @@ def amx_emulator(tmp_path_factory):
     for name in ("faults", "configs", "releases"):
         getattr(emu, f"tpp_amx_emu_{name}").restype = ctypes.c_int64
     return emu
-
-
-class RandomCalibration:
-    """An ``onnxruntime.quantization`` calibration reader over seeded random inputs (drawn as
-    :func:`tvm_tpp.reference.random_inputs` draws them): what ``quantize_static`` needs to
-    quantize a bundled network without a data set."""
-
-    def __init__(self, model: onnx.ModelProto, samples: int = 8) -> None:
-        from tvm_tpp.onnx_import import input_specs
-        from tvm_tpp.reference import random_inputs
-
-        specs = input_specs(model)
-        self._batches = iter([random_inputs(specs, seed=100 + s) for s in range(samples)])
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._batches, None)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
@@ -54,7 +55,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .errors import ModelError
 
-__all__ = ["to_qdq"]
+__all__ = ["CALIBRATION_SEED", "RandomCalibration", "is_quantized", "quantize_static_qdq", "to_qdq"]
 
 _MS = "com.microsoft"
 # Per-axis QuantizeLinear/DequantizeLinear (a 1-D scale with an ``axis``) exist from opset 13 on.
@@ -63,6 +64,102 @@ _QDQ_OPSET = 13
 # its name instead of reaching TVM; the three below are the QDQ vocabulary the frontend has.
 _QUANTIZED_PREFIXES = ("QLinear", "QGemm", "QAttention", "QOrdered", "QEmbed", "DynamicQuantize")
 _FRONTEND_QUANTIZED = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
+
+
+#: Seed of the first calibration batch of :func:`quantize_static_qdq` (batch ``s`` is drawn with
+#: ``CALIBRATION_SEED + s``): apart from the benchmark inputs' seeds (0 by default), so a model
+#: is not calibrated on exactly the inputs it is then checked on.
+CALIBRATION_SEED = 100
+
+
+def is_quantized(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has quantized operators (QDQ, QOperator or integer-only nodes).
+
+    Examples
+    --------
+    >>> from tvm_tpp import models
+    >>> is_quantized(models.load("mlp"))
+    False
+    """
+    return any(node.op_type in _FRONTEND_QUANTIZED or _needs_rewrite(node)
+               for node in model.graph.node)
+
+
+class RandomCalibration:
+    """An ``onnxruntime.quantization`` calibration reader over seeded random inputs (drawn as
+    :func:`tvm_tpp.reference.random_inputs` draws them): what ``quantize_static`` needs to
+    quantize a network without a data set.
+
+    Examples
+    --------
+    >>> from tvm_tpp import models
+    >>> reader = RandomCalibration(models.load("mlp"), samples=1)
+    >>> sorted(reader.get_next()), reader.get_next()
+    (['x'], None)
+    """
+
+    def __init__(self, model: onnx.ModelProto, samples: int = 8,
+                 seed: int = CALIBRATION_SEED) -> None:
+        from .onnx_import import input_specs
+        from .reference import random_inputs
+
+        specs = input_specs(model)
+        self._batches = iter([random_inputs(specs, seed=seed + s) for s in range(samples)])
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._batches, None)
+
+
+def quantize_static_qdq(model: onnx.ModelProto | str | Path, path: str | Path, samples: int = 8,
+                        seed: int = CALIBRATION_SEED) -> Path:
+    """Quantize a float model statically into QDQ form, calibrated on seeded random inputs.
+
+    The form the int8 kernels run: ``onnxruntime.quantization.quantize_static`` with
+    ``QuantFormat.QDQ``, per-channel ``QInt8`` weights and ``QUInt8`` activations (u8 x s8,
+    what VNNI's ``vpdpbusd`` multiplies).  Random inputs are no data set: the scales fit
+    standard-normal inputs, which is what the benchmarks feed.
+
+    Parameters
+    ----------
+    model
+        A float ONNX model or its file (its inputs must have static shapes).
+    path
+        Where the quantized model is written.
+    samples
+        Calibration batches; batch ``s`` is ``random_inputs(specs, seed=seed + s)``.
+    seed
+        Seed of the first batch.
+
+    Returns
+    -------
+    Path
+        ``path``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from tvm_tpp import models
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     out = quantize_static_qdq(models.load("mlp"), Path(tmp) / "mlp.int8.onnx", samples=2)
+    ...     is_quantized(onnx.load(str(out)))
+    True
+    """
+    import tempfile
+
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model))
+    path = Path(path)
+    reader = RandomCalibration(model, samples, seed)
+    # quantize_static reads a file; the float model is written next to nothing the caller owns.
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "float.onnx"
+        onnx.save(model, str(source))
+        quantize_static(str(source), str(path), reader, quant_format=QuantFormat.QDQ,
+                        per_channel=True, activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8)
+    return path
 
 
 def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
