@@ -238,7 +238,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         console.print(f"[bold]{name}[/bold]: tuning each GEMM, conv and batch GEMM")
         with console.status("tuning", spinner="dots"):
             tuned += compiler.tune(_model(name, args.batch), args.target, work_dir=work_dir,
-                                   budget=args.budget, on_tuned=on_tuned)
+                                   budget=args.budget, on_tuned=on_tuned,
+                                   precision=args.precision)
     if args.explain:
         _explain(console, tuned)
     console.print(f"tuning database: {Path(work_dir) / compiler.DATABASE} (read by "
@@ -292,7 +293,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             repeat=args.repeat,
             impls=tuple(i.strip() for i in args.impls.split(",") if i.strip()),
             ms_trials=args.ms_trials, work_dir=Path(args.work_dir or default_work_dir()),
-            seed=args.seed, timeout=args.timeout,
+            seed=args.seed, timeout=args.timeout, precision=args.precision,
         )
     except ValueError as err:  # an option out of range
         raise UsageError(str(err)) from None
@@ -368,6 +369,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds of tuning per operator (default: no limit)")
     p.add_argument("--explain", action="store_true",
                    help="show the measurements (next to the cost model's ranking for GEMMs)")
+    p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
+                   help="tune the GEMMs a build of this precision runs (bf16: its dense layers)")
 
     p = add("bench-gemm", cmd_bench_gemm,
             "fp32 GEMM GFLOPS: tpp, tuned tpp, numpy, TVM default, MetaSchedule")
@@ -400,6 +403,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and tuning")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds one implementation may spend building and tuning")
+    # No choices, as for run: a bad value is BenchConfig's one-line error.
+    p.add_argument("--precision", default="float32", metavar="{float32,bf16,int8}",
+                   help="bf16: tpp rows on bf16 dense kernels; int8: every row on a QDQ-quantized "
+                   "model (a float one is quantized with seeded random calibration, cached in "
+                   "the work dir); below float32 a tpp-float32 row is added (default tolerance: "
+                   "bf16 1e-2, int8 3e-2 vs ONNX Runtime on the int8 file)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     return parser
 

@@ -78,7 +78,7 @@ __all__ = ["IMPLS", "BASELINES", "DEFAULT_SHAPES", "ROW_KEYS", "TVM_DEFAULT_LIMI
            "add_arguments", "run", "BenchConfig", "BenchResult", "run_bench", "summary"]
 
 #: Implementations in table order; ``tpp`` and ``tpp-tuned`` always run.
-IMPLS = tuple(i for i in _impls.IMPLS if i != "onnxruntime")
+IMPLS = tuple(i for i in _impls.IMPLS if _impls.supports(i, GemmWorkload(1, 1, 1)))
 #: Baselines ``--against`` may add.
 BASELINES = ("numpy", "tvm-default", "metaschedule")
 #: Square GEMMs, BERT-base (seq 128) projections and FFN, DLRM MLP layers: (M, N, K).

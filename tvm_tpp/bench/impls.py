@@ -2,7 +2,8 @@
 
 ``tpp`` (the TPP kernels with default configurations), ``tpp-tuned`` (configurations the
 TPP tuner measured, in ``work_dir/tuning.json``: the database ``tvm-tpp tune --work-dir`` and
-``tvm_tpp.compile(work_dir=...)`` use), ``numpy`` (``np.matmul``, GEMMs only),
+``tvm_tpp.compile(work_dir=...)`` use), ``tpp-float32`` (``tpp`` on the float32 model: the
+reference a low-precision run compares with), ``numpy`` (``np.matmul``, GEMMs only),
 ``tvm-default`` (TVM's own build without schedules), ``metaschedule`` (TVM's default search
 space, :mod:`tvm_tpp.bench.metaschedule`), ``onnxruntime`` (models only) and the untimed
 ``reference`` (ONNX Runtime's outputs).  :func:`build` gives a :class:`Built`: a function
@@ -19,7 +20,7 @@ Examples
 >>> supports("numpy", GemmWorkload(8, 8, 8)), supports("onnxruntime", GemmWorkload(8, 8, 8))
 (True, False)
 >>> [i for i in IMPLS if supports(i, ModelWorkload("m.onnx", "i.npz", "o.npz", "m_1"))]
-['tpp', 'tpp-tuned', 'tvm-default', 'metaschedule', 'onnxruntime']
+['tpp', 'tpp-tuned', 'tpp-float32', 'tvm-default', 'metaschedule', 'onnxruntime']
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ if TYPE_CHECKING:
 __all__ = ["IMPLS", "Built", "Unavailable", "build", "host_llvm", "supports"]
 
 #: Every implementation, in table order (each benchmark shows those its workload supports).
-IMPLS = ("tpp", "tpp-tuned", "numpy", "tvm-default", "metaschedule", "onnxruntime")
+IMPLS = ("tpp", "tpp-tuned", "tpp-float32", "numpy", "tvm-default", "metaschedule",
+         "onnxruntime")
 
 #: ``say(text)``: progress of a long build, shown by the harness.
 Say = Callable[[str], None]
@@ -118,18 +120,25 @@ def _relax_module(proto, specs):
     return relax.transform.DecomposeOpsForInference()(to_relax(proto, specs))
 
 
+def _compile_precision(job: Job) -> str:
+    """``compile``'s precision for ``job``: int8 is not an option of its own but the model
+    file (QDQ dense layers go to the int8 kernels whatever the precision says)."""
+    return "bf16" if job.precision == "bf16" else "float32"
+
+
 def _model_tpp(job: Job, workload: ModelWorkload, say: Say) -> Built:
     from .. import compiler
 
     proto, _, inputs = workload.load()
     start = time.perf_counter()
     compiled = compiler.compile(proto, target=f"tpp -num-cores={job.threads}",
-                                input_shapes=workload.input_shapes, untuned=True)
+                                input_shapes=workload.input_shapes, untuned=True,
+                                precision=_compile_precision(job))
     routed = sum(1 for o in compiled.report if o.kernel)
     return _vm_built(compiled.executable, inputs, time.perf_counter() - start,
                      target=str(compiled.target),
-                     notes=f"{routed}/{len(compiled.report)} matched operators on TPP kernels"
-                     if compiled.report else "")
+                     notes=f"{job.precision}: {routed}/{len(compiled.report)} matched operators "
+                     "on TPP kernels" if compiled.report else job.precision)
 
 
 def _model_tpp_tuned(job: Job, workload: ModelWorkload, say: Say) -> Built:
@@ -141,11 +150,12 @@ def _model_tpp_tuned(job: Job, workload: ModelWorkload, say: Say) -> Built:
     compiled = compiler.compile(proto, target=f"tpp -num-cores={job.threads}",
                                 input_shapes=workload.input_shapes, tune=True,
                                 tune_budget=job.tune_budget, work_dir=job.work_dir,
-                                on_tuned=lambda problem, result: cached.append(result.cached))
+                                on_tuned=lambda problem, result: cached.append(result.cached),
+                                precision=_compile_precision(job))
     seconds = time.perf_counter() - start - compiled.tune_seconds
     return _vm_built(compiled.executable, inputs, max(seconds, 0.0),
                      tune_seconds=compiled.tune_seconds, target=str(compiled.target),
-                     notes=f"database {Path(job.work_dir) / compiler.DATABASE}: "
+                     notes=f"{job.precision}: database {Path(job.work_dir) / compiler.DATABASE}: "
                      f"{cached.count(False)} operators tuned, {sum(cached)} cached")
 
 
@@ -414,6 +424,8 @@ def _gemm_metaschedule(job: Job, workload: GemmWorkload, say: Say) -> Built:
 _BUILDERS: dict[str, dict[type, Callable[..., Built]]] = {
     "tpp": {ModelWorkload: _model_tpp, GemmWorkload: _gemm_tpp},
     "tpp-tuned": {ModelWorkload: _model_tpp_tuned, GemmWorkload: _gemm_tpp_tuned},
+    # The same build as tpp: the harness gives its job the float32 model and precision.
+    "tpp-float32": {ModelWorkload: _model_tpp},
     "numpy": {GemmWorkload: _gemm_numpy},
     "tvm-default": {ModelWorkload: _model_tvm_default, GemmWorkload: _gemm_tvm_default},
     "metaschedule": {ModelWorkload: _model_metaschedule, GemmWorkload: _gemm_metaschedule},

@@ -10,6 +10,12 @@ The rules that keep the comparison fair:
   machine hits all alike; the median, p10 and p90 of the samples are reported;
 - every output is checked against ONNX Runtime; a row whose normwise relative error exceeds
   the tolerance is ``WRONG`` and is not ranked;
+- with a low ``precision`` (:data:`TOLERANCES`), every implementation runs at it — ``bf16``:
+  the TPP rows build their dense layers on bf16 kernels; ``int8``: all run one QDQ-quantized
+  file (a float model is quantized by :func:`~tvm_tpp.quantized.quantize_static_qdq`, an
+  already quantized one is taken as it is), checked against ONNX Runtime on that file — and
+  the run gets a ``tpp-float32`` row (tpp on the float32 model, checked against ONNX Runtime
+  on it with :data:`TOLERANCE`), so each row is also compared with float32 in the same run;
 - compile and tuning seconds are reported apart from latency (tuning seconds by the one rule
   of :mod:`tvm_tpp.bench.impls`); ``tpp-tuned`` tunes into ``work_dir/tuning.json``, so a
   model tuned there before (by ``tvm-tpp tune --work-dir``) is not tuned again.
@@ -25,6 +31,7 @@ Examples
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shlex
@@ -41,26 +48,43 @@ from microkernels import isa as _isa
 from .. import models
 from ..errors import ModelError
 from ..onnx_import import input_specs, load_onnx
+from ..quantized import is_quantized, quantize_static_qdq
 from ..reference import max_errors, random_inputs
 from . import impls as _impls
 from .progress import Progress
-from .protocol import REFERENCE, Job, TimingError, measure, prepared, start_worker, worker_command
+from .protocol import (
+    PRECISIONS,
+    REFERENCE,
+    Job,
+    TimingError,
+    measure,
+    prepared,
+    start_worker,
+    worker_command,
+)
 from .timing import PAUSE_SECONDS, Plan, SamplingPolicy, turn_order
 from .workers import Worker, WorkerError
 from .workloads import ModelWorkload
 
-__all__ = ["BASELINES", "IMPLS", "STATUSES", "TOLERANCE", "BenchConfig", "Row", "default_work_dir",
-           "judge", "run_bench"]
+__all__ = ["BASELINES", "FLOAT32", "IMPLS", "STATUSES", "TOLERANCE", "TOLERANCES", "BenchConfig",
+           "Row", "default_work_dir", "judge", "run_bench"]
 
 #: The implementations ``tvm-tpp bench`` compares, in table order.
 IMPLS = tuple(i for i in _impls.IMPLS if i != "numpy")
+#: The row a low-precision run adds: tpp on the float32 model (not chosen with ``impls``).
+FLOAT32 = "tpp-float32"
 #: Implementations every other row's speedup is given against, when they were benchmarked.
-BASELINES = ("tvm-default", "metaschedule", "onnxruntime")
+BASELINES = (FLOAT32, "tvm-default", "metaschedule", "onnxruntime")
 #: ``ok``; ``WRONG`` (over tolerance); ``error`` (crash, failure, time-out); ``skipped``
 #: (not available here); ``unchecked`` (ONNX Runtime could not produce a reference).
 STATUSES = ("ok", "WRONG", "error", "skipped", "unchecked")
 #: Largest normwise relative error against ONNX Runtime that still counts as correct.
 TOLERANCE = 1e-4
+#: The default tolerance by precision: bf16 rounds X and W to 8 significant bits (about 1e-3
+#: normwise over long dot products); an int8 model is checked against ONNX Runtime on the same
+#: file, whose fused int8 execution rounds differently from the QDQ graph TVM computes (1.5 to
+#: 2.4 % on the bundled networks; the TPP int8 kernels equal TVM's own QDQ lowering).
+TOLERANCES = {"float32": TOLERANCE, "bf16": 1e-2, "int8": 3e-2}
 
 def default_work_dir() -> Path:
     """Where models, logs and tuning databases go unless ``--work-dir`` says otherwise."""
@@ -91,8 +115,11 @@ class BenchConfig:
         Models, inputs, outputs, worker logs and tuning databases.
     seed
         Seed of the weights of bundled models, of the inputs and of MetaSchedule.
+    precision
+        One of :data:`TOLERANCES`' keys; below float32 the run adds the :data:`FLOAT32` row.
     tolerance
-        Largest normwise relative error against ONNX Runtime that counts as correct.
+        Largest normwise relative error against ONNX Runtime that counts as correct (for the
+        :data:`FLOAT32` row always :data:`TOLERANCE`); default: :data:`TOLERANCES`'.
     timeout
         Seconds a worker may take to build (and tune) before it is killed.
     sample_seconds
@@ -109,17 +136,21 @@ class BenchConfig:
     --------
     >>> BenchConfig(models=("mlp",), impls=("tpp", "onnxruntime")).batches
     (1,)
+    >>> cfg = BenchConfig(models=("mlp",), impls=("onnxruntime", "tpp"), precision="int8")
+    >>> cfg.compared, cfg.tolerance
+    (('tpp', 'tpp-float32', 'onnxruntime'), 0.03)
     """
 
     models: tuple[str, ...]
     batches: tuple[int, ...] = (1,)
     threads: int = field(default_factory=_isa.num_cores)
     repeat: int = 10
-    impls: tuple[str, ...] = IMPLS
+    impls: tuple[str, ...] = tuple(i for i in IMPLS if i != FLOAT32)
     ms_trials: int = 64
     work_dir: Path = field(default_factory=default_work_dir)
     seed: int = 0
-    tolerance: float = TOLERANCE
+    precision: str = "float32"
+    tolerance: float | None = None
     timeout: float = 3600.0
     sample_seconds: float = 0.05
     slow_seconds: float = 1.0
@@ -135,6 +166,14 @@ class BenchConfig:
         object.__setattr__(self, "worker_command", tuple(self.worker_command))
         if not self.models:
             raise ValueError("give at least one model (bundled name or ONNX file)")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {self.precision!r}")
+        if self.tolerance is None:
+            object.__setattr__(self, "tolerance", TOLERANCES[self.precision])
+        if FLOAT32 in self.impls:
+            raise ValueError(f"{FLOAT32} is not chosen: a run with a precision below float32 "
+                             "adds it")
         unknown = [i for i in self.impls if i not in IMPLS]
         if unknown or not self.impls or len(set(self.impls)) != len(self.impls):
             raise ValueError(f"implementations must be distinct names from {', '.join(IMPLS)}; "
@@ -162,13 +201,21 @@ class BenchConfig:
         return SamplingPolicy(samples=self.repeat, sample_seconds=self.sample_seconds,
                               slow_seconds=self.slow_seconds, budget_seconds=self.slow_budget)
 
+    @property
+    def compared(self) -> tuple[str, ...]:
+        """The implementations of the run in table order: ``impls`` (and :data:`FLOAT32`
+        below float32)."""
+        extra = () if self.precision == "float32" else (FLOAT32,)
+        return tuple(i for i in IMPLS if i in (*self.impls, *extra))
+
     def command_line(self) -> str:
         """The ``tvm-tpp bench`` command that reproduces this configuration."""
         words = ["tvm-tpp", "bench", *self.models,
                  "--batch", ",".join(map(str, self.batches)), "--threads", str(self.threads),
                  "--repeat", str(self.repeat), "--impls", ",".join(self.impls),
                  "--ms-trials", str(self.ms_trials), "--work-dir", str(self.work_dir),
-                 "--seed", str(self.seed), "--timeout", f"{self.timeout:g}"]
+                 "--seed", str(self.seed), "--timeout", f"{self.timeout:g}",
+                 "--precision", self.precision]
         return shlex.join(words)
 
 
@@ -218,10 +265,14 @@ class _Case:
     model_path: Path
     input_shapes: dict[str, list[int]] | None
     run_dir: Path
+    #: The float32 model of the FLOAT32 row (None: only a quantized file was given).
+    float_path: Path | None = None
+    precision: str = "float32"
 
     @property
     def key(self) -> str:
-        return f"{self.label}_{self.batch}"
+        # An int8 model is another model: MetaSchedule's databases must not be shared.
+        return f"{self.label}_{self.batch}" + ("_int8" if self.precision == "int8" else "")
 
     @property
     def title(self) -> str:
@@ -262,8 +313,28 @@ def _cases(cfg: BenchConfig) -> list[_Case]:
 
                 onnx.save(proto, str(path))
             np.savez(run_dir / "inputs.npz", **random_inputs(specs, seed=cfg.seed))
-            cases[(label, actual)] = _Case(label, actual, path, shapes, run_dir)
+            model_path, float_path = path, path
+            if cfg.precision == "int8":
+                model_path, float_path = _int8_model(proto, path, run_dir)
+            cases[(label, actual)] = _Case(label, actual, model_path, shapes, run_dir,
+                                           float_path, cfg.precision)
     return list(cases.values())
+
+
+def _int8_model(proto, path: Path, run_dir: Path) -> tuple[Path, Path | None]:
+    """(the int8 model, the float32 one): ``path`` itself when it is quantized already (no
+    float model then), else its QDQ quantization, cached in ``run_dir`` under a hash of the
+    float model (quantizing BERT takes a while; another seed or file is another model)."""
+    if is_quantized(proto):
+        return path, None
+    digest = hashlib.sha256(proto.SerializeToString()).hexdigest()[:16]
+    quantized = run_dir / f"model.int8.{digest}.onnx"
+    if not quantized.exists():
+        # Written under another name first: an interrupted run leaves no half file behind.
+        partial = run_dir / f"{quantized.name}.partial"
+        quantize_static_qdq(proto, partial)
+        partial.replace(quantized)
+    return quantized, path
 
 
 def _batched_shapes(proto, batch: int) -> dict[str, list[int]] | None:
@@ -294,6 +365,7 @@ class _Timed:
     rel_err: float | None
     abs_err: float | None
     problem: str | None
+    ref_error: str | None = None
     samples: list[float] = field(default_factory=list)
     failure: str | None = None
 
@@ -318,15 +390,20 @@ def _outputs(path: Path) -> list[np.ndarray]:
         return [stored[f"out{i}"] for i in range(len(stored.files))]
 
 
-def _workload(case: _Case, impl: str) -> ModelWorkload:
-    return ModelWorkload(str(case.model_path), str(case.run_dir / "inputs.npz"),
-                         str(case.run_dir / f"{impl}.npz"), case.key, case.input_shapes)
+def _workload(case: _Case, impl: str, float_model: bool = False) -> ModelWorkload:
+    """``impl``'s workload: the case's model, or with ``float_model`` its float32 one."""
+    model, name = (case.float_path, f"{impl}-float32") if float_model else (case.model_path, impl)
+    return ModelWorkload(str(model), str(case.run_dir / "inputs.npz"),
+                         str(case.run_dir / f"{name}.npz"), case.key, case.input_shapes)
 
 
-def _start(cfg: BenchConfig, case: _Case, impl: str) -> Worker:
-    job = Job(impl, cfg.threads, str(cfg.work_dir), (_workload(case, impl),), seed=cfg.seed,
-              ms_trials=cfg.ms_trials)
-    return start_worker(cfg.worker_command, job, case.run_dir / "logs" / f"{impl}.log")
+def _start(cfg: BenchConfig, case: _Case, impl: str, float_model: bool = False) -> Worker:
+    float_model = float_model or impl == FLOAT32
+    job = Job(impl, cfg.threads, str(cfg.work_dir), (_workload(case, impl, float_model),),
+              seed=cfg.seed, ms_trials=cfg.ms_trials,
+              precision="float32" if float_model else cfg.precision)
+    log = f"{impl}{'-float32' if float_model and impl != FLOAT32 else ''}.log"
+    return start_worker(cfg.worker_command, job, case.run_dir / "logs" / log)
 
 
 def _setup(cfg: BenchConfig, case: _Case, worker: Worker, progress: Progress, impl: str
@@ -348,10 +425,11 @@ def _setup(cfg: BenchConfig, case: _Case, worker: Worker, progress: Progress, im
     return answer
 
 
-def _reference(cfg: BenchConfig, case: _Case, progress: Progress
+def _reference(cfg: BenchConfig, case: _Case, progress: Progress, float_model: bool = False
                ) -> tuple[list[np.ndarray] | None, str | None]:
-    """ONNX Runtime's outputs, computed in a worker of their own."""
-    worker = _start(cfg, case, REFERENCE)
+    """ONNX Runtime's outputs (on the float32 model with ``float_model``), computed in a
+    worker of their own."""
+    worker = _start(cfg, case, REFERENCE, float_model)
     try:
         answer = _setup(cfg, case, worker, progress, REFERENCE)
     except WorkerError as err:
@@ -359,18 +437,25 @@ def _reference(cfg: BenchConfig, case: _Case, progress: Progress
     worker.close()
     if not answer.get("ok"):
         return None, answer.get("error", "failed")
-    return _outputs(Path(_workload(case, REFERENCE).outputs)), None
+    return _outputs(Path(_workload(case, REFERENCE, float_model).outputs)), None
 
 
 def _bench_case(cfg: BenchConfig, case: _Case, progress: Progress) -> list[Row]:
     base = {"model": case.label, "batch": case.batch, "threads": cfg.threads}
     progress.say(f"{case.title}: ONNX Runtime reference")
-    reference, ref_error = _reference(cfg, case, progress)
+    references = {False: _reference(cfg, case, progress)}
+    if FLOAT32 in cfg.compared and case.float_path != case.model_path:
+        references[True] = ((None, "no float32 model: the file given is quantized")
+                            if case.float_path is None else _reference(cfg, case, progress, True))
     progress.say(f"{case.title}: reference done", advance=1)
     rows: dict[str, Row] = {}
     live: list[_Timed] = []
     try:
-        for impl in cfg.impls:
+        for impl in cfg.compared:
+            reference, ref_error = references.get(impl == FLOAT32, references[False])
+            if impl == FLOAT32 and case.float_path is None:
+                rows[impl] = Row(**base, impl=impl, status="skipped", error=ref_error)
+                continue
             progress.say(f"{case.title}: building {impl}")
             worker = _start(cfg, case, impl)
             try:
@@ -393,9 +478,10 @@ def _bench_case(cfg: BenchConfig, case: _Case, progress: Progress) -> list[Row]:
                 rows[impl] = Row(**base, impl=impl, status="error",
                                  error=f"worker reported no run time: {answer}")
                 continue
-            rel, abs_, problem = _check(Path(_workload(case, impl).outputs), reference)
+            outputs = Path(_workload(case, impl, impl == FLOAT32).outputs)
+            rel, abs_, problem = _check(outputs, reference)
             live.append(_Timed(impl, worker, answer, cfg.sampling.plan(float(run_seconds)),
-                               rel, abs_, problem))
+                               rel, abs_, problem, ref_error))
         _time_round_robin(cfg, case, live, progress)
     except BaseException:  # Ctrl-C or a bug: do not wait for busy workers to finish a sample
         for timed in live:
@@ -405,8 +491,8 @@ def _bench_case(cfg: BenchConfig, case: _Case, progress: Progress) -> list[Row]:
         for timed in live:
             timed.worker.close()
     for timed in live:
-        rows[timed.impl] = _timed_row(base, timed, ref_error)
-    return [rows[impl] for impl in cfg.impls]
+        rows[timed.impl] = _timed_row(base, timed)
+    return [rows[impl] for impl in cfg.compared]
 
 
 def _time_round_robin(cfg: BenchConfig, case: _Case, live: list[_Timed],
@@ -434,7 +520,7 @@ def _time_round_robin(cfg: BenchConfig, case: _Case, live: list[_Timed],
             progress.tick(task)
 
 
-def _timed_row(base: Mapping[str, Any], timed: _Timed, ref_error: str | None) -> Row:
+def _timed_row(base: Mapping[str, Any], timed: _Timed) -> Row:
     answer = timed.answer
     common = dict(base, impl=timed.impl, compile_seconds=answer.get("compile_seconds"),
                   tune_seconds=answer.get("tune_seconds"), max_rel_err=timed.rel_err,
@@ -448,8 +534,9 @@ def _timed_row(base: Mapping[str, Any], timed: _Timed, ref_error: str | None) ->
              "p90_ms": float(np.percentile(ms, 90)), "samples": len(ms)}
     if timed.problem is not None:
         return Row(**common, **stats, status="WRONG", error=timed.problem)
-    if ref_error is not None:
-        return Row(**common, **stats, status="unchecked", error=f"no reference: {ref_error}")
+    if timed.ref_error is not None:
+        return Row(**common, **stats, status="unchecked",
+                   error=f"no reference: {timed.ref_error}")
     return Row(**common, **stats)
 
 
@@ -457,6 +544,8 @@ def judge(rows: Sequence[Row], tolerance: float = TOLERANCE) -> list[Row]:
     """Flag rows over ``tolerance`` as WRONG, then rank the correct ones against the baselines.
 
     Only ``ok`` rows get speedups, and only against baselines that are ``ok`` themselves.
+    The :data:`FLOAT32` row is a float32 build whatever the run's precision: its tolerance is
+    :data:`TOLERANCE`.
 
     Examples
     --------
@@ -469,9 +558,10 @@ def judge(rows: Sequence[Row], tolerance: float = TOLERANCE) -> list[Row]:
     for row in rows:
         if row.status == "ok" and row.max_rel_err is None:
             row = replace(row, status="unchecked", error=row.error or "no error measured")
-        elif row.status == "ok" and not row.max_rel_err <= tolerance:
+        elif row.status == "ok" and not row.max_rel_err <= (
+                limit := TOLERANCE if row.impl == FLOAT32 else tolerance):
             row = replace(row, status="WRONG",
-                          error=f"max rel err {row.max_rel_err:.2e} > tolerance {tolerance:g}")
+                          error=f"max rel err {row.max_rel_err:.2e} > tolerance {limit:g}")
         flagged.append(row)
     ranked = []
     for row in flagged:
@@ -490,7 +580,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Row]:
     """Benchmark every model, batch and implementation of ``cfg``; rows judged and ranked."""
     cases = _cases(cfg)
     rows: list[Row] = []
-    with Progress(progress, total=len(cases) * (1 + len(cfg.impls))) as bar:
+    with Progress(progress, total=len(cases) * (1 + len(cfg.compared))) as bar:
         for case in cases:
             rows += _bench_case(cfg, case, bar)
         bar.say("done")

@@ -45,9 +45,11 @@ from .timing import Plan, Timer, probe_seconds
 from .workers import Worker, WorkerError
 from .workloads import Workload
 
-__all__ = ["PEAK", "REFERENCE", "Job", "main", "measure", "prepared", "reason", "send",
-           "start_worker", "worker_command"]
+__all__ = ["PEAK", "PRECISIONS", "REFERENCE", "Job", "main", "measure", "prepared", "reason",
+           "send", "start_worker", "worker_command"]
 
+#: What a benchmark runs the TPP kernels in (``int8``: a QDQ-quantized model).
+PRECISIONS = ("float32", "bf16", "int8")
 #: The job that only computes ONNX Runtime's reference outputs (not timed).
 REFERENCE = "reference"
 #: The job that measures one core's fp32 FMA peak instead of a workload.
@@ -85,6 +87,10 @@ class Job:
         Report the tuner's model ranking next to its measurements (GEMMs).
     tvm_default_limit
         Seconds one untuned TVM GEMM may take before it is skipped.
+    precision
+        One of :data:`PRECISIONS`: ``bf16`` builds the TPP implementations' dense layers on
+        bf16 kernels; ``int8`` says the model is quantized (its QDQ dense layers go to the
+        int8 kernels by themselves).
     """
 
     impl: str
@@ -97,6 +103,7 @@ class Job:
     tune_budget: float | None = None
     explain: bool = False
     tvm_default_limit: float = 5.0
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         from .impls import IMPLS
@@ -111,6 +118,9 @@ class Job:
             raise ValueError(f"tune_budget must be > 0 seconds, got {self.tune_budget}")
         if not self.tvm_default_limit > 0:
             raise ValueError(f"tvm_default_limit must be > 0, got {self.tvm_default_limit}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
+                             f"got {self.precision!r}")
 
     def to_json(self) -> str:
         fields = asdict(self)

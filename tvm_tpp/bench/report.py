@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from microkernels import isa as _isa
 
-from .networks import BASELINES, BenchConfig, Row
+from .networks import BASELINES, TOLERANCE, BenchConfig, Row
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -195,7 +195,8 @@ def to_json(rows: Sequence[Row], cfg: BenchConfig, wall_seconds: float | None = 
     return {
         "command": cfg.command_line(),
         "host": host_info(),
-        "settings": {"threads": cfg.threads, "repeat": cfg.repeat, "impls": list(cfg.impls),
+        "settings": {"threads": cfg.threads, "repeat": cfg.repeat, "impls": list(cfg.compared),
+                     "precision": cfg.precision,
                      "batches": list(cfg.batches), "ms_trials": cfg.ms_trials,
                      "tolerance": cfg.tolerance, "seed": cfg.seed,
                      "work_dir": str(cfg.work_dir)},
@@ -225,7 +226,7 @@ def _seconds(value: float | None) -> str:
 def _table(rows: Sequence[Row], cfg: BenchConfig) -> tuple[list[str], list[list[str]],
                                                            list[str]]:
     """Header, cells (one list per row) and footnotes of the report."""
-    baselines = [b for b in BASELINES if b in cfg.impls]
+    baselines = [b for b in BASELINES if b in cfg.compared]
     header = ["model", "batch", "impl", "median ms", "p10-p90 ms", "samples",
               *[f"x {b}" for b in baselines], "compile s", "tune s", "rel err", "status"]
     cells, notes = [], []
@@ -251,9 +252,21 @@ def _table(rows: Sequence[Row], cfg: BenchConfig) -> tuple[list[str], list[list[
         f"relative error vs ONNX Runtime over {cfg.tolerance:g} are WRONG and unranked.",
         "compile s = ONNX import + build; tune s = search time in this run (0: found in the "
         "work dir's database), apart from latency.",
+        *_precision_notes(cfg),
         *notes,
     ]
     return header, cells, footnotes
+
+
+def _precision_notes(cfg: BenchConfig) -> list[str]:
+    """What a low-precision run compared (nothing for float32)."""
+    if cfg.precision == "float32":
+        return []
+    what = ("tpp rows: dense layers on bf16 kernels, others as for float32" if cfg.precision
+            == "bf16" else "every row but tpp-float32 runs the QDQ-quantized model, checked "
+            "against ONNX Runtime on that file")
+    return [f"precision {cfg.precision}: {what}; tpp-float32 = tpp on the float32 model "
+            f"(tolerance {TOLERANCE:g} vs ONNX Runtime on it)."]
 
 
 def print_report(rows: Sequence[Row], cfg: BenchConfig, wall_seconds: float | None = None,
@@ -264,7 +277,8 @@ def print_report(rows: Sequence[Row], cfg: BenchConfig, wall_seconds: float | No
 
     file = file or sys.stdout
     header, cells, footnotes = _table(rows, cfg)
-    title = "tvm-tpp bench" + (f" ({wall_seconds:.0f} s)" if wall_seconds is not None else "")
+    title = ("tvm-tpp bench" + ("" if cfg.precision == "float32" else f", {cfg.precision}")
+             + (f" ({wall_seconds:.0f} s)" if wall_seconds is not None else ""))
     table = Table(title=title)
     for name in header:
         table.add_column(name, justify="left" if name in ("model", "impl", "status")
