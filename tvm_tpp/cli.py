@@ -15,6 +15,7 @@ $ tvm-tpp run resnet50 --work-dir resnet_work --report
 $ tvm-tpp run bert --precision bf16 --check onnxruntime   # dense layers in bf16
 $ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
 $ tvm-tpp bench mlp bert --impls tpp,tvm-default,onnxruntime --json bench.json
+$ tvm-tpp bench mlp --precision int8 --impls tpp,onnxruntime   # + tpp-float32, one run
 """
 
 from __future__ import annotations
