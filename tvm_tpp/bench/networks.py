@@ -138,7 +138,7 @@ class BenchConfig:
     (1,)
     >>> cfg = BenchConfig(models=("mlp",), impls=("onnxruntime", "tpp"), precision="int8")
     >>> cfg.compared, cfg.tolerance
-    (('tpp', 'tpp-float32', 'onnxruntime'), 0.03)
+    (('onnxruntime', 'tpp', 'tpp-float32'), 0.03)
     """
 
     models: tuple[str, ...]
@@ -203,10 +203,12 @@ class BenchConfig:
 
     @property
     def compared(self) -> tuple[str, ...]:
-        """The implementations of the run in table order: ``impls`` (and :data:`FLOAT32`
-        below float32)."""
-        extra = () if self.precision == "float32" else (FLOAT32,)
-        return tuple(i for i in IMPLS if i in (*self.impls, *extra))
+        """The implementations of the run in table order: ``impls`` as given, below float32
+        with :data:`FLOAT32` after the TPP rows (next to what it is the float32 of)."""
+        if self.precision == "float32":
+            return self.impls
+        after = max((n + 1 for n, i in enumerate(self.impls) if i.startswith("tpp")), default=0)
+        return (*self.impls[:after], FLOAT32, *self.impls[after:])
 
     def command_line(self) -> str:
         """The ``tvm-tpp bench`` command that reproduces this configuration."""
