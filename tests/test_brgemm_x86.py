@@ -31,8 +31,7 @@ from microkernels.brgemm import (
 )
 
 HOST = _isa.host_flags()
-MCPU = {"avx2": "haswell", "avx512": "skylake-avx512", "avx512_vnni": "cascadelake",
-        "avx_vnni": "alderlake", "avx512_bf16": "znver4"}
+MCPU = {name: chosen.mcpu for name, chosen in _isa.KNOWN.items()}  # each ISA's own CPU
 LAYOUT = {"float32": ("float32", "flat"), "uint8": ("int32", "vnni4"),
           "int8": ("int32", "vnni4"), "bfloat16": ("float32", "vnni2")}
 

@@ -38,8 +38,7 @@ from schedules.ops import OPS
 from schedules.space import Candidate
 
 HOST = isa.host_flags()
-MCPU = {"avx2": "haswell", "avx512": "skylake-avx512", "avx512_vnni": "cascadelake",
-        "avx512_bf16": "znver4", "amx": "sapphirerapids"}
+MCPU = {name: chosen.mcpu for name, chosen in isa.KNOWN.items()}  # each ISA's own CPU
 DEQUANT = Epilogue((EpilogueOp("scale", broadcast="row"), EpilogueOp("bias")))
 REQUANT = Epilogue((EpilogueOp("bias"), EpilogueOp("relu"),
                     EpilogueOp("requantize", value=1 / 4096, zero_point=3, dtype="uint8")))
