@@ -91,6 +91,12 @@ def _cpu() -> tuple[_isa.Isa, frozenset[str]]:
     return _isa.detect(), _isa.host_flags()
 
 
+@functools.cache
+def _caches() -> _isa.Caches:
+    # sysfs does not change either, and machine_of is asked for every operator a pass routes.
+    return _isa.caches()
+
+
 def amx_refused() -> bool:
     """Whether this CPU has AMX tiles but Linux refused this process their state."""
     return "amx_tile" in _cpu()[1] and not _amx.tiles_usable()
@@ -127,7 +133,7 @@ def runs_here(isa: _isa.Isa) -> bool:
 def host(threads: int | None = None) -> Machine:
     """This machine: the richest ISA it may run (:func:`host_isa`), its caches (sysfs), the
     cores this process may use."""
-    return Machine(host_isa(), _isa.caches(),
+    return Machine(host_isa(), _caches(),
                    threads if threads is not None else _isa.num_cores())
 
 
@@ -150,5 +156,5 @@ def machine_of(target: Any) -> Machine:
     if not is_tpp(target):
         raise ValueError(f"not a tpp target: {target}")
     attrs = target.attrs
-    return Machine(_isa.from_name(str(attrs.get("model", ""))), _isa.caches(),
+    return Machine(_isa.from_name(str(attrs.get("model", ""))), _caches(),
                    int(attrs.get("num-cores", 1)), str(attrs.get("mcpu", "")))
