@@ -311,6 +311,31 @@ class Epilogue:
         """dtype of the result for accumulators of ``acc_dtype``; ValueError if ill-typed."""
         return self._dtypes(acc_dtype)[-1]
 
+    def start_dtype(self, acc_dtype: str) -> str:
+        """The dtype the chain starts from for an ``acc_dtype`` accumulator: that dtype, or
+        float32 when the accumulator is int32 and the chain has an op that takes floats only
+        (``scale``: it dequantizes); the whole chain then works on float32.
+
+        Examples
+        --------
+        >>> Epilogue((EpilogueOp("scale", value=0.5),)).start_dtype("int32")
+        'float32'
+        >>> Epilogue((EpilogueOp("bias"),)).start_dtype("int32")
+        'int32'
+        """
+        try:
+            self.out_dtype(acc_dtype)
+            return acc_dtype
+        except ValueError:
+            if acc_dtype == "float32":
+                raise
+            try:
+                self.out_dtype("float32")
+            except ValueError:
+                raise ValueError(f"epilogue {self.name!r} takes neither the int32 "
+                                 f"accumulator nor its float32 value") from None
+            return "float32"
+
     def inputs(self, acc_dtype: str = "float32") -> tuple[Operand, ...]:
         """Extra tensors the chain reads, in op order (``Operand.shape(m, n)`` gives shapes)."""
         dtypes = self._dtypes(acc_dtype)

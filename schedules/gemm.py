@@ -200,21 +200,8 @@ class GemmProblem:
 
     @property
     def epilogue_dtype(self) -> str:
-        """The dtype the epilogue starts from: the accumulator's, or float32 when the
-        accumulator is int32 and the chain has an op that takes floats only (``scale``:
-        it dequantizes); the whole chain then works on float32."""
-        try:
-            self.epilogue.out_dtype(self.acc_dtype)
-            return self.acc_dtype
-        except ValueError:
-            if self.acc_dtype == "float32":
-                raise
-            try:
-                self.epilogue.out_dtype("float32")
-            except ValueError:
-                raise ValueError(f"epilogue {self.epilogue.name!r} takes neither the int32 "
-                                 f"accumulator nor its float32 value") from None
-            return "float32"
+        """The dtype the epilogue starts from (:meth:`Epilogue.start_dtype`)."""
+        return self.epilogue.start_dtype(self.acc_dtype)
 
     @property
     def out_dtype(self) -> str:
