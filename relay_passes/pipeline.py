@@ -26,6 +26,7 @@ from schedules.tuner import TaskCollector, Tuner
 from .batch_matmul import rewrite_batch_matmul
 from .conv import rewrite_conv
 from .dense import rewrite_dense
+from .keep_int8 import keep_int8
 from .prepare import prepare
 from .qdq import rewrite_qdq_dense
 from .scaffold import Offload
@@ -53,9 +54,10 @@ def tpp_rewrites(
         if not is_tpp(target):
             return prepare()(mod)
         found = report if report is not None else []
-        # Quantized (QDQ) dense layers first: prepare's FoldConstant would fold
-        # dequantize(W_q) into float32 weights and lose the int8 values and their scales.
-        mod = rewrite_qdq_dense(mod, target, found, tuner)
+        # Quantized (QDQ) layers first: prepare's FoldConstant would fold dequantize(W_q)
+        # into float32 weights and lose the int8 values and their scales.  Before them, the
+        # round trips through float32 around data movement go, so the kernels read integers.
+        mod = rewrite_qdq_dense(keep_int8(mod), target, found, tuner)
         mod = prepare()(mod)
         mod = rewrite_dense(mod, target, found, tuner, precision)
         mod = rewrite_conv(mod, target, found, tuner)

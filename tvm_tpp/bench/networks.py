@@ -48,7 +48,7 @@ from microkernels import isa as _isa
 from .. import models
 from ..errors import ModelError
 from ..onnx_import import input_specs, load_onnx
-from ..quantized import is_quantized, quantize_static_qdq
+from ..quantized import RECIPE, is_quantized, quantize_static_qdq
 from ..reference import max_errors, random_inputs
 from . import impls as _impls
 from .progress import Progress
@@ -329,7 +329,7 @@ def _int8_model(proto, path: Path, run_dir: Path) -> tuple[Path, Path | None]:
     float model (quantizing BERT takes a while; another seed or file is another model)."""
     if is_quantized(proto):
         return path, None
-    digest = hashlib.sha256(proto.SerializeToString()).hexdigest()[:16]
+    digest = hashlib.sha256(proto.SerializeToString() + RECIPE.encode()).hexdigest()[:16]
     quantized = run_dir / f"model.int8.{digest}.onnx"
     if not quantized.exists():
         # Written under another name first: an interrupted run leaves no half file behind.
