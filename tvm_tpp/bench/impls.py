@@ -2,8 +2,10 @@
 
 ``tpp`` (the TPP kernels with default configurations), ``tpp-tuned`` (configurations the
 TPP tuner measured, in ``work_dir/tuning.json``: the database ``tvm-tpp tune --work-dir`` and
-``tvm_tpp.compile(work_dir=...)`` use), ``tpp-float32`` (``tpp`` on the float32 model: the
-reference a low-precision run compares with), ``numpy`` (``np.matmul``, GEMMs only),
+``tvm_tpp.compile(work_dir=...)`` use), ``tpp-float32`` (``tpp`` on the float32 model or GEMM: the
+reference a low-precision run compares with), ``numpy`` (GEMMs only: ``np.matmul``; on an
+int8 or bfloat16 GEMM, which numpy cannot multiply in those units, PyTorch's CPU matmul
+(oneDNN) if ``torch`` imports: ``bench-gemm``'s ``torch`` row),
 ``tvm-default`` (TVM's own build without schedules), ``metaschedule`` (TVM's default search
 space, :mod:`tvm_tpp.bench.metaschedule`), ``onnxruntime`` (models only) and the untimed
 ``reference`` (ONNX Runtime's outputs).  :func:`build` gives a :class:`Built`: a function
@@ -40,7 +42,8 @@ from .workloads import GemmWorkload, ModelWorkload, Workload
 if TYPE_CHECKING:
     from .protocol import Job
 
-__all__ = ["IMPLS", "Built", "Unavailable", "build", "host_llvm", "supports"]
+__all__ = ["IMPLS", "NATIVE_FEATURES", "Built", "Unavailable", "build", "gemm_problem",
+           "host_llvm", "native_feature", "supports"]
 
 #: Every implementation, in table order (each benchmark shows those its workload supports).
 IMPLS = ("tpp", "tpp-tuned", "tpp-float32", "numpy", "tvm-default", "metaschedule",
@@ -295,49 +298,92 @@ def _gemm_args(x: np.ndarray, w: np.ndarray) -> list:
             tvm.runtime.empty((x.shape[0], w.shape[1]), "float32")]
 
 
+#: The CPU features that multiply a low-precision GEMM dtype in its own units (dot products of
+#: int8 or bf16 pairs); an ISA with none of them runs that dtype's kernel as an emulation.
+NATIVE_FEATURES: dict[str, tuple[str, ...]] = {
+    "int8": ("amx_int8", "avx512_vnni", "avx_vnni", "i8mm"),
+    "bfloat16": ("amx_bf16", "avx512_bf16", "bf16"),
+}
+
+
+def native_feature(isa, dtype: str) -> str | None:
+    """The first of :data:`NATIVE_FEATURES` ``isa`` (a :class:`microkernels.isa.Isa`) has for
+    a GEMM ``dtype`` (float32: ``"fma"``); None when its kernel emulates the dtype.
+
+    >>> from microkernels.isa import from_name
+    >>> native_feature(from_name("avx512_bf16"), "int8"), native_feature(from_name("avx2"),
+    ...                                                                  "bfloat16")
+    ('avx512_vnni', None)
+    """
+    if dtype == "float32":
+        return "fma"
+    return next((f for f in NATIVE_FEATURES[dtype] if isa.has(f)), None)
+
+
+def gemm_problem(workload: GemmWorkload):
+    """The :class:`schedules.gemm.GemmProblem` of ``workload`` (int8: uint8 X, int8 W)."""
+    from schedules.gemm import GemmProblem
+
+    dtype = {"float32": "float32", "int8": "uint8", "bfloat16": "bfloat16"}[workload.dtype]
+    return GemmProblem(workload.m, workload.n, workload.k, dtype=dtype)
+
+
 def _tpp_gemm(job: Job, workload: GemmWorkload, config, target, **details: Any) -> Built:
     """The loop_spec GEMM of ``config``; ``W`` is packed outside the timing (as a model's
     constant weights are)."""
     import tvm
 
+    from microkernels import isa as _isa
     from microkernels.brgemm import BrgemmShape, find_impl
     from microkernels.machine import machine_of
-    from schedules.gemm import GemmProblem, pack_weight, schedule
+    from schedules.gemm import pack_weight, schedule
 
-    m, n, k = workload.m, workload.n, workload.k
+    m, n = workload.m, workload.n
+    problem = gemm_problem(workload)
     isa = machine_of(target).isa
-    executable = tvm.compile(schedule(GemmProblem(m, n, k), config, isa).mod, target=target)
+    executable = tvm.compile(schedule(problem, config, isa).mod, target=target)
+    kernel_isa = isa.name
+    if problem.dtype == "bfloat16" and isa.has("amx_tile") and (
+            config.pack_a is not None or problem.padded_k != problem.k):
+        kernel_isa = _isa.from_name(isa.name).parent  # as schedule() does: no tiles on a copy
     kernel, _ = find_impl(BrgemmShape(m=config.bm, n=config.bn, k=config.bk,
-                                      batch=config.k_step, isa=isa.name))
+                                      batch=config.k_step, dtype_a=problem.dtype,
+                                      dtype_acc=problem.acc_dtype, layout=problem.layout,
+                                      isa=kernel_isa))
     steps = dict(config.candidate.block_steps)
     note = (f"{kernel} kernel, bm x bn x bk x k_step {config.bm}x{config.bn}x{config.bk}"
             f"x{config.k_step} {config.spec}{' ' + str(steps) if steps else ''}"
             f"{'' if config.pack_a is None else f' A packed at depth {config.pack_a}'}")
+    if workload.dtype != "float32":
+        feature = native_feature(isa, workload.dtype)
+        units = (f"{problem.dtype} x {problem.weight_dtype} -> {problem.out_dtype}")
+        note = f"{units} " + (f"on {feature}" if feature else
+                              f"EMULATED ({isa.name} lacks "
+                              f"{'/'.join(NATIVE_FEATURES[workload.dtype])})") + f"; {note}"
     details["notes"] = "; ".join(filter(None, (details.get("notes"), note)))
     x, w = workload.operands(job.seed)
-    args = [tvm.runtime.tensor(x), tvm.runtime.tensor(pack_weight(w, config.bn)),
-            tvm.runtime.empty((m, n), "float32")]
+    args = [tvm.runtime.tensor(x), tvm.runtime.tensor(pack_weight(w, config.bn, problem)),
+            tvm.runtime.empty((m, n), problem.out_dtype)]
     return _executable_built(executable, args, target=str(target), **details)
 
 
 def _gemm_tpp(job: Job, workload: GemmWorkload, say: Say) -> Built:
     from microkernels.machine import machine_of
-    from schedules.gemm import GemmProblem, default_config
+    from schedules.gemm import default_config
 
     target = _tpp_target(job.threads)
-    config = default_config(GemmProblem(workload.m, workload.n, workload.k), machine_of(target))
+    config = default_config(gemm_problem(workload), machine_of(target))
     return _tpp_gemm(job, workload, config, target)
 
 
 def _gemm_tpp_tuned(job: Job, workload: GemmWorkload, say: Say) -> Built:
-    from schedules.gemm import GemmProblem
     from schedules.tuner import OPS, Database, Measurement, TuningKey, tune
 
     from ..compiler import DATABASE
     from .report import explanation
 
     target = _tpp_target(job.threads)
-    problem = GemmProblem(workload.m, workload.n, workload.k)
+    problem = gemm_problem(workload)
     database = Database(Path(job.work_dir) / DATABASE)
     result = tune(problem, target, database=database, top_k=job.top_k,
                   budget_seconds=job.tune_budget,
@@ -361,6 +407,8 @@ def _gemm_tpp_tuned(job: Job, workload: GemmWorkload, say: Say) -> Built:
 
 
 def _gemm_numpy(job: Job, workload: GemmWorkload, say: Say) -> Built:
+    if workload.dtype != "float32":
+        return _gemm_torch(job, workload, say)
     x, w = workload.operands(job.seed)
     out = np.empty((workload.m, workload.n), "float32")
 
@@ -374,7 +422,71 @@ def _gemm_numpy(job: Job, workload: GemmWorkload, say: Say) -> Built:
                        f"{blas.get('version', '')}".strip())
 
 
+def _gemm_torch(job: Job, workload: GemmWorkload, say: Say) -> Built:
+    """PyTorch's CPU matmul in the workload's units: bf16 ``torch.matmul`` (bf16 out,
+    float32 accumulation), int8 ``torch._int_mm`` (s8 x s8 -> s32) on ``X - 128`` with
+    ``128 * colsum(W)`` added back outside the timing (a constant of the weights, as oneDNN's
+    own u8 compensation is).
+
+    Raises
+    ------
+    Unavailable
+        ``torch`` does not import, or its int8 matmul does not run on this CPU.
+    """
+    try:
+        import torch
+    except ImportError:
+        raise Unavailable("torch not installed") from None
+    torch.set_num_threads(job.threads)
+    x, w = workload.operands(job.seed)
+    version = f"torch {torch.__version__}"
+    if workload.dtype == "bfloat16":
+        tx = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)  # exact: bf16 values
+        tw = torch.from_numpy(w.astype(np.float32)).to(torch.bfloat16)
+        ty = torch.empty((workload.m, workload.n), dtype=torch.bfloat16)
+
+        def matmul() -> None:
+            torch.matmul(tx, tw, out=ty)
+
+        def run() -> list[np.ndarray]:
+            matmul()
+            return [ty.float().numpy()]
+
+        return Built(run, loop_timer(matmul),
+                     notes=f"{version} matmul bf16 x bf16 -> bf16 (oneDNN "
+                           f"{'on' if torch.backends.mkldnn.is_available() else 'off'})")
+    if not hasattr(torch, "_int_mm"):
+        raise Unavailable(f"{version} has no torch._int_mm")
+    xs = torch.from_numpy((x.astype(np.int16) - 128).astype(np.int8))
+    tw = torch.from_numpy(np.ascontiguousarray(w))
+    compensation = 128 * w.astype(np.int64).sum(axis=0)
+    try:
+        ty = torch._int_mm(xs, tw)  # CPU support and shape limits vary by version
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        from .protocol import reason
+
+        raise Unavailable(f"{version} torch._int_mm fails on CPU here: {reason(err)}") from None
+    try:
+        torch._int_mm(xs, tw, out=ty)
+
+        def matmul() -> None:
+            torch._int_mm(xs, tw, out=ty)
+    except (RuntimeError, TypeError):  # no out= variant: the result is allocated per run
+        def matmul() -> None:
+            torch._int_mm(xs, tw)
+
+    def run() -> list[np.ndarray]:
+        y = torch._int_mm(xs, tw).numpy().astype(np.int64) + compensation
+        return [y.astype(np.int32)]
+
+    return Built(run, loop_timer(matmul),
+                 notes=f"{version} _int_mm s8 x s8 -> s32 on X - 128; + 128 colsum(W) "
+                       "outside the timing")
+
+
 def _gemm_tvm_default(job: Job, workload: GemmWorkload, say: Say) -> Built:
+    if workload.dtype != "float32":
+        raise Unavailable(f"float32 GEMMs only, not {workload.dtype}")
     import tvm
 
     m, n, k = workload.m, workload.n, workload.k
@@ -396,6 +508,8 @@ def _gemm_tvm_default(job: Job, workload: GemmWorkload, say: Say) -> Built:
 
 
 def _gemm_metaschedule(job: Job, workload: GemmWorkload, say: Say) -> Built:
+    if workload.dtype != "float32":
+        raise Unavailable(f"float32 GEMMs only, not {workload.dtype}")
     _needs_metaschedule()
     import tvm
     from tvm.s_tir import meta_schedule as ms
@@ -424,8 +538,9 @@ def _gemm_metaschedule(job: Job, workload: GemmWorkload, say: Say) -> Built:
 _BUILDERS: dict[str, dict[type, Callable[..., Built]]] = {
     "tpp": {ModelWorkload: _model_tpp, GemmWorkload: _gemm_tpp},
     "tpp-tuned": {ModelWorkload: _model_tpp_tuned, GemmWorkload: _gemm_tpp_tuned},
-    # The same build as tpp: the harness gives its job the float32 model and precision.
-    "tpp-float32": {ModelWorkload: _model_tpp},
+    # The same build as tpp: the harness gives its job the float32 model and precision, or
+    # the float32 GEMMs.
+    "tpp-float32": {ModelWorkload: _model_tpp, GemmWorkload: _gemm_tpp},
     "numpy": {GemmWorkload: _gemm_numpy},
     "tvm-default": {ModelWorkload: _model_tvm_default, GemmWorkload: _gemm_tvm_default},
     "metaschedule": {ModelWorkload: _model_metaschedule, GemmWorkload: _gemm_metaschedule},
