@@ -246,37 +246,13 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
                                          relax.const(_S8_SHIFT, "int32")), "uint8")
         zx += _S8_SHIFT
 
-    # acc - zx colsum(W) is sum_k (x_q - zx) W_q: the zero point folded in per column.
-    colsum = weights.w.astype(np.int64).sum(axis=0)
-    scale = sx * weights.scale  # float64 [N]: real = scale * (acc - zx colsum)
-    per_tensor = bool(np.all(scale == scale[0]))
-    operands: list[np.ndarray]
-    # A bias that is all zeros (no bias, zx = 0) is left out: one load per element less.
-    if chain.sy is None:
-        ops = [EpilogueOp("scale", value=float(scale[0])) if per_tensor
-               else EpilogueOp("scale", broadcast="row")]
-        operands = [] if per_tensor else [scale.astype(np.float32)]
-        float_bias = (bias - scale * zx * colsum).astype(np.float32)
-        if np.any(float_bias):
-            ops.append(EpilogueOp("bias"))
-            operands.append(float_bias)
-    else:
-        requant = scale / sy
-        int_bias = np.rint(bias / scale) - zx * colsum
-        if np.abs(int_bias).max(initial=0) >= 2**31:
-            return orig
-        ops, operands = ([EpilogueOp("bias")], [int_bias.astype(np.int32)]) if np.any(
-            int_bias) else ([], [])
-        if bool(np.all(requant == requant[0])):
-            ops.append(EpilogueOp("requantize", value=float(requant[0]), zero_point=int(zy),
-                                  dtype=out_dtype))
-        else:
-            ops.append(EpilogueOp("requantize", broadcast="row", zero_point=int(zy),
-                                  dtype=out_dtype))
-            operands.append(requant.astype(np.float32))
-    if chain.relu:  # before requantize (its scale is positive), after the float bias
-        ops.insert(len(ops) - (chain.sy is not None), EpilogueOp("relu"))
-    problem = GemmProblem(m, n, k, "uint8", Epilogue(tuple(ops)))
+    output = None if chain.sy is None else _Output(sy, int(zy), out_dtype)
+    folded = _folded_epilogue(sx * weights.scale, zx, weights.w.astype(np.int64).sum(axis=0),
+                              bias, chain.relu, output)
+    if folded is None:
+        return orig
+    epilogue, operands = folded
+    problem = GemmProblem(m, n, k, "uint8", epilogue)
 
     config = config_for(problem, target, tuner)
     name = f"tpp_qdq_dense_{m}x{n}x{k}_{problem.epilogue.name}"
@@ -290,6 +266,70 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
                                  f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch)))
     out_shape = (*x_shape[:-1], n)
     return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
+
+
+@dataclass(frozen=True)
+class _Output:
+    """The quantization of a kernel's output: ``quantize(y, scale, zero_point)`` to dtype."""
+
+    scale: float
+    zero_point: int
+    dtype: str
+
+
+def _folded_epilogue(scale: np.ndarray, zx: int, colsum: np.ndarray, bias: np.ndarray,
+                     relu: bool, output: _Output | None
+                     ) -> tuple[Epilogue, list[np.ndarray]] | None:
+    """The epilogue (and its operands) turning the int32 ``acc = sum_k x_q W_q`` of a layer
+    into its QDQ result, the activation's zero point folded in per output column:
+    ``sum_k (x_q - zx) W_q = acc - zx colsum[n]``.
+
+    ``scale[n]`` is ``sx sw[n]`` (real = scale * folded acc), ``bias`` the float bias.  A float
+    output gets ``scale``, then the float ``bias`` ``b[n] - scale[n] zx colsum[n]``, then
+    ``relu``; a quantized one the int32 ``bias`` ``round(b[n] / scale[n]) - zx colsum[n]``,
+    ``relu`` and ``requantize`` by ``scale[n] / sy`` to ``zy``, all on the exact int32.  An
+    all-zero bias is left out (one load per element less).  None when the int32 bias would
+    overflow.
+
+    Examples
+    --------
+    >>> epi, operands = _folded_epilogue(np.array([0.5, 0.5]), 3, np.array([2, -1]),
+    ...                                  np.zeros(2), True, None)
+    >>> epi.name, operands
+    ('scale_bias_relu', [array([-3. ,  1.5], dtype=float32)])
+    """
+    per_tensor = bool(np.all(scale == scale[0]))
+    operands: list[np.ndarray] = []
+    if output is None:
+        ops = [EpilogueOp("scale", value=float(scale[0])) if per_tensor
+               else EpilogueOp("scale", broadcast="row")]
+        if not per_tensor:
+            operands.append(scale.astype(np.float32))
+        float_bias = (bias - scale * zx * colsum).astype(np.float32)
+        if np.any(float_bias):
+            ops.append(EpilogueOp("bias"))
+            operands.append(float_bias)
+        if relu:
+            ops.append(EpilogueOp("relu"))
+        return Epilogue(tuple(ops)), operands
+    requant = scale / output.scale
+    int_bias = np.rint(bias / scale) - zx * colsum
+    if np.abs(int_bias).max(initial=0) >= 2**31:
+        return None
+    ops = []
+    if np.any(int_bias):
+        ops.append(EpilogueOp("bias"))
+        operands.append(int_bias.astype(np.int32))
+    if relu:  # before requantize: its scale is positive
+        ops.append(EpilogueOp("relu"))
+    if bool(np.all(requant == requant[0])):
+        ops.append(EpilogueOp("requantize", value=float(requant[0]),
+                              zero_point=output.zero_point, dtype=output.dtype))
+    else:
+        ops.append(EpilogueOp("requantize", broadcast="row", zero_point=output.zero_point,
+                              dtype=output.dtype))
+        operands.append(requant.astype(np.float32))
+    return Epilogue(tuple(ops)), operands
 
 
 def _is_transpose(call: relax.Call) -> bool:
