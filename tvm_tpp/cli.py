@@ -322,7 +322,7 @@ def _parser() -> argparse.ArgumentParser:
         return p
 
     def model_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("model", help="ONNX file or bundled model: mlp, resnet_small, bert, or "
+        p.add_argument("model", help="ONNX file or bundled model: mlp, resnet_small, bert, mobilenet_v2, or "
                        "an architecture shipped in onnx (resnet50, squeezenet, vgg19, ...)")
         p.add_argument("--target", default="tpp", help='"tpp" (host) or "tpp -isa=NAME"')
         p.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
@@ -374,7 +374,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="tune the GEMMs a build of this precision runs (bf16: its dense layers)")
 
     p = add("bench-gemm", cmd_bench_gemm,
-            "fp32 GEMM GFLOPS: tpp, tuned tpp, numpy, TVM default, MetaSchedule")
+            "GEMM GFLOPS (--dtype float32) or GOPS (int8, bfloat16: x tpp-float32, % of "
+            "the dtype's peak): tpp, tuned tpp, numpy, torch, TVM default, MetaSchedule")
     from .bench.gemm import add_arguments
 
     add_arguments(p)

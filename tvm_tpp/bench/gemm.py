@@ -1,6 +1,7 @@
-"""``tvm-tpp bench-gemm``: fp32 GEMM throughput of the TPP schedules against baselines.
+"""``tvm-tpp bench-gemm``: GEMM throughput of the TPP schedules against baselines.
 
-``Y[M, N] = X[M, K] @ W[K, N]`` in float32, for each shape and thread count, by:
+``Y[M, N] = X[M, K] @ W[K, N]`` in float32 (``--dtype``, the default), for each shape and
+thread count, by:
 
 - ``tpp`` — the loop_spec template with the default heuristic configuration
   (:func:`schedules.blocking.default_config`);
@@ -12,6 +13,20 @@
   run on a few rows, are skipped and say so);
 - ``metaschedule`` — TVM's default MetaSchedule space on the plain matmul, ``--ms-trials``
   trials, one database per shape and thread count in the work directory (reused when warm).
+
+``--dtype int8`` (uint8 X x int8 W -> int32 Y, no epilogue) and ``--dtype bfloat16`` (bf16 X
+and W -> float32 Y) time the low-precision GEMMs of the same shapes (:class:`~tvm_tpp.bench.
+workloads.GemmWorkload`): ``tpp`` and ``tpp-tuned`` in that dtype (on AMX, where this process
+may run it, with the tile-shaped default blocks; where the ISA has no instruction for the
+dtype the kernel is an emulation and the notes say so), ``tpp-float32`` (``tpp`` on the
+float32 GEMM: ``ratio_to_fp32`` is every row's GOPS over its GFLOPS), ``numpy`` (float32, as
+above) and ``torch``: PyTorch's CPU matmul in the same units (bf16 ``torch.matmul``, int8
+``torch._int_mm``), a skipped row where ``torch`` does not import (it is optional).  int8
+rows must equal the int64 product exactly, bf16 rows the float64 product of the rounded
+operands within bf16 rounding; a row that fails its check is an error row.  GOPS count
+``2 M N K`` operations as GFLOPS do; ``fraction_of_dtype_peak`` divides by ``threads x`` the
+ISA's peak in the dtype (:func:`dtype_peak`: AMX tiles, VNNI, AVX512-BF16), next to
+``fraction_of_peak`` of the fp32 FMA peak.
 
 Tuning seconds follow the one rule of :mod:`tvm_tpp.bench.impls`: the search this run did
 (0 for a warm database).  Each implementation runs in a persistent worker process of its own
@@ -44,6 +59,7 @@ Examples
 --------
 $ tvm-tpp bench-gemm --threads 1,2 --against numpy,tvm-default --json gemm.json
 $ tvm-tpp bench-gemm --shapes 512x512x512 --against metaschedule --ms-trials 64 --explain
+$ tvm-tpp bench-gemm --dtype bfloat16 --shapes 128x768x768 --threads 1 --against numpy,torch
 """
 
 from __future__ import annotations
@@ -52,11 +68,14 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from microkernels import amx as _amx
 
 from ..errors import UsageError
 from . import impls as _impls
@@ -72,23 +91,42 @@ from .protocol import (
 )
 from .timing import PAUSE_SECONDS, SamplingPolicy, turn_order
 from .workers import Worker, WorkerError
-from .workloads import GemmWorkload
+from .workloads import GEMM_DTYPES, GemmWorkload
 
-__all__ = ["IMPLS", "BASELINES", "DEFAULT_SHAPES", "ROW_KEYS", "TVM_DEFAULT_LIMIT", "parse_shapes",
-           "add_arguments", "run", "BenchConfig", "BenchResult", "run_bench", "summary"]
+__all__ = ["IMPLS", "BASELINES", "DTYPES", "FLOAT32", "DEFAULT_SHAPES", "ROW_KEYS",
+           "TVM_DEFAULT_LIMIT", "parse_shapes", "add_arguments", "run", "BenchConfig",
+           "BenchResult", "run_bench", "summary", "dtype_peak", "print_lowp_report"]
 
+#: ``--dtype``: float32, int8 (u8 x s8 -> s32) or bfloat16 (bf16 x bf16 -> f32).
+DTYPES = GEMM_DTYPES
+#: The row a low-precision run adds: tpp on the float32 GEMM, every row's 1x.
+FLOAT32 = "tpp-float32"
+#: PyTorch's matmul in a low-precision GEMM's own units (optional: skipped without torch).
+TORCH = "torch"
+#: Worker implementations of rows named otherwise: a GEMM-only implementation may not have an
+#: :data:`tvm_tpp.bench.impls.IMPLS` name of its own while ``tvm-tpp bench`` takes every name
+#: there for models, so the ``numpy`` job on a low-precision GEMM is torch's matmul.
+_JOB_IMPL = {TORCH: "numpy"}
 #: Implementations in table order; ``tpp`` and ``tpp-tuned`` always run.
-IMPLS = tuple(i for i in _impls.IMPLS if _impls.supports(i, GemmWorkload(1, 1, 1)))
-#: Baselines ``--against`` may add.
-BASELINES = ("numpy", "tvm-default", "metaschedule")
+IMPLS = tuple(x for i in _impls.IMPLS if _impls.supports(i, GemmWorkload(1, 1, 1))
+              for x in ((i, TORCH) if i == "numpy" else (i,)))
+#: Baselines ``--against`` may add (torch below float32 only; tvm-default and metaschedule in
+#: float32 only).
+BASELINES = ("numpy", TORCH, "tvm-default", "metaschedule")
+#: Baselines of a float32 run only, and of a low-precision run only.
+_FLOAT32_ONLY = ("tvm-default", "metaschedule")
+_LOWP_ONLY = (FLOAT32, TORCH)
 #: Square GEMMs, BERT-base (seq 128) projections and FFN, DLRM MLP layers: (M, N, K).
 DEFAULT_SHAPES = ((512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048), (128, 768, 768),
                   (128, 3072, 768), (128, 768, 3072), (512, 1024, 1024), (32, 512, 256))
 #: Seconds a single naive ``tvm-default`` run may take before the shape is skipped.
 TVM_DEFAULT_LIMIT = 5.0
-#: Keys of every JSON row (``explain`` is added with ``--explain``).
-ROW_KEYS = ("m", "n", "k", "threads", "impl", "gflops", "fraction_of_peak", "tune_seconds",
-            "max_abs_err", "note", "gflops_rounds")
+#: Keys of every JSON row (``explain`` is added with ``--explain``).  ``dtype`` is the GEMM the
+#: row ran (float32 for ``tpp-float32`` and ``numpy``); ``gflops`` counts operations (GOPS
+#: for int8); ``ratio_to_fp32`` and ``fraction_of_dtype_peak`` are None in a float32 run.
+ROW_KEYS = ("m", "n", "k", "threads", "impl", "dtype", "gflops", "fraction_of_peak",
+            "ratio_to_fp32", "fraction_of_dtype_peak", "tune_seconds", "max_abs_err", "note",
+            "gflops_rounds")
 
 
 def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
@@ -135,6 +173,8 @@ class BenchConfig:
     --------
     >>> BenchConfig(shapes=((64, 64, 64),), threads=(1,)).planned_rounds("tvm-default")
     1
+    >>> BenchConfig(shapes=((8, 8, 8),), impls=("tpp", "torch"), dtype="int8").impls
+    ('tpp', 'tpp-float32', 'torch')
     """
 
     shapes: tuple[tuple[int, int, int], ...] = DEFAULT_SHAPES
@@ -152,8 +192,20 @@ class BenchConfig:
     pause: float = PAUSE_SECONDS
     timeout: float = 3600.0
     worker_command: tuple[str, ...] = field(default_factory=worker_command)
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype takes {', '.join(DTYPES)}, got {self.dtype!r}")
+        lowp = self.dtype != "float32"
+        wrong = [i for i in self.impls if i in (_FLOAT32_ONLY if lowp else _LOWP_ONLY)]
+        if wrong:
+            only = "float32 GEMMs" if lowp else "GEMMs in int8 or bfloat16"
+            raise ValueError(f"{', '.join(wrong)} {'run' if len(wrong) > 1 else 'runs'} "
+                             f"{only} only, not {self.dtype} (--dtype)")
+        if lowp and FLOAT32 not in self.impls:  # every row's 1x
+            object.__setattr__(self, "impls", tuple(i for i in IMPLS
+                                                    if i in self.impls or i == FLOAT32))
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         unknown = set(self.impls) - set(IMPLS)
@@ -177,16 +229,57 @@ class BenchConfig:
                               max_samples=200, slow_seconds=math.inf, budget_seconds=10.0,
                               min_samples=1)
 
+    def workload_dtype(self, impl: str) -> str:
+        """The dtype of the GEMMs row ``impl`` runs: float32 for tpp-float32 and numpy."""
+        return "float32" if impl in (FLOAT32, "numpy") else self.dtype
+
     def job(self, impl: str, threads: int) -> Job:
-        """The :class:`~tvm_tpp.bench.protocol.Job` of ``impl``'s worker at ``threads``."""
-        return Job(impl, threads, str(self.work_dir),
-                   tuple(GemmWorkload(*shape) for shape in self.shapes), seed=self.seed,
+        """The :class:`~tvm_tpp.bench.protocol.Job` of row ``impl``'s worker at ``threads``."""
+        dtype = self.workload_dtype(impl)
+        return Job(_JOB_IMPL.get(impl, impl), threads, str(self.work_dir),
+                   tuple(GemmWorkload(*shape, dtype) for shape in self.shapes), seed=self.seed,
                    ms_trials=self.ms_trials, top_k=self.top_k, tune_budget=self.tune_budget,
                    explain=self.explain, tvm_default_limit=self.tvm_default_limit)
 
     def planned_rounds(self, impl: str) -> int:
         """Rounds ``impl`` is timed in: ``tvm-default``, a hundred times slower, only one."""
         return 1 if impl == "tvm-default" else self.rounds
+
+
+def dtype_peak(dtype: str, isa: Any, peak: dict[str, Any]) -> tuple[float, str] | None:
+    """One core's peak in ``dtype`` on ``isa`` (a :class:`microkernels.isa.Isa`), in GOPS, and
+    how it follows from the measured fp32 FMA ``peak`` (the peak worker's message); None where
+    the ISA has no instruction for the dtype (its kernel emulates it).
+
+    The rates of the kernels ``bench-kernel`` times: AMX tiles do
+    :data:`microkernels.amx.OPS_PER_CYCLE` per cycle at the measured clock; a VNNI
+    ``vpdpbusd`` does 4 u8 x s8 multiply-adds per 32-bit lane where an FMA does one, and an
+    AVX512-BF16 ``vdpbf16ps`` 2 bf16 ones, at the FMA's rate: 4x and 2x the fp32 peak.
+
+    Examples
+    --------
+    >>> from microkernels.isa import from_name
+    >>> peak = {"isa": "avx512", "gflops_per_core": 100.0, "clock_ghz": 3.0}
+    >>> dtype_peak("int8", from_name("avx512_bf16"), peak)[0]
+    400.0
+    >>> dtype_peak("bfloat16", from_name("amx"), peak)
+    (3072.0, 'AMX 1024 bfloat16 ops per cycle x 3.00 GHz')
+    >>> dtype_peak("bfloat16", from_name("avx512_vnni"), peak) is None
+    True
+    """
+    fp32 = float(peak["gflops_per_core"])
+    if dtype == "float32":
+        return fp32, "fp32 FMA peak"
+    dtype_a = "uint8" if dtype == "int8" else dtype
+    if isa.has("amx_tile"):
+        ops = _amx.OPS_PER_CYCLE[dtype_a]
+        clock = float(peak["clock_ghz"])
+        return ops * clock, f"AMX {ops} {dtype} ops per cycle x {clock:.2f} GHz"
+    feature = _impls.native_feature(isa, dtype)
+    if feature is None:
+        return None
+    factor = 4 if dtype == "int8" else 2
+    return factor * fp32, f"{feature}: {factor} x the fp32 FMA peak"
 
 
 def _row(impl: str, threads: int, m: int, n: int, k: int, **values: Any) -> dict[str, Any]:
@@ -257,13 +350,17 @@ class _Impl:
 @dataclass
 class BenchResult:
     """Rows (see :data:`ROW_KEYS`), the measured peak (None if unknown) and wall times
-    (``impl/tN``: that worker's preparation; ``timing/tN``: the alternating timing)."""
+    (``impl/tN``: that worker's preparation; ``timing/tN``: the alternating timing); for a
+    low-precision run its dtype and ``dtype_peak`` (``{"dtype", "isa", "gops_per_core",
+    "how"}``; ``gops_per_core`` None where the ISA emulates the dtype)."""
 
     rows: list[dict]
     peak: dict | None
     wall_seconds: dict[str, float] = field(default_factory=dict)
     peak_error: str | None = None
     load_average: tuple[float, float] | None = None
+    dtype: str = "float32"
+    dtype_peak: dict | None = None
 
 
 def _prepare(config: BenchConfig, impl: _Impl, threads: int, bar: Progress) -> None:
@@ -356,8 +453,10 @@ def run_bench(config: BenchConfig, progress: bool = True) -> BenchResult:
             impls: list[_Impl] = []
             try:
                 for name in config.impls:
-                    impl = _Impl(name, logs / f"bench_gemm_{name}_t{threads}.log",
-                                 [_row(name, threads, *s) for s in config.shapes])
+                    suffix = "" if config.dtype == "float32" else f"_{config.dtype}"
+                    impl = _Impl(name, logs / f"bench_gemm_{name}{suffix}_t{threads}.log",
+                                 [_row(name, threads, *s, dtype=config.workload_dtype(name))
+                                  for s in config.shapes])
                     impls.append(impl)
                     start = time.perf_counter()
                     _prepare(config, impl, threads, bar)
@@ -392,12 +491,37 @@ def run_bench(config: BenchConfig, progress: bool = True) -> BenchResult:
             if row["gflops"] is not None:
                 row["fraction_of_peak"] = row["gflops"] / (peak["gflops_per_core"]
                                                            * row["threads"])
+    lowp_peak = None
+    if config.dtype != "float32":
+        lowp_peak = _lowp_figures(rows, config.dtype, peak)
     order = {impl: n for n, impl in enumerate(IMPLS)}
     shape_order = {s: n for n, s in enumerate(config.shapes)}
     rows.sort(key=lambda r: (shape_order[(r["m"], r["n"], r["k"])], r["threads"],
                              order[r["impl"]]))
     return BenchResult(rows, peak, walls, None if peak else peak_error,
-                       (load_before, os.getloadavg()[0]))
+                       (load_before, os.getloadavg()[0]), config.dtype, lowp_peak)
+
+
+def _lowp_figures(rows: list[dict], dtype: str, peak: dict | None) -> dict:
+    """Set each row's ``ratio_to_fp32`` (over tpp-float32 of its shape and threads) and
+    ``fraction_of_dtype_peak``; return the run's ``dtype_peak``."""
+    from microkernels.machine import host_isa
+
+    isa = host_isa()  # what the tpp workers' targets run: AMX only where tiles are granted
+    found = dtype_peak(dtype, isa, peak) if peak is not None else None
+    reference = {(r["m"], r["n"], r["k"], r["threads"]): r["gflops"] for r in rows
+                 if r["impl"] == FLOAT32}
+    for row in rows:
+        fp32 = reference.get((row["m"], row["n"], row["k"], row["threads"]))
+        if row["gflops"] is not None and fp32:
+            row["ratio_to_fp32"] = row["gflops"] / fp32
+        if row["gflops"] is not None and found is not None:
+            row["fraction_of_dtype_peak"] = row["gflops"] / (found[0] * row["threads"])
+    how = (found[1] if found else "the peak is unknown" if peak is None
+           else f"{isa.name} has no {dtype} instruction ({'/'.join(_impls.NATIVE_FEATURES[dtype])}"
+                "): its kernel emulates it")
+    return {"dtype": dtype, "isa": isa.name, "gops_per_core": found[0] if found else None,
+            "how": how}
 
 
 def summary(rows: Sequence[dict]) -> list[dict]:
@@ -433,15 +557,67 @@ def summary(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
+def print_lowp_report(result: BenchResult) -> None:
+    """The table of a low-precision run: GOPS, ratio to tpp-float32, fractions of the dtype's
+    and the fp32 peak; then the peaks, wall times and load."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    console = Console() if sys.stdout.isatty() else Console(width=180)
+    units = {"int8": "uint8 X x int8 W -> int32", "bfloat16": "bf16 X x bf16 W -> float32"}
+    table = Table(title=f"{result.dtype} GEMM Y = X @ W, {units[result.dtype]} (GOPS: fastest "
+                        "sample; x fp32: over tpp-float32)")
+    for name, justify in (("M x N x K", "left"), ("thr", "right"), ("impl", "left"),
+                          ("dtype", "left"), ("GOPS", "right"), ("x fp32", "right"),
+                          (f"% {result.dtype} peak", "right"), ("% fp32 peak", "right"),
+                          ("tune s", "right"), ("max abs err", "right"), ("note", "left")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for r in result.rows:
+        table.add_row(f"{r['m']}x{r['n']}x{r['k']}", str(r["threads"]), r["impl"], r["dtype"],
+                      fmt(r["gflops"], ".1f"), fmt(r["ratio_to_fp32"], ".2f"),
+                      fmt(r["fraction_of_dtype_peak"] and 100 * r["fraction_of_dtype_peak"],
+                          ".1f"),
+                      fmt(r["fraction_of_peak"] and 100 * r["fraction_of_peak"], ".1f"),
+                      fmt(r["tune_seconds"], ".1f"), fmt(r["max_abs_err"], ".1e"),
+                      r["note"] or "")
+    console.print(table)
+    peak, lowp = result.peak, result.dtype_peak or {}
+    if peak is None:
+        console.print(f"fp32 peak unknown ({result.peak_error}): fractions of peak are null")
+    else:
+        console.print(f"fp32 peak: {peak['gflops_per_core']:.1f} GFLOPS per core ({peak['isa']} "
+                      f"FMA at {peak['clock_ghz']:.2f} GHz, measured)")
+    if lowp.get("gops_per_core") is not None:
+        console.print(f"{result.dtype} peak on {lowp['isa']}: {lowp['gops_per_core']:.1f} GOPS "
+                      f"per core ({lowp['how']}); % peak = GOPS / (threads x that)")
+    elif lowp:
+        console.print(f"{result.dtype} peak: none ({lowp['how']})")
+    walls = ", ".join(f"{key} {seconds:.0f} s" for key, seconds in result.wall_seconds.items())
+    console.print(f"wall times (impl/tN: preparing that worker; timing/tN: the alternating "
+                  f"rounds): {walls}")
+    if result.load_average is not None:
+        before, after = result.load_average
+        console.print(f"1-minute load average: {before:.1f} before, {after:.1f} after "
+                      f"({os.cpu_count()} CPUs; other processes distort the timings)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench-gemm`` options."""
     default_shapes = ",".join(f"{m}x{n}x{k}" for m, n, k in DEFAULT_SHAPES)
+    parser.add_argument("--dtype", default="float32", metavar="{" + ",".join(DTYPES) + "}",
+                        help="float32; int8: uint8 x int8 -> int32; bfloat16: bf16 x bf16 -> "
+                             "float32 (adds tpp-float32, every row's 1x)")
     parser.add_argument("--shapes", default=default_shapes,
                         help="comma-separated MxNxK GEMMs (default: square, BERT-base, DLRM)")
     parser.add_argument("--threads", default="1,2", help="thread counts, e.g. 1,2")
-    parser.add_argument("--against", default="numpy,tvm-default",
+    parser.add_argument("--against",
                         help="baselines to include (tpp and tpp-tuned always run): "
-                             + ",".join(BASELINES) + "; or 'none'")
+                             + ",".join(BASELINES) + "; or 'none' (default: numpy,tvm-default; "
+                             "below float32 numpy,torch: torch is optional, tvm-default and "
+                             "metaschedule are float32 only)")
     parser.add_argument("--ms-trials", type=int, default=64, help="MetaSchedule's trials")
     parser.add_argument("--top-k", type=int, default=8, help="candidates the tuner measures")
     parser.add_argument("--tune-budget", type=float,
@@ -463,8 +639,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace) -> BenchConfig:
     """The :class:`BenchConfig` of ``bench-gemm``'s options (ValueError if they are bad)."""
-    against = [] if args.against.strip() == "none" else [
-        a.strip() for a in args.against.split(",") if a.strip()]
+    dtype = args.dtype.strip().lower()
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype takes {', '.join(DTYPES)}, got {args.dtype!r}")
+    text = args.against or ("numpy,tvm-default" if dtype == "float32" else f"numpy,{TORCH}")
+    against = [] if text.strip() == "none" else [
+        a.strip() for a in text.split(",") if a.strip()]
     unknown = [a for a in against if a not in BASELINES]
     if unknown:
         raise ValueError(f"--against takes {', '.join(BASELINES)} (or none), got {unknown}")
@@ -474,7 +654,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         work_dir=Path(args.work_dir), repeat=args.repeat, top_k=args.top_k,
         ms_trials=args.ms_trials, explain=args.explain, seed=args.seed,
         tvm_default_limit=args.tvm_default_limit, tune_budget=args.tune_budget,
-        rounds=args.rounds,
+        rounds=args.rounds, dtype=dtype,
     )
 
 
@@ -494,7 +674,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     result = run_bench(config, progress=not args.quiet)
-    print_gemm_report(result, config.explain)
+    if config.dtype == "float32":
+        print_gemm_report(result, config.explain)
+    else:
+        print_lowp_report(result)
     rows = result.rows
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
