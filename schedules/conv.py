@@ -1,6 +1,6 @@
 """Direct convolution template: PARLOOPER's conv loops around a BRGEMM over channels.
 
-``Y = epilogue(conv2d(X, W))`` for float32, ``groups = 1``, dilation 1, any stride and padding,
+``Y = epilogue(conv2d(X, W))`` for ``groups = 1``, dilation 1, any stride and padding,
 computed as in [PL] Listing 4: seven logical loops
 
 * ``a`` — N (images),
@@ -20,15 +20,17 @@ block (``Cb = 1``, ``bc = C``) in memory; the ``bc``/``bk`` blocks are column bl
 layout.  It keeps the epilogue a plain 2-D ``[pixels, channels]`` chain, and lets any conv
 consume any other conv's output, whatever their blocks.
 
-* input ``X[N][Hp][Wq][sw*C]``: NHWC, zero-padded (the kernel never reads out of bounds),
-  the padded width rounded up to ``Wq * sw``.  It is the padded NHWC tensor reshaped
-  (no copy) so that input column ``w = q*sw + ph`` sits at ``X[.., q, ph*C + c]``.  For tap
-  ``s`` the A rows of output columns ``q0 .. q0+bq`` are then *consecutive* rows
-  ``q0 + s//sw ..`` at offset ``(s % sw) * C``: a stride ``sw`` needs no gather.
-* weights ``W[Kb][R][S][C][bk]``: each (kb, r, s) holds a contiguous ``[C, bk]`` panel,
-  the flat BRGEMM's B.
+* input ``X[N][Hp][Wq][sw*C']``: NHWC, padded (the kernel never reads out of bounds), the
+  padded width rounded up to ``Wq * sw``.  It is the padded NHWC tensor reshaped (no copy)
+  so that input column ``w = q*sw + ph`` sits at ``X[.., q, ph*C' + c]``.  For tap ``s`` the
+  A rows of output columns ``q0 .. q0+bq`` are then *consecutive* rows ``q0 + s//sw ..`` at
+  offset ``(s % sw) * C'``: a stride ``sw`` needs no gather.  ``C'`` is
+  :attr:`ConvProblem.padded_c` (C itself in float32).
+* weights ``W[Kb][R][S][C][bk]`` (float32): each (kb, r, s) holds a contiguous ``[C, bk]``
+  panel, the flat BRGEMM's B; low precision ``W[Kb][R][S][C'/a][bk][a]``, the panel in VNNI
+  groups of ``a`` channels (:func:`pack_weight`).
 * output ``Y[N*P*Q][K]``: NHWC viewed as a matrix; residual operands have this shape too,
-  bias operands are ``[K]`` (``broadcast="row"``).
+  bias and per-channel scale operands are ``[K]`` (``broadcast="row"``).
 
 The accumulator is zeroed before the first reduction loop (``decompose_reduction``), and the
 epilogue (:func:`microkernels.epilogue.apply_te`) runs under the deepest spatial loop above
@@ -38,6 +40,25 @@ With few input channels (an RGB stem) each call would reduce only C values;
 :meth:`ConvProblem.unfold_width` turns such a conv into an ``R x 1`` one over ``S*C``
 channels of an input unfolded along the width (:func:`unfold_input`).
 
+Operand types
+-------------
+``ConvProblem.dtype`` is X's type, with the GEMM template's kernel families
+(:data:`schedules.gemm.OPERANDS`): ``"float32"``; ``"bfloat16"`` (bf16 W, float32
+accumulation, ``vnni2``); ``"uint8"`` (u8 X by s8 W, int32 accumulation, ``vnni4``).  The
+dot-product instructions reduce VNNI groups of ``a`` = 2 or 4 consecutive channels, so the
+channels are padded to whole groups, ``C' = padded_c``: the weight with zeros
+(:func:`pack_weight`), the input by its producer with any value (:func:`pack_input` and
+:func:`unfold_input` take a ``pad_value``; it meets zero weights).  Spatial padding takes the
+same ``pad_value``: a quantized input pads with its zero point, so that padded pixels are real
+zeros, and the caller folds the zero point out (the bias absorbs ``-zx * sum W``).  The
+epilogue starts from the accumulator, except that an int32 one meets a chain that takes floats
+only (``scale`` first: dequantization) converted to float32.  A uint8 conv writes int32,
+float32 (dequantized) or uint8/int8 (``requantize``); float32 and bf16 convs write float32.
+On ``amx`` tile-shaped blocks run AMX tiles (the defaults choose such blocks), others the
+AVX-512 kernel (:func:`microkernels.brgemm.find_impl`'s fallback).  The tiles read X in place:
+a function parameter, whose bf16 TVM keeps as bf16 (only buffers a function allocates become
+float32).
+
 Examples
 --------
 >>> p = ConvProblem(n=1, c=64, h=56, w=56, k=64, r=3, s=3, padding=1)
@@ -45,6 +66,9 @@ Examples
 (56, 56, (1, 58, 58, 64))
 >>> cfg = ConvConfig(bq=28, bc=64, bk=64)
 >>> sch = schedule(p, cfg, isa="avx2")       # doctest: +SKIP
+>>> q = ConvProblem(n=1, c=3, h=8, w=8, k=16, r=3, s=3, padding=1, dtype="uint8")
+>>> (q.padded_c, q.input_shape, q.layout, q.out_dtype)
+(4, (1, 10, 10, 4), 'vnni4', 'int32')
 """
 
 from __future__ import annotations
@@ -57,13 +81,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from microkernels import amx as _amx
 from microkernels import isa as _isa
-from microkernels.brgemm import BrgemmShape, dispatch
+from microkernels.brgemm import DTYPES, LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
-from microkernels.pack import Packing
+from microkernels.pack import Packing, padded
 
 from .blocking import divisors, near_divisors, pick_divisor
+from .gemm import OPERANDS, _k_block, _tile_blocks, _tile_rows, _weight_values
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
 from .nest import check_exact, finish_nest, nest_loops
 
@@ -85,11 +111,19 @@ __all__ = [
     "unfold_input",
     "unfold_weight",
     "reference",
+    "weight_shape",
 ]
 
 #: Loop letters in declaration order: N, Cb, Kb, P, Q blocks, R, S ([PL] Listing 4).
 LETTERS = "abcdefg"
 _REDUCTIONS = frozenset("bfg")
+
+#: X's dtype -> the dtypes a conv may write (a chain's last op decides).
+_OUT_DTYPES: dict[str, tuple[str, ...]] = {
+    "float32": ("float32",),
+    "bfloat16": ("float32",),
+    "uint8": ("int32", "float32", "uint8", "int8"),
+}
 
 
 def _pair(value, what: str, n: int) -> tuple[int, ...]:
@@ -105,7 +139,7 @@ def _pair(value, what: str, n: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ConvProblem:
-    """``Y = epilogue(conv2d(X, W))``: NCHW input, OIHW weights, float32, groups 1.
+    """``Y = epilogue(conv2d(X, W))``: NCHW input, OIHW weights, groups 1, X in ``dtype``.
 
     Parameters
     ----------
@@ -117,14 +151,24 @@ class ConvProblem:
         ``(sh, sw)`` or one int for both.
     padding
         ``(top, left, bottom, right)`` (Relax's order) or one int for all four.
+    dtype
+        X's type (:data:`schedules.gemm.OPERANDS`): ``"float32"``, ``"bfloat16"`` (bf16 W,
+        float32 accumulation) or ``"uint8"`` (s8 W, int32 accumulation).
     epilogue
-        Elementwise chain on the ``[N*P*Q, K]`` output: bias is per output channel
-        (``"row"``), a residual is a full NHWC tensor.
+        Elementwise chain on the ``[N*P*Q, K]`` output, from :attr:`epilogue_dtype`: bias
+        and scale are per output channel (``"row"``), a residual is a full NHWC tensor.
+        float32 and bfloat16 convs write float32; uint8 ones int32, float32 (dequantized:
+        ``scale`` first) or uint8/int8 (``requantize`` last).
 
     Examples
     --------
     >>> ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3).output_shape
     (1, 64, 112, 112)
+    >>> from microkernels.epilogue import EpilogueOp
+    >>> dequant = Epilogue((EpilogueOp("scale", broadcast="row"), EpilogueOp("bias")))
+    >>> p = ConvProblem(1, 21, 8, 8, 24, 1, 1, dtype="uint8", epilogue=dequant)
+    >>> (p.acc_dtype, p.weight_dtype, p.alpha, p.padded_c, p.epilogue_dtype, p.out_dtype)
+    ('int32', 'int8', 4, 24, 'float32', 'float32')
     >>> ConvProblem(1, 3, 4, 4, 8, 5, 5)
     Traceback (most recent call last):
     ...
@@ -157,12 +201,57 @@ class ConvProblem:
         if self.hp < self.r or self.w + self.padding[1] + self.padding[3] < self.s:
             raise ValueError(f"a {self.r}x{self.s} filter does not fit the {self.h}x{self.w} "
                              f"input padded by {self.padding}")
-        if self.dtype != "float32":
-            raise ValueError(f"the conv template handles float32, got {self.dtype!r}")
+        if self.dtype not in OPERANDS:
+            raise ValueError(f"the conv template handles {', '.join(OPERANDS)}, "
+                             f"got {self.dtype!r}")
         if not isinstance(self.epilogue, Epilogue):
             raise TypeError(f"epilogue must be an Epilogue, got {type(self.epilogue).__name__}")
-        if self.epilogue.out_dtype("float32") != "float32":
-            raise ValueError(f"the conv template writes float32, not {self.epilogue.name!r}")
+        out = self.out_dtype  # raises for chains that do not type-check
+        allowed = _OUT_DTYPES[self.dtype]
+        if out not in allowed:
+            raise ValueError(f"a {self.dtype} conv writes {' or '.join(allowed)}, not {out} "
+                             f"(epilogue {self.epilogue.name!r})")
+
+    @property
+    def acc_dtype(self) -> str:
+        """The accumulator's dtype: float32, or int32 for uint8."""
+        return OPERANDS[self.dtype][0]
+
+    @property
+    def layout(self) -> str:
+        """The BRGEMM layout of the packed weight: ``flat``, ``vnni2`` or ``vnni4``."""
+        return OPERANDS[self.dtype][1]
+
+    @property
+    def weight_dtype(self) -> str:
+        """W's dtype: float32, bfloat16 or int8."""
+        return DTYPES[(self.dtype, self.acc_dtype)]
+
+    @property
+    def alpha(self) -> int:
+        """Channels per VNNI group of the packed weight (1: not grouped)."""
+        return LAYOUTS[self.layout][0]
+
+    @property
+    def padded_c(self) -> int:
+        """C rounded up to whole VNNI groups: the channels of the packed input and weight,
+        which the channel blocks tile."""
+        return padded(self.c, self.alpha)
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element of X (and of W)."""
+        return {"float32": 4, "bfloat16": 2, "uint8": 1}[self.dtype]
+
+    @property
+    def epilogue_dtype(self) -> str:
+        """The dtype the epilogue starts from (:meth:`Epilogue.start_dtype`)."""
+        return self.epilogue.start_dtype(self.acc_dtype)
+
+    @property
+    def out_dtype(self) -> str:
+        """The dtype of Y."""
+        return self.epilogue.out_dtype(self.epilogue_dtype)
 
     @property
     def p(self) -> int:
@@ -186,8 +275,8 @@ class ConvProblem:
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
-        """Shape of the packed input ``X[N][Hp][Wq][sw*C]``."""
-        return (self.n, self.hp, self.wq, self.stride[1] * self.c)
+        """Shape of the packed input ``X[N][Hp][Wq][sw*C']`` (``C' = padded_c``)."""
+        return (self.n, self.hp, self.wq, self.stride[1] * self.padded_c)
 
     @property
     def output_shape(self) -> tuple[int, int, int, int]:
@@ -210,18 +299,21 @@ class ConvProblem:
         reads in one filter row: ``X'[n, h, q, s*C + c] = Xpad[n, h, q*sw + s, c]``.  The
         filter becomes ``R x 1`` over ``S*C`` channels.  Worth it when C is small (an RGB
         stem): each BRGEMM call then reduces ``S*C`` channels instead of ``C``, at the price
-        of an S-fold copy of a small input.
+        of an S-fold copy of a small input.  dtype and epilogue stay; in low precision the
+        ``S*C`` channels are padded to whole VNNI groups as a whole (:attr:`padded_c`).
 
         Examples
         --------
         >>> p = ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3).unfold_width()
         >>> (p.c, p.w, p.s, p.stride, p.padding, p.q)
         (21, 112, 1, (2, 1), (3, 0, 3, 0), 112)
+        >>> ConvProblem(1, 3, 16, 16, 8, 7, 7, padding=3, dtype="uint8").unfold_width().padded_c
+        24
         """
         top, _, bottom, _ = self.padding
         return ConvProblem(self.n, self.s * self.c, self.h, self.q, self.k, self.r, 1,
                            stride=(self.stride[0], 1), padding=(top, 0, bottom, 0),
-                           epilogue=self.epilogue)
+                           dtype=self.dtype, epilogue=self.epilogue)
 
 
 @dataclass(frozen=True)
@@ -233,7 +325,8 @@ class ConvConfig:
     bq
         Output columns per BRGEMM (its ``m``); divides Q.
     bc
-        Input channels per BRGEMM batch element (its ``k``); divides C.
+        Input channels per BRGEMM batch element (its ``k``); divides the problem's
+        ``padded_c`` and takes whole VNNI groups (a multiple of its ``alpha``).
     bk
         Output channels per tile (the BRGEMM's ``n``, the vector dimension); divides K.
     spec
@@ -276,18 +369,24 @@ class ConvConfig:
 
     def check(self, problem: ConvProblem) -> None:
         """ValueError unless the blocks tile ``problem`` exactly."""
+        channels = "C" if problem.padded_c == problem.c else "padded C"
         for block, dim, name, what in ((self.bq, problem.q, "bq", "Q"),
-                                       (self.bc, problem.c, "bc", "C"),
+                                       (self.bc, problem.padded_c, "bc", channels),
                                        (self.bk, problem.k, "bk", "K")):
             if dim % block:
                 raise ValueError(f"{name}={block} does not divide {what}={dim}")
-        if (problem.c // self.bc) % self.c_step:
-            raise ValueError(f"c_step={self.c_step} does not divide C/bc={problem.c // self.bc}")
+        if self.bc % problem.alpha:
+            raise ValueError(f"bc={self.bc} is not a multiple of {problem.alpha}, the VNNI "
+                             f"group of {problem.dtype} convs")
+        if (problem.padded_c // self.bc) % self.c_step:
+            raise ValueError(f"c_step={self.c_step} does not divide "
+                             f"{channels}/bc={problem.padded_c // self.bc}")
 
     def loops(self, problem: ConvProblem) -> tuple[LoopDecl, ...]:
         """The seven logical loops of ``problem``, in block units."""
         self.check(problem)
-        extents = (("N", problem.n), ("Cb", problem.c // self.bc), ("Kb", problem.k // self.bk),
+        extents = (("N", problem.n), ("Cb", problem.padded_c // self.bc),
+                   ("Kb", problem.k // self.bk),
                    ("P", problem.p), ("Qb", problem.q // self.bq), ("R", problem.r),
                    ("S", problem.s))
         return tuple(
@@ -303,35 +402,67 @@ class ConvConfig:
         return spec
 
 
+def weight_shape(problem: ConvProblem, bk: int) -> tuple[int, ...]:
+    """Shape of the packed weight (:func:`pack_weight`) for output-channel blocks of ``bk``.
+
+    >>> weight_shape(ConvProblem(1, 3, 8, 8, 32, 3, 3, dtype="uint8"), 16)
+    (2, 3, 3, 1, 16, 4)
+    """
+    k, r, s, c, alpha = problem.k, problem.r, problem.s, problem.padded_c, problem.alpha
+    if k % bk:
+        raise ValueError(f"bk={bk} does not divide K={k}")
+    if alpha == 1:
+        return (k // bk, r, s, c, bk)
+    return (k // bk, r, s, c // alpha, bk, alpha)
+
+
 def workload(problem: ConvProblem, bk: int) -> PrimFunc:
-    """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc)."""
+    """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc).
+
+    Products are taken in the accumulator's dtype; an epilogue starting in float32 from an
+    int32 accumulator reads it converted (dequantization), in the ``view`` stage the
+    schedule inlines."""
     from tvm import te
 
     from microkernels.epilogue import apply_te
 
-    p, q, c, k = problem.p, problem.q, problem.c, problem.k
+    p, q, c, k, alpha = problem.p, problem.q, problem.padded_c, problem.k, problem.alpha
     sh, sw = problem.stride
-    if k % bk:
-        raise ValueError(f"bk={bk} does not divide K={k}")
-    x = te.placeholder(problem.input_shape, "float32", name="X")
-    w = te.placeholder((k // bk, problem.r, problem.s, c, bk), "float32", name="W")
+    acc = problem.acc_dtype
+    x = te.placeholder(problem.input_shape, problem.dtype, name="X")
+    w = te.placeholder(weight_shape(problem, bk), problem.weight_dtype, name="W")
     rr = te.reduce_axis((0, problem.r), name="r")
     rs = te.reduce_axis((0, problem.s), name="s")
     rc = te.reduce_axis((0, c), name="c")
-    conv = te.compute(
-        (problem.n, p, q, k),
-        lambda n, i, j, o: te.sum(
-            x[n, i * sh + rr, j + rs // sw, rs % sw * c + rc]
-            * w[o // bk, rr, rs, rc, o % bk], axis=[rr, rs, rc]),
-        name="conv")
+
+    def weight(o):  # W[o, rc, rr, rs] in the packed layout
+        if alpha == 1:
+            return w[o // bk, rr, rs, rc, o % bk]
+        return w[o // bk, rr, rs, rc // alpha, o % bk, rc % alpha]
+
+    def product(n, i, j, o):
+        value = x[n, i * sh + rr, j + rs // sw, rs % sw * c + rc]
+        if problem.dtype == acc:  # float32: no casts in the expression
+            return value * weight(o)
+        return value.astype(acc) * weight(o).astype(acc)
+
+    conv = te.compute((problem.n, p, q, k),
+                      lambda n, i, j, o: te.sum(product(n, i, j, o), axis=[rr, rs, rc]),
+                      name="conv")
+    start = problem.epilogue_dtype
     extra = {op.name: te.placeholder(op.shape(problem.rows, k), op.dtype, name=op.name)
-             for op in problem.epilogue.inputs("float32")}
+             for op in problem.epilogue.inputs(start)}
     if not problem.epilogue.ops:
         return te.create_prim_func([x, w, conv])
-    # The epilogue is a 2-D chain: it reads the conv through a [rows, K] view, which the
-    # schedule inlines once the conv's buffer itself is laid out as that matrix.
-    view = te.compute((problem.rows, k),
-                      lambda i, o: conv[i // (p * q), i // q % p, i % q, o], name="view")
+    # The epilogue is a 2-D chain: it reads the conv through a [rows, K] view (converted
+    # to float32 when it dequantizes), which the schedule inlines once the conv's buffer
+    # itself is laid out as that matrix.
+
+    def view_value(i, o):
+        value = conv[i // (p * q), i // q % p, i % q, o]
+        return value if start == acc else value.astype(start)
+
+    view = te.compute((problem.rows, k), view_value, name="view")
     y = apply_te(problem.epilogue, view, extra)
     return te.create_prim_func([x, w, *extra.values(), y])
 
@@ -380,8 +511,11 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
         inner[first:first + 2] = [(sch.fuse(outer, under), e0 * e1)]
     if inner[0][1] == 1:
         return sch  # a 1x1x1 "GEMM" per step: scalar code is all it needs
+    # On amx, blocks that are not tile-shaped get the AVX-512 kernel (find_impl's fallback).
+    # The tiles read X in place (a parameter, kept bf16 by TVM) and W's dense VNNI panels.
     shape = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
-                        layout="flat", isa=isa_name)
+                        dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
+                        layout=problem.layout, isa=isa_name)
     sch.tensorize(inner[0][0], dispatch(shape))
     return sch
 
@@ -389,11 +523,15 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
 def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     """Blocks and loop order from the shape, the ISA's vectors and the caches.
 
-    * ``bk`` — at most 64 output channels, a multiple of the vector width where possible;
-    * ``bc`` — all input channels (at most 512) in one BRGEMM: C stays in registers across
-      the whole channel reduction of a tap;
+    * ``bk`` — at most 64 output channels, a multiple of the accumulator's vector width
+      where possible;
+    * ``bc`` — all input channels (at most 512, whole VNNI groups of the padded C) in one
+      BRGEMM: C stays in registers across the whole channel reduction of a tap;
     * ``bq`` — the largest divisor of Q up to 28 rows, or, when that gives fewer than 7 rows
       (Q prime, say), the smallest divisor from 7 up: tails would need predicated kernels;
+    * on ``amx`` (low precision), tile-shaped blocks instead: ``(bq, bk)`` the tile-shaped
+      pair with the largest C block (:func:`schedules.gemm._tile_blocks`: at most 32 x 32,
+      48 x 16 or 16 x 48), ``bc`` preferring whole 64-byte tile rows;
     * order — ``ACDebfg`` (parallel over images, K blocks and output rows; every output tile
       finishes its taps while hot).  When the images and K blocks alone give every thread
       two tasks and a K block's output fits in half of L2, ``ACbfgde`` instead: each weight
@@ -407,19 +545,39 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     >>> cfg = default_config(p, Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2))
     >>> (cfg.bq, cfg.bc, cfg.bk, cfg.spec)
     (7, 512, 64, 'ACbfgde')
+    >>> u8 = ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1, dtype="uint8")
+    >>> cfg = default_config(u8, Machine(isa.from_name("amx"), isa.DEFAULT_CACHES, threads=2))
+    >>> (cfg.bq, cfg.bc, cfg.bk)
+    (28, 64, 32)
     """
-    lanes = machine.isa.lanes("float32")
-    bk = pick_divisor(problem.k, 64, lanes)
-    bc = pick_divisor(problem.c, 512)
-    q_divisors = divisors(problem.q)
-    bq = max(d for d in q_divisors if d <= 28)
-    if bq < 7:
-        bq = min(d for d in q_divisors if d >= min(7, problem.q))
+    lanes = machine.isa.lanes("float32")  # = int32 lanes: the accumulators' vectors
+    alpha = problem.alpha
+    tiles = _tile_blocks(problem.q, problem.k) if _uses_tiles(problem, machine) else None
+    if tiles is not None and tiles[0] >= min(7, problem.q):  # else: a Q without tile rows
+        bq, bk = tiles
+        bc = _k_block(problem.padded_c, alpha, _amx.TILE_BYTES // problem.element_bytes)
+    else:
+        bk = pick_divisor(problem.k, 64, lanes)
+        bc = _k_block(problem.padded_c, alpha, alpha)
+        bq = _default_bq(problem.q)
     plane = problem.p * problem.q * bk * 4
     tasks = problem.n * (problem.k // bk)
     spec = ("ACbfgde" if tasks >= 2 * machine.threads and plane <= machine.caches.l2 // 2
             else "ACDebfg")
     return ConvConfig(bq=bq, bc=bc, bk=bk, spec=spec)
+
+
+def _uses_tiles(problem: ConvProblem, machine: Machine) -> bool:
+    return problem.dtype != "float32" and machine.isa.has("amx_tile")
+
+
+def _default_bq(q: int) -> int:
+    """The largest divisor of ``q`` up to 28, or the smallest from 7 up if that is below 7."""
+    q_divisors = divisors(q)
+    bq = max(d for d in q_divisors if d <= 28)
+    if bq < 7:
+        bq = min(d for d in q_divisors if d >= min(7, q))
+    return bq
 
 
 #: Loop orders :func:`candidates` tries: :func:`default_config`'s two; the taps outside the
@@ -441,7 +599,9 @@ def candidates(problem: ConvProblem, machine: Machine) -> list[ConvConfig]:
       ``c_step`` reducing all of them in one BRGEMM call.
 
     Configurations whose parallel loop has fewer iterations than ``threads`` are left out
-    (the default excepted), as are duplicates: twelve configurations at most.
+    (the default excepted), as are duplicates: twelve configurations at most.  On ``amx``
+    (low precision) the other blocks stay tile-shaped: ``bk`` up to 48, ``bq`` up to the
+    tile rows its ``bk`` leaves (:func:`schedules.gemm._tile_rows`).
 
     Examples
     --------
@@ -455,11 +615,16 @@ def candidates(problem: ConvProblem, machine: Machine) -> list[ConvConfig]:
     [(28, 64, 'ACDebfg'), (28, 64, 'ACDbfge'), (28, 64, 'ADEcbfg'), (28, 32, 'ACDebfg')]
     """
     base = default_config(problem, machine)
-    blocks = [replace(base, bk=bk) for bk in near_divisors(
-        problem.k, base.bk, 1, hi=64, multiple=machine.isa.lanes("float32"))]
+    tiles = _uses_tiles(problem, machine)
+    lanes = machine.isa.lanes("float32")
+    bks = near_divisors(problem.k, base.bk, 1, hi=48 if tiles else 64,
+                        multiple=_amx.TILE_ROWS if tiles else lanes)
+    blocks = [replace(base, bk=bk) for bk in bks
+              if not tiles or base.bq <= _tile_rows(bk)]
     blocks += [replace(base, bq=bq) for bq in near_divisors(
-        problem.q, base.bq, 2, lo=min(7, problem.q), hi=64)]
-    channel_blocks = problem.c // base.bc
+        problem.q, base.bq, 2, lo=min(7, problem.q),
+        hi=_tile_rows(base.bk) if tiles else 64)]
+    channel_blocks = problem.padded_c // base.bc
     if channel_blocks > 1:
         blocks.append(replace(base, c_step=channel_blocks))
     other = ORDERS[1] if base.spec == ORDERS[0] else ORDERS[0]
@@ -484,41 +649,137 @@ def _parallel_tasks(problem: ConvProblem, config: ConvConfig) -> int:
 # numpy layouts and semantics (tests, and the graph pass's weight packing)
 
 
-def pack_input(x: np.ndarray, problem: ConvProblem) -> np.ndarray:
-    """NCHW ``x`` -> the kernel's padded ``X[N][Hp][Wq][sw*C]``."""
-    top, left, bottom, right = problem.padding
+def _input_values(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` as a ``dtype`` array: float32; bfloat16 rounded (to nearest even) from float32
+    or taken as ``ml_dtypes.bfloat16``; uint8 from integers in [0, 255]."""
+    x = np.asarray(x)
+    if dtype == "float32":
+        return x.astype(np.float32, copy=False)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        if x.dtype not in (np.float32, ml_dtypes.bfloat16):
+            raise ValueError(f"bfloat16 inputs come as float32 or ml_dtypes.bfloat16, "
+                             f"got {x.dtype}")
+        return x.astype(ml_dtypes.bfloat16)
+    if not np.issubdtype(x.dtype, np.integer) or x.size and (x.min() < 0 or x.max() > 255):
+        raise ValueError(f"uint8 inputs must be integers in [0, 255], got {x.dtype} "
+                         f"values{f' in [{x.min()}, {x.max()}]' if x.size else ''}")
+    return x.astype(np.uint8)
+
+
+def _padded_nhwc(x: np.ndarray, problem: ConvProblem, pad_value, right: int) -> np.ndarray:
+    """NCHW ``x`` -> NHWC in ``problem.dtype``, padded by the top/left/bottom padding and
+    ``right`` columns, all with ``pad_value`` (checked against the dtype's range)."""
+    if x.shape != (problem.n, problem.c, problem.h, problem.w):
+        raise ValueError(f"x must be NCHW {[problem.n, problem.c, problem.h, problem.w]}, "
+                         f"got {list(x.shape)}")
+    top, left, bottom, _ = problem.padding
+    nhwc = _input_values(np.transpose(x, (0, 2, 3, 1)), problem.dtype)
+    return np.pad(nhwc, ((0, 0), (top, bottom), (left, right), (0, 0)),
+                  constant_values=_pad_scalar(pad_value, problem.dtype))
+
+
+def _pad_scalar(pad_value: float | int, dtype: str) -> np.generic:
+    """``pad_value`` as a ``dtype`` scalar (uint8: an int in [0, 255])."""
+    if dtype == "uint8":
+        if not isinstance(pad_value, (int, np.integer)) or not 0 <= pad_value <= 255:
+            raise ValueError(f"a uint8 input pads with an int in [0, 255], got {pad_value!r}")
+        return np.uint8(pad_value)
+    return _input_values(np.asarray([pad_value], np.float32), dtype)[0]
+
+
+def _pad_channels(x: np.ndarray, channels: int, pad_value: float | int, dtype: str
+                  ) -> np.ndarray:
+    """NHWC ``x`` with its channels padded up to ``channels`` with ``pad_value``."""
+    extra = channels - x.shape[3]
+    if not extra:
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (0, 0), (0, extra)),
+                  constant_values=_pad_scalar(pad_value, dtype))
+
+
+def pack_input(x: np.ndarray, problem: ConvProblem, pad_value: float | int = 0) -> np.ndarray:
+    """NCHW ``x`` -> the kernel's padded ``X[N][Hp][Wq][sw*C']`` in ``problem.dtype``.
+
+    The border (and the width's rounding up to whole stride groups) and the channels up to
+    ``C' = problem.padded_c`` hold ``pad_value``: a quantized input's zero point, so that
+    padded pixels are real zeros; padded channels meet zero weights.  uint8 problems take
+    integers in [0, 255]; bfloat16 ones float32 (rounded to nearest even) or
+    ``ml_dtypes.bfloat16``.
+
+    Examples
+    --------
+    >>> p = ConvProblem(1, 3, 1, 2, 8, 1, 1, padding=(0, 1, 0, 0), dtype="uint8")
+    >>> x = np.arange(6, dtype=np.uint8).reshape(1, 3, 1, 2)
+    >>> pack_input(x, p, pad_value=9)[0, 0].tolist()    # 1 + 2 columns, C' = 4
+    [[9, 9, 9, 9], [0, 2, 4, 9], [1, 3, 5, 9]]
+    """
+    _, left, _, _ = problem.padding
     width = problem.wq * problem.stride[1]
-    nhwc = np.transpose(x, (0, 2, 3, 1))
-    padded = np.pad(nhwc, ((0, 0), (top, bottom), (left, width - problem.w - left), (0, 0)))
-    return np.ascontiguousarray(padded.reshape(problem.input_shape), dtype=np.float32)
+    padded = _padded_nhwc(x, problem, pad_value, width - problem.w - left)
+    padded = _pad_channels(padded, problem.padded_c, pad_value, problem.dtype)
+    return np.ascontiguousarray(padded.reshape(problem.input_shape))
 
 
-def pack_weight(w: np.ndarray, bk: int) -> np.ndarray:
-    """OIHW ``w`` -> ``W[K/bk][R][S][C][bk]``: a contiguous ``[C, bk]`` panel per tap.
+def pack_weight(w: np.ndarray, bk: int, problem: ConvProblem | None = None) -> np.ndarray:
+    """OIHW ``w`` -> the packed weight of ``problem`` (default: a float32 conv).
 
-    The filter is the GEMM operand ``B[R*S*C, K]`` packed in ``K`` blocks
-    (:meth:`~microkernels.pack.Packing.blocked_b`), each block's rows in tap order.
+    float32: ``W[K/bk][R][S][C][bk]``, a contiguous ``[C, bk]`` panel per tap: the GEMM
+    operand ``B[R*S*C, K]`` packed in ``K`` blocks (:meth:`~microkernels.pack.Packing.blocked_b`),
+    each block's rows in tap order.  bfloat16 and uint8 problems: ``W[K/bk][R][S][C'/a][bk][a]``,
+    C zero-padded to ``C' = problem.padded_c`` in every tap, i.e. ``B[R*S*C', K]`` packed in
+    VNNI groups of ``a`` channels (:meth:`~microkernels.pack.Packing.vnni_blocked_b`), each
+    tap's ``[C'/a, bk, a]`` panel contiguous.  bfloat16 weights are taken as
+    ``ml_dtypes.bfloat16`` or rounded to it from float32 (to nearest even); uint8 problems
+    take integer weights in [-128, 127] and return int8.  For :meth:`ConvProblem.unfold_width`
+    pass the unfolded problem and :func:`unfold_weight`'s filter.
 
     Examples
     --------
     >>> w = np.arange(2 * 3, dtype="float32").reshape(2, 3, 1, 1)   # K=2, C=3, 1x1
     >>> pack_weight(w, 2)[0, 0, 0].tolist()                        # [C, bk] of the tap
     [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+    >>> p = ConvProblem(1, 3, 1, 1, 2, 1, 1, dtype="uint8")
+    >>> pack_weight(w.astype("int8"), 2, p)[0, 0, 0, 0].tolist()   # [bk, 4]: C padded
+    [[0, 1, 2, 0], [3, 4, 5, 0]]
     """
     k, c, r, s = w.shape
     if k % bk:
         raise ValueError(f"bk={bk} does not divide K={k}")
-    b = np.asarray(w, np.float32).transpose(2, 3, 1, 0).reshape(r * s * c, k)
-    return Packing.blocked_b(bk).pack(b).reshape(k // bk, r, s, c, bk)
+    if problem is not None and (k, c, r, s) != (problem.k, problem.c, problem.r, problem.s):
+        raise ValueError(f"W must be OIHW {[problem.k, problem.c, problem.r, problem.s]}, "
+                         f"got {list(w.shape)}")
+    if problem is None or problem.layout == "flat":
+        b = np.asarray(w, np.float32).transpose(2, 3, 1, 0).reshape(r * s * c, k)
+        return Packing.blocked_b(bk).pack(b).reshape(k // bk, r, s, c, bk)
+    alpha, cp = problem.alpha, problem.padded_c
+    values = _weight_values(np.asarray(w), problem.weight_dtype)
+    values = np.pad(values, ((0, 0), (0, cp - c), (0, 0), (0, 0)))  # zeros: padded channels
+    b = values.transpose(2, 3, 1, 0).reshape(r * s * cp, k)
+    packed = Packing.vnni_blocked_b(alpha, bk).pack(b)
+    return packed.reshape(weight_shape(problem, bk))
 
 
-def unfold_input(x: np.ndarray, problem: ConvProblem) -> np.ndarray:
-    """NCHW ``x`` -> the packed input of ``problem.unfold_width()``."""
-    top, left, bottom, right = problem.padding
+def unfold_input(x: np.ndarray, problem: ConvProblem, pad_value: float | int = 0) -> np.ndarray:
+    """NCHW ``x`` -> the packed input of ``problem.unfold_width()`` in ``problem.dtype``.
+
+    Border and channel padding (the ``S*C`` channels up to the unfolded problem's
+    ``padded_c``) hold ``pad_value``, as in :func:`pack_input`.
+
+    Examples
+    --------
+    >>> p = ConvProblem(1, 3, 2, 2, 8, 1, 3, padding=(0, 1, 0, 1), dtype="uint8")
+    >>> unfold_input(np.ones((1, 3, 2, 2), "uint8"), p, pad_value=7)[0, 0].tolist()
+    [[7, 7, 7, 1, 1, 1, 1, 1, 1, 7, 7, 7], [1, 1, 1, 1, 1, 1, 7, 7, 7, 7, 7, 7]]
+    """
+    _, _, _, right = problem.padding
     sw = problem.stride[1]
-    padded = np.pad(np.transpose(x, (0, 2, 3, 1)), ((0, 0), (top, bottom), (left, right), (0, 0)))
+    padded = _padded_nhwc(x, problem, pad_value, right)
     taps = [padded[:, :, s:s + (problem.q - 1) * sw + 1:sw] for s in range(problem.s)]
-    return np.ascontiguousarray(np.concatenate(taps, axis=3), dtype=np.float32)
+    unfolded = _pad_channels(np.concatenate(taps, axis=3),
+                             problem.unfold_width().padded_c, pad_value, problem.dtype)
+    return np.ascontiguousarray(unfolded)
 
 
 def unfold_weight(w: np.ndarray) -> np.ndarray:
@@ -527,14 +788,28 @@ def unfold_weight(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.transpose(0, 3, 1, 2).reshape(k, s * c, r, 1))
 
 
-def reference(problem: ConvProblem, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """float64 NCHW ``conv2d(x, w)`` without the epilogue (numpy, tap by tap)."""
+def reference(problem: ConvProblem, x: np.ndarray, w: np.ndarray,
+              pad_value: float | int = 0) -> np.ndarray:
+    """NCHW ``conv2d(x, w)`` of the input padded with ``pad_value``, without the epilogue
+    (numpy, tap by tap): int64 when ``x`` and ``w`` are integers (exact), else float64
+    (exact products of bfloat16 values).
+
+    Examples
+    --------
+    >>> p = ConvProblem(1, 1, 1, 1, 1, 1, 3, padding=(0, 1, 0, 1), dtype="uint8")
+    >>> reference(p, np.full((1, 1, 1, 1), 2, "uint8"), np.ones((1, 1, 1, 3), "int8"), 5)
+    array([[[[12]]]])
+    """
     top, left, bottom, right = problem.padding
     sh, sw = problem.stride
-    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)))
-    out = np.zeros(problem.output_shape)
+    x, w = np.asarray(x), np.asarray(w)
+    exact = np.issubdtype(x.dtype, np.integer) and np.issubdtype(w.dtype, np.integer)
+    wide = np.int64 if exact else np.float64
+    xp = np.pad(x.astype(wide), ((0, 0), (0, 0), (top, bottom), (left, right)),
+                constant_values=pad_value)
+    out = np.zeros(problem.output_shape, wide)
     for i in range(problem.r):
         for j in range(problem.s):
             taps = xp[:, :, i:i + (problem.p - 1) * sh + 1:sh, j:j + (problem.q - 1) * sw + 1:sw]
-            out += np.einsum("nchw,kc->nkhw", taps, w[:, :, i, j].astype(np.float64))
+            out += np.einsum("nchw,kc->nkhw", taps, w[:, :, i, j].astype(wide))
     return out
