@@ -1,12 +1,14 @@
 """Bundled example networks, built offline as ONNX models with seeded random weights.
 
-Three networks are written here with :mod:`onnx.helper`:
+Four networks are written here with :mod:`onnx.helper`:
 
 - ``"mlp"``: MatMul+Add+Relu layers with one Gemm(transB=1) layer (512 -> 1024 -> 1024 -> 512);
 - ``"resnet_small"``: a ResNet-style CNN (conv stem, basic residual blocks, global average pool,
   Gemm classifier) on 3x64x64 images;
 - ``"bert"``: one BERT-base encoder layer (hidden 768, 12 heads, FFN 3072, sequence 128) on
-  float32 hidden states, with an Erf-based GELU and opset-17 LayerNormalization.
+  float32 hidden states, with an Erf-based GELU and opset-17 LayerNormalization;
+- ``"mobilenet_v2"``: MobileNetV2's inverted residual blocks (1x1 expansion, 3x3 depthwise,
+  1x1 projection, ReLU6, residual adds), scaled down, on 3x96x96 images.
 
 The others are the real architectures the ``onnx`` wheel ships as
 ``onnx/backend/test/data/light/light_<name>.onnx`` (resnet50, squeezenet, vgg19, ...).  Every weight
@@ -42,6 +44,7 @@ from onnx import TensorProto, helper, numpy_helper
 __all__ = [
     "BertConfig",
     "MlpConfig",
+    "MobileNetConfig",
     "ResNetConfig",
     "input_shapes",
     "load",
@@ -116,6 +119,42 @@ class ResNetConfig:
             )
         if not _is_pos_int(self.classes):
             raise ValueError(f"classes must be a positive int, got {self.classes!r}")
+
+
+@dataclass(frozen=True)
+class MobileNetConfig:
+    """Shape of ``"mobilenet_v2"``: MobileNetV2's inverted residual blocks, scaled down.
+
+    A stride-2 3x3 stem to ``stem`` channels, then per ``(expansion, channels, repeats,
+    stride)`` of ``blocks`` that many inverted residuals (1x1 expansion, 3x3 depthwise with the
+    stride on the first, 1x1 projection; ReLU6 after the first two; a residual add where shape
+    allows), a 1x1 conv to ``head`` channels, global average pooling and a Gemm classifier.
+
+    Examples
+    --------
+    >>> MobileNetConfig(image=32, blocks=((1, 8, 1, 1),)).blocks
+    ((1, 8, 1, 1),)
+    """
+
+    image: int = 96
+    stem: int = 16
+    blocks: tuple[tuple[int, int, int, int], ...] = (
+        (1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 2, 2), (6, 64, 2, 2))
+    head: int = 256
+    classes: int = 10
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(tuple(b) for b in self.blocks))
+        for name in ("image", "stem", "head", "classes"):
+            if not _is_pos_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not self.blocks or not all(len(b) == 4 and all(_is_pos_int(v) for v in b)
+                                      for b in self.blocks):
+            raise ValueError(f"blocks must be (expansion, channels, repeats, stride) tuples "
+                             f"of positive ints, got {self.blocks!r}")
+        strides = 2 * math.prod(b[3] for b in self.blocks)
+        if self.image < strides:
+            raise ValueError(f"image must be >= the total stride {strides}, got {self.image}")
 
 
 @dataclass(frozen=True)
@@ -224,6 +263,41 @@ def _conv_bn(g: _Graph, x: str, name: str, cin: int, cout: int, k: int, stride: 
     return g.op("BatchNormalization", [y, *bn], f"{name}.bn", epsilon=1e-5)
 
 
+def _build_mobilenet_v2(cfg: MobileNetConfig, batch: int, rng: np.random.Generator
+                        ) -> onnx.ModelProto:
+    g = _Graph(rng)
+    low, high = g.const("relu6.min", np.float32(0)), g.const("relu6.max", np.float32(6))
+
+    def conv(x: str, name: str, cin: int, cout: int, k: int, stride: int = 1,
+             groups: int = 1, relu6: bool = True) -> str:
+        w = g.he(f"{name}.weight", (cout, cin // groups, k, k), cin // groups * k * k)
+        y = g.op("Conv", [x, w], name, kernel_shape=[k, k], strides=[stride, stride],
+                 pads=[k // 2] * 4, group=groups)
+        bn = [g.uniform(f"{name}.bn.scale", (cout,), 0.8, 1.2),
+              g.normal(f"{name}.bn.bias", (cout,), 0.05),
+              g.normal(f"{name}.bn.mean", (cout,), 0.05),
+              g.uniform(f"{name}.bn.var", (cout,), 0.5, 1.5)]
+        y = g.op("BatchNormalization", [y, *bn], f"{name}.bn", epsilon=1e-5)
+        return g.op("Clip", [y, low, high], f"{name}.relu6") if relu6 else y
+
+    h = conv("x", "stem", 3, cfg.stem, 3, 2)
+    cin = cfg.stem
+    for i, (expansion, cout, repeats, first_stride) in enumerate(cfg.blocks):
+        for j in range(repeats):
+            name, stride, hidden = f"block{i}.{j}", first_stride if j == 0 else 1, cin * expansion
+            y = h if expansion == 1 else conv(h, f"{name}.expand", cin, hidden, 1)
+            y = conv(y, f"{name}.depthwise", hidden, hidden, 3, stride, groups=hidden)
+            y = conv(y, f"{name}.project", hidden, cout, 1, relu6=False)
+            h = g.op("Add", [h, y], f"{name}.add") if stride == 1 and cin == cout else y
+            cin = cout
+    h = conv(h, "head", cin, cfg.head, 1)
+    h = g.op("Flatten", [g.op("GlobalAveragePool", [h], "pool")], "flatten", axis=1)
+    w = g.he("fc.weight", (cfg.classes, cfg.head), cfg.head)
+    g.op("Gemm", [h, w, g.normal("fc.bias", (cfg.classes,), 0.05)], "y", transB=1)
+    return g.model("mobilenet_v2", ("x", (batch, 3, cfg.image, cfg.image)),
+                   ("y", (batch, cfg.classes)))
+
+
 def _build_resnet_small(cfg: ResNetConfig, batch: int, rng: np.random.Generator) -> onnx.ModelProto:
     g = _Graph(rng)
     h = g.op("Relu", [_conv_bn(g, "x", "stem", 3, cfg.widths[0], 3, 2)], "stem.relu")
@@ -306,6 +380,7 @@ _BUILTIN: dict[str, tuple[type, Callable[..., onnx.ModelProto]]] = {
     "mlp": (MlpConfig, _build_mlp),
     "resnet_small": (ResNetConfig, _build_resnet_small),
     "bert": (BertConfig, _build_bert),
+    "mobilenet_v2": (MobileNetConfig, _build_mobilenet_v2),
 }
 
 # (consumer op, input index) -> how a light model's weight is initialised.
@@ -351,7 +426,7 @@ def load(name: str, batch: int = 1, seed: int = 0, **options: Any) -> onnx.Model
         Seed of the weights; equal seeds give identical models.
     **options
         Fields of the model's config (:class:`MlpConfig`, :class:`ResNetConfig`,
-        :class:`BertConfig`); the light models take none.
+        :class:`BertConfig`, :class:`MobileNetConfig`); the light models take none.
 
     Returns
     -------
