@@ -56,6 +56,9 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from . import isa as _isa
+from .fast_math import _f32, _isnan
+from .fast_math import erf as _erf
+from .fast_math import exp as _fast_exp
 
 if TYPE_CHECKING:
     import numpy as np
@@ -374,12 +377,6 @@ def _builder(kind: str, isa: str) -> ExprBuilder:
     raise AssertionError(f"no generic expression for {kind}")  # every kind registers one below
 
 
-def _f32(v: float) -> PrimExpr:
-    from tvm import tirx
-
-    return tirx.const(v, "float32")
-
-
 def _like(x: PrimExpr, v: float) -> PrimExpr:
     from tvm import tirx
 
@@ -408,81 +405,11 @@ def _clamp(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
 
 
 _SQRT_2_PI = math.sqrt(2.0 / math.pi)
-# Cephes expf: exp(x) = 2**n * exp(r), n = round(x / ln 2), ln 2 split in two for an exact r.
-_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
-_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
-             1.6666665459e-1, 5.0000001201e-1)
-# Eigen's erf(x) = x P(x^2) / Q(x^2) on [-4, 4] (erf(4) rounds to 1.0f).
-_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
-          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
-          -1.60960333262415e-02)
-_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
-          -7.37332916720468e-03, -1.42647390514189e-02)
-
-
-def _isnan(x: PrimExpr) -> PrimExpr:
-    """NaN test on the bits: ``tirx.isnan`` stops TVM vectorizing the loop, and TVM's
-    simplifier folds ``x != x`` to false."""
-    from tvm import tirx
-
-    magnitude = tirx.reinterpret("int32", x) & tirx.const(0x7FFFFFFF, "int32")
-    return magnitude > tirx.const(0x7F800000, "int32")
-
-
-def _let(value: PrimExpr, body: Callable[[PrimExpr], PrimExpr]) -> PrimExpr:
-    """``body(v)`` with ``v`` bound once to ``value`` (the expression is a tree, not a DAG)."""
-    from tvm import tirx
-
-    v = tirx.Var("t", "float32")
-    return tirx.Let(v, value, body(v))
-
-
-def _horner(x: PrimExpr, coefficients: tuple[float, ...]) -> PrimExpr:
-    acc = _f32(coefficients[0])
-    for c in coefficients[1:]:
-        acc = acc * x + _f32(c)
-    return acc
 
 
 def _exp(x: PrimExpr) -> PrimExpr:
-    """float32 exp in plain arithmetic, so it vectorizes (``tirx.exp`` calls scalar libm expf).
-
-    Relative error below 1e-7 (measured 8.3e-8); saturates to exp(-87) and exp(88) outside
-    those (normal-range) bounds; propagates NaN.
-    """
-    from tvm import tirx
-
-    def from_clamped(xc: PrimExpr) -> PrimExpr:
-        def from_n(n: PrimExpr) -> PrimExpr:
-            def from_r(r: PrimExpr) -> PrimExpr:
-                y = _horner(r, _EXP_POLY) * r * r + r + _f32(1.0)
-                two_n = tirx.reinterpret(
-                    "float32", (n.astype("int32") + tirx.const(127, "int32")) << 23
-                )
-                return y * two_n
-
-            return _let(xc - n * _f32(_LN2_HI) - n * _f32(_LN2_LO), from_r)
-
-        return _let(tirx.floor(xc * _f32(1.0 / math.log(2.0)) + _f32(0.5)), from_n)
-
-    y = _let(tirx.min(tirx.max(x, _f32(-87.0)), _f32(88.0)), from_clamped)
-    return tirx.Select(_isnan(x), x, y)
-
-
-def _erf(x: PrimExpr) -> PrimExpr:
-    """float32 erf as a rational function (vectorizes; ``tirx.erf`` calls scalar erff).
-
-    Absolute error below 4e-7 (libm's: 6e-8); a NaN comes out as a number, which is harmless
-    in GELU where it is multiplied by x.
-    """
-    from tvm import tirx
-
-    def from_clamped(xc: PrimExpr) -> PrimExpr:
-        return _let(xc * xc, lambda x2: xc * _horner(x2, _ERF_P) / _horner(x2, _ERF_Q))
-
-    # The rational function overshoots |erf| = 1 by up to 4e-7 near |x| = 4: clip it.
-    y = _let(tirx.min(tirx.max(x, _f32(-4.0)), _f32(4.0)), from_clamped)
-    return tirx.min(tirx.max(y, _f32(-1.0)), _f32(1.0))
+    """:func:`microkernels.fast_math.exp`, saturating: results between exp(-87) and exp(88)."""
+    return _fast_exp(x, saturate=True)
 
 
 @register_expr("gelu")
