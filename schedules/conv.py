@@ -469,14 +469,16 @@ def workload(problem: ConvProblem, bk: int) -> PrimFunc:
 
 def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "avx2"
              ) -> s_tir.Schedule:
-    """The scheduled convolution: loop_spec outer loops around the ISA's BRGEMM.
+    """The scheduled convolution: loop_spec outer loops around the ISA's BRGEMM for the
+    problem's dtype and layout (:func:`microkernels.brgemm.dispatch`; on ``amx`` the tile
+    kernel when the blocks are tile-shaped, else the AVX-512 one).
 
     Raises
     ------
     LoopSpecError
         The spec is malformed, misses a loop, parallelizes a reduction, or does not tile.
     ValueError
-        Block sizes do not tile the problem.
+        Block sizes do not tile the problem, or ``bc`` takes no whole VNNI groups.
     """
     from tvm import s_tir
 

@@ -19,12 +19,13 @@ import numpy as np
 import pytest
 import tvm
 
+import tvm_tpp
 from microkernels import amx, isa
 from microkernels.brgemm import BrgemmShape, desc_func, dispatch, find_impl
 from microkernels.epilogue import Epilogue, EpilogueOp, reference
 from microkernels.machine import Machine
 from microkernels.pack import Packing
-from schedules import conv
+from schedules import conv, search
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
@@ -36,6 +37,7 @@ from schedules.conv import (
     unfold_input,
     unfold_weight,
 )
+from schedules.database import Database, TuningKey
 from schedules.ops import OPS
 
 HOST = isa.host_flags()
@@ -362,6 +364,23 @@ def test_tuning_key_and_json():
     for config in candidates(problem, _machine("avx512_bf16")):
         assert op.from_json(op.to_json(config)) == config
     assert op.default(problem, _machine("amx")).bc % 4 == 0
+
+
+def test_tune(tmp_path):
+    """The tuner times low-precision conv candidates (arguments in the problem's dtypes) and
+    keys their winner by the dtype in the database; the float32 and bf16 convs of the same
+    shape and epilogue are other keys."""
+    host = VNNI if _runs_here(VNNI) else "avx2"
+    target = tvm_tpp.target(f"tpp -isa={host} -num-cores=1")
+    database = Database(tmp_path / "tuning.json")
+    problem = ConvProblem(1, 5, 9, 9, 32, 3, 3, padding=1, dtype="uint8", epilogue=DEQUANT)
+    result = search.tune(problem, target, database=database, top_k=2)
+    assert all(m.seconds is not None for m in result.measurements)
+    assert Database(tmp_path / "tuning.json").get(TuningKey.of(problem, target)) == result.best
+    for dtype in ("float32", "bfloat16"):
+        other = TuningKey.of(replace(problem, dtype=dtype), target)
+        assert Database(tmp_path / "tuning.json").get(other) is None
+    _check(problem, result.best, host, pad_value=ZX)
 
 
 # ------------------------------------------------------------ instructions, for every ISA
