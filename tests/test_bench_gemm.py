@@ -8,6 +8,7 @@ import json
 import sys
 import textwrap
 
+import numpy as np
 import psutil
 import pytest
 
@@ -357,3 +358,202 @@ def test_metaschedule_baseline_tunes_then_reuses(tmp_path):
                  if r["impl"] == "metaschedule")
     assert "reused" in again["note"] and again["tune_seconds"] == 0.0
     assert f"searched earlier in {ms['tune_seconds']:.1f} s" in again["note"]
+
+
+# ------------------------------------------------------------------------------------------
+# --dtype int8 | bfloat16: low-precision GEMMs against tpp float32 and torch.
+
+
+def test_dtype_option_parses_and_picks_the_rows():
+    from tvm_tpp.bench.gemm import _config
+
+    assert _args().dtype == "float32" and _config(_args()).impls == (
+        "tpp", "tpp-tuned", "numpy", "tvm-default")  # float32 as before
+    int8 = _config(_args("--dtype", "int8", "--shapes", "8x8x8"))
+    assert int8.dtype == "int8"
+    assert int8.impls == ("tpp", "tpp-tuned", "tpp-float32", "numpy", "torch")
+    assert _config(_args("--dtype", "bfloat16", "--against", "none")).impls == (
+        "tpp", "tpp-tuned", "tpp-float32")
+    # The torch row is the numpy job on the low-precision GEMMs; tpp-float32 and numpy run
+    # the float32 ones.
+    jobs = {i: int8.job(i, 1) for i in int8.impls}
+    assert jobs["torch"].impl == "numpy"
+    assert {i: j.workloads[0].dtype for i, j in jobs.items()} == {
+        "tpp": "int8", "tpp-tuned": "int8", "tpp-float32": "float32", "numpy": "float32",
+        "torch": "int8"}
+
+
+@pytest.mark.parametrize("argv, match", [
+    (("--dtype", "int4"), "--dtype takes float32, int8, bfloat16, got 'int4'"),
+    (("--dtype", "int8", "--against", "tvm-default"), "tvm-default runs float32 GEMMs only"),
+    (("--against", "numpy,torch"), "torch runs GEMMs in int8 or bfloat16 only"),
+])
+def test_wrong_dtype_is_one_error_line(argv, match, capsys):
+    from tvm_tpp.cli import main
+
+    with pytest.raises(UsageError, match=match):
+        run(_args(*argv))
+    assert main(["bench-gemm", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tvm-tpp: error: ") and match in err
+
+
+def test_low_precision_checks():
+    from tvm_tpp.bench.workloads import GemmWorkload
+
+    int8 = GemmWorkload(5, 6, 7, "int8")
+    x, w = int8.operands(0)
+    assert (x.dtype, w.dtype) == (np.uint8, np.int8) and x.max() > 127 and w.min() < 0
+    exact = (x.astype(np.int64) @ w.astype(np.int64)).astype(np.int32)
+    assert int8.check([exact], 0) == {"max_abs_err": 0.0}
+    with pytest.raises(ValueError, match="not exact: 1 of 30 outputs"):
+        int8.check([exact + (np.arange(30).reshape(5, 6) == 3)], 0)
+    bf16 = GemmWorkload(5, 6, 64, "bfloat16")
+    x, w = bf16.operands(0)
+    y = x.astype(np.float32) @ w.astype(np.float32)
+    assert bf16.check([y], 0)["max_abs_err"] < 1e-4
+    # A bf16 output (a library's) is within the tolerance; an error of 1 % is not.
+    assert bf16.check([y.astype(x.dtype).astype(np.float32)], 0)["max_abs_err"] > 1e-4
+    with pytest.raises(ValueError, match="bf16 GEMM outside tolerance"):
+        bf16.check([y * 1.01], 0)
+
+
+@pytest.mark.parametrize("dtype, shape", [("int8", (16, 32, 64)), ("int8", (3, 16, 10)),
+                                          ("bfloat16", (16, 32, 32)), ("bfloat16", (4, 16, 9))])
+def test_tpp_low_precision_gemms_pass_their_checks(dtype, shape):
+    from tvm_tpp.bench import impls, protocol
+    from tvm_tpp.bench.workloads import GemmWorkload
+
+    answer, timer = protocol._prepare(protocol.Job("tpp", 1, "wd"), 0,
+                                      GemmWorkload(*shape, dtype), print)
+    assert answer.get("ok"), answer
+    assert timer is not None and answer["run_seconds"] > 0
+    if dtype == "int8":
+        assert answer["max_abs_err"] == 0.0
+    from microkernels.machine import host_isa
+
+    feature = impls.native_feature(host_isa(), dtype)
+    assert answer["notes"].startswith({"int8": "uint8 x int8 -> int32 ",
+                                       "bfloat16": "bfloat16 x bfloat16 -> float32 "}[dtype])
+    assert (f"on {feature};" if feature else "EMULATED") in answer["notes"]
+
+
+def test_emulated_dtype_says_so():
+    from tvm_tpp.bench import impls, protocol
+    from tvm_tpp.bench.workloads import GemmWorkload
+    from tvm_tpp.tpp_target import target
+
+    workload = GemmWorkload(8, 16, 8, "bfloat16")
+    avx2 = target("tpp -isa=avx2 -num-cores=1")
+    from microkernels.machine import machine_of
+    from schedules.gemm import default_config
+
+    config = default_config(impls.gemm_problem(workload), machine_of(avx2))
+    built = impls._tpp_gemm(protocol.Job("tpp", 1, "wd"), workload, config, avx2)
+    assert built.notes.startswith("bfloat16 x bfloat16 -> float32 EMULATED (avx2 lacks ")
+    assert workload.check(built.run(), 0)["max_abs_err"] < 1e-4
+
+
+def test_torch_absent_skips_its_row(monkeypatch):
+    from tvm_tpp.bench import protocol
+    from tvm_tpp.bench.workloads import GemmWorkload
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+    for dtype in ("int8", "bfloat16"):
+        assert protocol._prepare(protocol.Job("numpy", 1, "wd"), 2,
+                                 GemmWorkload(8, 8, 8, dtype), print) == (
+            {"prepared": 2, "skipped": "torch not installed"}, None)
+
+
+# A stand-in worker for a low-precision run: 1 ms per float32 GEMM, 0.25 ms per int8 one;
+# the numpy job on int8 GEMMs (the torch row) has no torch.
+_FAKE_LOWP_WORKER = textwrap.dedent("""
+    import json, os, sys
+
+    job = json.loads(sys.argv[1])
+    record = open(os.environ["FAKE_RECORD"], "a", buffering=1)
+
+    def send(message):
+        print(json.dumps(message), flush=True)
+
+    if job["impl"] == "peak":
+        send({"peak": {"isa": "fake", "gflops_per_core": 3.0, "clock_ghz": 1.0}})
+        sys.exit(0)
+    dtypes = [w["gemm"].get("dtype", "float32") for w in job["workloads"]]
+    record.write(f"start {job['impl']} {','.join(dtypes)}\\n")
+    for index, dtype in enumerate(dtypes):
+        if job["impl"] == "numpy" and dtype != "float32":
+            send({"prepared": index, "skipped": "torch not installed"})
+            continue
+        send({"prepared": index, "ok": True, "compile_seconds": 0.0, "tune_seconds": None,
+              "run_seconds": 1e-3, "target": "", "notes": dtype, "max_abs_err": 0.0})
+    send({"ready": True})
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request.get("quit"):
+            break
+        send({"seconds": [1e-3 if dtypes[request["time"]] == "float32" else 2.5e-4]})
+""")
+
+
+def test_low_precision_rows_have_ratios_and_fractions(tmp_path, monkeypatch, capsys):
+    from microkernels.machine import host_isa
+    from tvm_tpp.bench.gemm import dtype_peak, print_lowp_report
+
+    script = tmp_path / "fake_lowp_worker.py"
+    script.write_text(_FAKE_LOWP_WORKER)
+    record = tmp_path / "record.txt"
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    config = BenchConfig(shapes=((64, 64, 64), (32, 32, 32)), threads=(1,), dtype="int8",
+                         impls=("tpp", "numpy", "torch"), work_dir=tmp_path / "wd", rounds=2,
+                         pause=0.0, worker_command=(sys.executable, str(script)))
+    result = run_bench(config, progress=False)
+    assert record.read_text().splitlines() == [
+        "start tpp int8,int8", "start tpp-float32 float32,float32",
+        "start numpy float32,float32", "start numpy int8,int8"]
+    assert [(r["m"], r["impl"], r["dtype"]) for r in result.rows] == [
+        (m, impl, dtype) for m in (64, 32) for impl, dtype in (
+            ("tpp", "int8"), ("tpp-float32", "float32"), ("numpy", "float32"),
+            ("torch", "int8"))]
+    peak = dtype_peak("int8", host_isa(), result.peak)
+    assert result.dtype == "int8" and result.dtype_peak["gops_per_core"] == (
+        peak and peak[0])
+    for row in result.rows:
+        assert set(ROW_KEYS) <= set(row), row
+        if row["impl"] == "torch":
+            assert row["note"] == "skipped: torch not installed" and row["gflops"] is None
+            assert row["ratio_to_fp32"] is None and row["fraction_of_dtype_peak"] is None
+            continue
+        gops = 2 * row["m"] ** 3 / (2.5e-4 if row["dtype"] == "int8" else 1e-3) / 1e9
+        assert row["gflops"] == pytest.approx(gops)
+        assert row["ratio_to_fp32"] == pytest.approx(4.0 if row["impl"] == "tpp" else 1.0)
+        assert row["fraction_of_peak"] == pytest.approx(gops / 3.0)
+        assert row["fraction_of_dtype_peak"] == (peak and pytest.approx(gops / peak[0]))
+    print_lowp_report(result)
+    out = capsys.readouterr().out
+    assert "int8 GEMM Y = X @ W, uint8 X x int8 W -> int32" in out
+    assert "skipped: torch not installed" in out and "4.00" in out
+    assert not psutil.Process().children(recursive=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_low_precision_run_end_to_end(dtype, tmp_path):
+    argv = ["--dtype", dtype, "--shapes", "32x32x64", "--threads", "1", "--top-k", "1",
+            "--repeat", "1", "--rounds", "1", "--work-dir", str(tmp_path / "wd"), "--json",
+            str(tmp_path / "rows.json"), "--quiet"]
+    assert run(_args(*argv)) == 0
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert set(rows) == {"tpp", "tpp-tuned", "tpp-float32", "numpy", "torch"}
+    for impl in ("tpp", "tpp-tuned", "tpp-float32", "numpy"):
+        row = rows[impl]
+        assert row["gflops"] > 0 and row["ratio_to_fp32"] > 0, row
+        assert row["dtype"] == (dtype if impl.startswith("tpp") and impl != "tpp-float32"
+                                else "float32")
+    assert rows["tpp-float32"]["ratio_to_fp32"] == 1.0
+    if dtype == "int8":
+        assert rows["tpp"]["max_abs_err"] == 0.0 == rows["tpp-tuned"]["max_abs_err"]
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        assert rows["torch"]["note"] == "skipped: torch not installed"
