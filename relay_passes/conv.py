@@ -35,7 +35,7 @@ conversions stay at these borders.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,10 +45,12 @@ from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
 from microkernels.brgemm import BrgemmShape
+from microkernels.epilogue import Epilogue
 from microkernels.machine import machine_of
 from schedules.conv import ConvConfig, ConvProblem, pack_weight, schedule, unfold_weight
-from schedules.tuner import Tuner, config_for
+from schedules.tuner import TaskCollector, Tuner, config_for
 
+from .dense import PRECISIONS
 from .layouts import TO_NCHW, TO_NHWC, simplify_layouts
 from .prepare import sum_to_add
 from .scaffold import (
@@ -62,7 +64,7 @@ from .scaffold import (
 if TYPE_CHECKING:  # annotations only
     from .scaffold import EpiloguePattern, KernelAdder
 
-__all__ = ["rewrite_conv"]
+__all__ = ["rewrite_conv", "conv_problem", "emit_conv", "to_matrix", "unsupported_geometry"]
 
 #: Convs with fewer input channels than this get their width taps unfolded into channels.
 _UNFOLD_BELOW = 16
@@ -74,19 +76,25 @@ def _conv() -> DFPattern:
 
 
 def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
-                 tuner: Tuner | None = None) -> tvm.IRModule:
+                 tuner: Tuner | TaskCollector | None = None, precision: str = "float32"
+                 ) -> tvm.IRModule:
     """Replace every supported conv2d chain with a constant weight by a TPP kernel call.
 
     Appends one :class:`~relay_passes.scaffold.Offload` per conv2d to ``report``: the kernel it
     became, or why it stayed with TVM.  With a ``tuner`` each kernel gets its tuned
     configuration (tuned now if its database does not know it yet); without one, the
-    default heuristic's.  ONNX ``Sum`` is repaired into ``add`` first, and the layout
-    conversions between the rewritten convs are cancelled after.
+    default heuristic's.  ``precision`` (a key of :data:`relay_passes.dense.PRECISIONS`) is
+    the type the convolutions multiply in (``"bf16"``: the input converted, the weights
+    rounded, float32 accumulation and output).  ONNX ``Sum`` is repaired into ``add`` first,
+    and the layout conversions between the rewritten convs are cancelled after.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    dtype = PRECISIONS[precision]
 
     def make_rewriter(add_kernel, pattern, _func):
         return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
-                                              report)
+                                              report, dtype)
 
     return offload_patterns(sum_to_add(mod), epilogue_patterns(_conv), make_rewriter, report,
                             "relax.nn.conv2d", _why_left, then=simplify_layouts)
@@ -94,10 +102,23 @@ def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
 
 def _unsupported(call: relax.Call) -> str | None:
     """Why this conv2d cannot become a TPP kernel (None if it can)."""
-    attrs = call.attrs
     x, w = call.args
     if not isinstance(w, tvm.ir.expr.Constant):
         return "weight is not a constant"
+    why = unsupported_geometry(call)
+    if why is not None:
+        return why
+    out_dtype = str(call.attrs.out_dtype or "")
+    if x.ty.dtype != "float32" or w.ty.dtype != "float32" or out_dtype not in ("", "float32"):
+        return f"dtype {x.ty.dtype} x {w.ty.dtype}: only float32 conv2d is routed to TPP"
+    return None
+
+
+def unsupported_geometry(call: relax.Call) -> str | None:
+    """Why the template cannot compute this conv2d's shape, whatever its types (None if it
+    can): groups, dilation, layouts, symbolic shapes."""
+    attrs = call.attrs
+    x = call.args[0]
     if int(attrs.groups) != 1:
         return f"groups={int(attrs.groups)} (grouped/depthwise conv) is not routed to TPP"
     if any(int(d) != 1 for d in attrs.dilation):
@@ -108,9 +129,6 @@ def _unsupported(call: relax.Call) -> str | None:
     shape = static_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
     if shape is None or len(shape) != 4:
         return "input shape is symbolic or not 4-D"
-    out_dtype = str(attrs.out_dtype or "")
-    if x.ty.dtype != "float32" or w.ty.dtype != "float32" or out_dtype not in ("", "float32"):
-        return f"dtype {x.ty.dtype} x {w.ty.dtype}: only float32 conv2d is routed to TPP"
     return None
 
 
@@ -123,55 +141,85 @@ def _channel_vector(bias: np.ndarray, k: int) -> np.ndarray | None:
 
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
              pattern: EpiloguePattern[DFPattern], add_kernel: KernelAdder,
-             target: Target, tuner: Tuner | None, report: list[Offload]) -> relax.Expr:
+             target: Target, tuner: Tuner | None, report: list[Offload], dtype: str
+             ) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, with _why_left().
     call = matches[pattern.anchor]
     if _unsupported(call) is not None:
         return orig
-    x, weight = call.args[0], call.args[1].value.numpy()
-    n, c, h, w = static_shape(x.ty.shape)
-    k, _, r, s = weight.shape
-    attrs = call.attrs
-    problem_args = dict(n=n, c=c, h=h, w=w, k=k, r=r, s=s,
-                        stride=tuple(int(v) for v in attrs.strides),
-                        padding=tuple(int(v) for v in attrs.padding))
-    bias = None
+    k = int(call.args[1].ty.shape[0])
+    operands = []
     if pattern.bias is not None:
         bias = _channel_vector(matches[pattern.bias].value.numpy(), k)
         if bias is None:
             return orig
-    residual = matches[pattern.residual] if pattern.residual is not None else None
-    out_shape = static_shape(call.ty.shape)
-    if not pattern.residual_fits(matches, out_shape):
-        return orig
+        operands.append(relax.const(bias))
+    if pattern.residual is not None:
+        if not pattern.residual_fits(matches, static_shape(call.ty.shape)):
+            return orig
+        operands.append(to_matrix(matches[pattern.residual]))
+    problem = conv_problem(call, dtype, pattern.epilogue())
+    x = call.args[0] if dtype == "float32" else relax.op.astype(call.args[0], dtype)
+    out, kernel, brgemm = emit_conv(x, problem, call.args[1].value.numpy(), operands,
+                                    add_kernel, target, tuner)
+    report.append(Offload.routed(pattern.name("conv2d"), problem.output_shape, kernel, brgemm))
+    return out
 
-    problem = ConvProblem(**problem_args, epilogue=pattern.epilogue())
+
+def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue) -> ConvProblem:
+    """The :class:`~schedules.conv.ConvProblem` of a (supported) ``conv2d`` call."""
+    n, c, h, w = static_shape(call.args[0].ty.shape)
+    k, _, r, s = static_shape(call.args[1].ty.shape)
+    attrs = call.attrs
+    return ConvProblem(n=n, c=c, h=h, w=w, k=k, r=r, s=s,
+                       stride=tuple(int(v) for v in attrs.strides),
+                       padding=tuple(int(v) for v in attrs.padding), dtype=dtype,
+                       epilogue=epilogue)
+
+
+def to_matrix(y: relax.Expr) -> relax.Expr:
+    """An NCHW tensor as the kernels' ``[N*H*W, C]`` output matrix (a residual operand)."""
+    n, c, h, w = static_shape(y.ty.shape)
+    return relax.op.reshape(relax.op.permute_dims(y, TO_NHWC), (n * h * w, c))
+
+
+def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
+              operands: Sequence[relax.Expr], add_kernel: KernelAdder, target: Target,
+              tuner: Tuner | TaskCollector | None, pad_value: float | int = 0
+              ) -> tuple[relax.Expr, str, BrgemmShape | None]:
+    """The TPP kernel of ``problem`` applied to NCHW ``x`` (in ``problem.dtype``): its NCHW
+    result, the kernel's name with its loop_spec (for the report), and its BRGEMM.
+
+    ``weight`` is the OIHW filter in values :func:`schedules.conv.pack_weight` takes for the
+    dtype; ``operands`` are the epilogue's, in its order (``[K]`` vectors, ``[N*P*Q, K]``
+    matrices: :func:`to_matrix`).  Borders and padded channels of the input hold
+    ``pad_value`` (a quantized input's zero point: real zeros).
+    """
     # Few input channels (an RGB stem): unfold the S taps into the channels, so that each
     # BRGEMM call reduces S*C values instead of C.
     unfold = problem.c < _UNFOLD_BELOW and problem.s > 1
     kernel_problem = problem.unfold_width() if unfold else problem
-    isa = machine_of(target).isa
     config = config_for(kernel_problem, target, tuner)  # the problem the kernel computes
     sh, sw = problem.stride
-    name = (f"tpp_conv2d_{n}x{c}x{h}x{w}_{k}x{r}x{s}_s{sh}x{sw}"
-            + (f"_{problem.epilogue.name}" if pattern.ops() else ""))
-    func, brgemm = _kernel(kernel_problem, config, isa.name)
+    name = (f"tpp_conv2d_{problem.n}x{problem.c}x{problem.h}x{problem.w}_"
+            f"{problem.k}x{problem.r}x{problem.s}_s{sh}x{sw}"
+            + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
+            + _DTYPE_TAGS[problem.dtype])
+    func, brgemm = _kernel(kernel_problem, config, machine_of(target).isa.name)
     gv = add_kernel(func, name)
+    packed = (_unfold_input(x, problem, pad_value) if unfold
+              else _pack_input(x, problem, pad_value))
+    filters = unfold_weight(weight) if unfold else weight
+    args = [packed, relax.const(pack_weight(filters, config.bk, kernel_problem)), *operands]
+    out = relax.call_tir(gv, args, relax.TensorType((problem.rows, problem.k),
+                                                    problem.out_dtype))
+    nhwc = relax.op.reshape(out, (problem.n, problem.p, problem.q, problem.k))
+    return relax.op.permute_dims(nhwc, TO_NCHW), f"{name} [{config.spec}]", brgemm
 
-    packed = _unfold_input(x, problem) if unfold else _pack_input(x, problem)
-    args = [packed, relax.const(pack_weight(unfold_weight(weight) if unfold else weight,
-                                            config.bk))]
-    if bias is not None:
-        args.append(relax.const(bias))
-    if residual is not None:
-        args.append(relax.op.reshape(relax.op.permute_dims(residual, TO_NHWC),
-                                     (problem.rows, k)))
-    out = relax.call_tir(gv, args, relax.TensorType((problem.rows, k), "float32"))
-    report.append(Offload.routed(pattern.name("conv2d"), out_shape, f"{name} [{config.spec}]",
-                                 brgemm))
-    nhwc = relax.op.reshape(out, (n, problem.p, problem.q, k))
-    return relax.op.permute_dims(nhwc, TO_NCHW)
+
+#: Kernel name suffix of a conv's operand type.
+_DTYPE_TAGS = {"float32": "", "bfloat16": "_bf16", "uint8": "_u8"}
 
 
 @functools.lru_cache(maxsize=256)
@@ -183,27 +231,38 @@ def _kernel(problem: ConvProblem, config: ConvConfig, isa: str
     return sch.mod["main"], dispatched_brgemm(sch)
 
 
-def _padded_nhwc(x, problem: ConvProblem, extra_right: int = 0):
+def _padded_nhwc(x, problem: ConvProblem, pad_value: float | int, extra_right: int = 0):
     top, left, bottom, right = problem.padding
     y = relax.op.permute_dims(x, TO_NHWC)
     if top or left or bottom or right + extra_right:
-        y = relax.op.nn.pad(y, [0, 0, top, bottom, left, right + extra_right, 0, 0])
+        y = relax.op.nn.pad(y, [0, 0, top, bottom, left, right + extra_right, 0, 0],
+                            pad_value=pad_value)
     return y
 
 
-def _unfold_input(x, problem: ConvProblem):
+def _padded_channels(y, have: int, channels: int, pad_value: float | int):
+    """NHWC ``y`` of ``have`` channels padded to ``channels`` (whole VNNI groups)."""
+    if have == channels:
+        return y
+    return relax.op.nn.pad(y, [0, 0, 0, 0, 0, 0, 0, channels - have], pad_value=pad_value)
+
+
+def _unfold_input(x, problem: ConvProblem, pad_value: float | int):
     """NCHW ``x`` -> the input of ``problem.unfold_width()`` (see :mod:`schedules.conv`)."""
-    padded = _padded_nhwc(x, problem)
+    padded = _padded_nhwc(x, problem, pad_value)
     sw, q = problem.stride[1], problem.q
     taps = [relax.op.strided_slice(padded, axes=[2], begin=[s], end=[s + (q - 1) * sw + 1],
                                    strides=[sw]) for s in range(problem.s)]
-    return relax.op.concat(taps, axis=3)
+    return _padded_channels(relax.op.concat(taps, axis=3), problem.s * problem.c,
+                            problem.unfold_width().padded_c, pad_value)
 
 
-def _pack_input(x, problem: ConvProblem):
-    """NCHW ``x`` -> the kernel's padded ``[N, Hp, Wq, sw*C]`` (see :mod:`schedules.conv`)."""
+def _pack_input(x, problem: ConvProblem, pad_value: float | int):
+    """NCHW ``x`` -> the kernel's padded ``[N, Hp, Wq, sw*C']`` (see :mod:`schedules.conv`)."""
     _, left, _, right = problem.padding
-    y = _padded_nhwc(x, problem, problem.wq * problem.stride[1] - (problem.w + left + right))
+    y = _padded_nhwc(x, problem, pad_value,
+                     problem.wq * problem.stride[1] - (problem.w + left + right))
+    y = _padded_channels(y, problem.c, problem.padded_c, pad_value)
     if problem.stride[1] > 1:
         y = relax.op.reshape(y, problem.input_shape)
     return y

@@ -19,6 +19,7 @@ from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.target import Target
 
+from microkernels.fast_math import fast_math
 from microkernels.machine import is_tpp
 from schedules.fallback import fallback_schedules
 from schedules.tuner import TaskCollector, Tuner
@@ -45,8 +46,9 @@ def tpp_rewrites(
     operator: the kernel it became or why it stayed with TVM.  ``tuner`` gives each GEMM,
     convolution and batch GEMM its tuned configuration (a :class:`~schedules.tuner.Tuner`),
     or records them as tuning tasks (a :class:`~schedules.tuner.TaskCollector`); operators
-    without one get their defaults.  ``precision`` is the dense layers' (``"float32"`` or
-    ``"bf16"``: :data:`relay_passes.dense.PRECISIONS`); conv and attention stay float32.
+    without one get their defaults.  ``precision`` (``"float32"`` or ``"bf16"``:
+    :data:`relay_passes.dense.PRECISIONS`) is what the float dense layers and convolutions
+    multiply in; attention stays float32.
     """
 
     @tvm.transform.module_pass(opt_level=0, name="TppRewrites")
@@ -60,7 +62,7 @@ def tpp_rewrites(
         mod = rewrite_qdq_dense(keep_int8(mod), target, found, tuner)
         mod = prepare()(mod)
         mod = rewrite_dense(mod, target, found, tuner, precision)
-        mod = rewrite_conv(mod, target, found, tuner)
+        mod = rewrite_conv(mod, target, found, tuner, precision)
         # What dense left: matmuls whose operands both vary.
         mod = rewrite_batch_matmul(mod, target, found, tuner)
         # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
@@ -74,7 +76,9 @@ def tpp_pipeline(
     precision: str = "float32",
 ) -> tvm.transform.Pass:
     """:func:`tpp_rewrites`, then TVM's CPU lowering with schedules for what stayed with TVM
-    (a target without the ``tpp`` key gets TVM's default pipeline after the preparation)."""
+    (a target without the ``tpp`` key gets TVM's default pipeline after the preparation);
+    float32 exp/erf/tanh/sigmoid become vectorizable polynomials
+    (:func:`microkernels.fast_math.fast_math`)."""
 
     @tvm.transform.module_pass(opt_level=0, name="TppPipeline")
     def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
@@ -85,7 +89,7 @@ def tpp_pipeline(
             return tvm.transform.Sequential(
                 cpu.library_dispatch_passes(target)
                 + cpu.legalize_passes(target)
-                + [fallback_schedules()]
+                + [fallback_schedules(), fast_math()]
                 + cpu.dataflow_lower_passes(target)
                 + cpu.finalize_passes(target),
                 name="TppLower",
