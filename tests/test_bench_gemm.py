@@ -557,3 +557,6 @@ def test_low_precision_run_end_to_end(dtype, tmp_path):
         import torch  # noqa: F401
     except ImportError:
         assert rows["torch"]["note"] == "skipped: torch not installed"
+    else:  # PyTorch's matmul in the same units, checked as tpp's
+        assert rows["torch"]["gflops"] > 0 and rows["torch"]["dtype"] == dtype, rows["torch"]
+        assert rows["torch"]["note"].startswith("torch ")

@@ -175,11 +175,14 @@ class BenchConfig:
     1
     >>> BenchConfig(shapes=((8, 8, 8),), impls=("tpp", "torch"), dtype="int8").impls
     ('tpp', 'tpp-float32', 'torch')
+    >>> BenchConfig(dtype="bfloat16").impls
+    ('tpp', 'tpp-tuned', 'tpp-float32', 'numpy', 'torch')
     """
 
     shapes: tuple[tuple[int, int, int], ...] = DEFAULT_SHAPES
     threads: tuple[int, ...] = (1, 2)
-    impls: tuple[str, ...] = ("tpp", "tpp-tuned", "numpy", "tvm-default")
+    impls: tuple[str, ...] | None = None  # default: tpp, tpp-tuned, numpy, tvm-default; below
+    # float32 tpp, tpp-tuned, tpp-float32, numpy, torch
     work_dir: Path = Path("tvm_tpp_work")
     repeat: int = 10
     top_k: int = 8
@@ -198,6 +201,9 @@ class BenchConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype takes {', '.join(DTYPES)}, got {self.dtype!r}")
         lowp = self.dtype != "float32"
+        if self.impls is None:
+            object.__setattr__(self, "impls", ("tpp", "tpp-tuned", "numpy") + (
+                (TORCH,) if lowp else ("tvm-default",)))
         wrong = [i for i in self.impls if i in (_FLOAT32_ONLY if lowp else _LOWP_ONLY)]
         if wrong:
             only = "float32 GEMMs" if lowp else "GEMMs in int8 or bfloat16"
