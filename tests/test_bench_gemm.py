@@ -454,6 +454,25 @@ def test_emulated_dtype_says_so():
     assert workload.check(built.run(), 0)["max_abs_err"] < 1e-4
 
 
+@pytest.mark.parametrize("dtype, units", [("int8", "uint8 x int8 -> int32 on amx_int8"),
+                                          ("bfloat16", "bfloat16 x bfloat16 -> float32 on "
+                                                       "amx_bf16")])
+def test_amx_builds_tile_shaped_defaults(dtype, units):
+    """Built (not run: any host compiles AMX code) for ``tpp -isa=amx``: the default blocks are
+    tile-shaped and the AMX kernel multiplies them."""
+    from microkernels.machine import machine_of
+    from schedules.gemm import default_config
+    from tvm_tpp.bench import impls, protocol
+    from tvm_tpp.bench.workloads import GemmWorkload
+    from tvm_tpp.tpp_target import target
+
+    workload = GemmWorkload(64, 64, 128, dtype)
+    amx = target("tpp -isa=amx -num-cores=1")
+    config = default_config(impls.gemm_problem(workload), machine_of(amx))
+    built = impls._tpp_gemm(protocol.Job("tpp", 1, "wd"), workload, config, amx)
+    assert built.notes.startswith(f"{units}; amx kernel, bm x bn x bk x k_step 32x32x")
+
+
 def test_torch_absent_skips_its_row(monkeypatch):
     from tvm_tpp.bench import protocol
     from tvm_tpp.bench.workloads import GemmWorkload
