@@ -219,7 +219,7 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
 
 
 #: Kernel name suffix of a conv's operand type.
-_DTYPE_TAGS = {"float32": "", "bfloat16": "_bf16", "uint8": "_u8"}
+_DTYPE_TAGS = {"float32": "", "bfloat16": "_bf16", "uint8": "_u8s8"}
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,17 +1,23 @@
-"""int8 dense layers in QDQ form to the int8 TPP GEMM (u8 x s8 -> s32, VNNI-4).
+"""int8 dense and conv layers in QDQ form to the int8 TPP kernels (u8 x s8 -> s32, VNNI-4).
 
 Quantized ONNX models import in QDQ form (:mod:`tvm_tpp.quantized` normalizes the others to
 it), which TVM's ONNX frontend turns into ``relax.quantize`` / ``relax.dequantize`` around float
-operators.  This pass matches the dense layer of that form,
+operators.  This pass matches the layers of that form,
 
-``quantize(relu(matmul(dequantize(x_q, sx, zx), dequantize(W_q, sw, 0)) + b), sy, zy)``
+``quantize(relu(op(dequantize(x_q, sx, zx), dequantize(W_q, sw, 0)) + b), sy, zy)``
 
-(``quantize``, ``relu`` and ``+ b`` each optional)
+(``quantize``, ``relu`` and ``+ b`` each optional), where ``op`` is
 
-with ``W_q`` a constant int8 ``[K, N]`` (or ``[N, K]`` under ``permute_dims``: ONNX Gemm with
-``transB``), ``sw`` per tensor or per output column, ``b`` a constant float bias, and makes the
-whole chain one kernel of :mod:`schedules.gemm` on the quantized integers.  The zero point of
-x is folded in at compile time (``sum_k (x_q - zx) W_q = acc - zx colsum(W_q)``):
+* ``matmul`` with ``W_q`` a constant int8 ``[K, N]`` (or ``[N, K]`` under ``permute_dims``:
+  ONNX Gemm with ``transB``): one GEMM of :mod:`schedules.gemm`;
+* ``conv2d`` with ``W_q`` a constant int8 OIHW filter (any conv the float32 path takes, the
+  bias reshaped to ``[1, K, 1, 1]``): one conv kernel of :mod:`schedules.conv`, whose input
+  borders are padded with ``zx`` (real zeros),
+
+``sw`` per tensor or per output channel, ``b`` a constant float bias (ONNX Runtime's int32 one
+under ``dequantize`` included), and makes the whole chain one kernel on the quantized integers.
+The zero point of x is folded in at compile time (``sum_k (x_q - zx) W_q = acc - zx colsum``,
+``colsum[n]`` the sum of output channel n's weights):
 
 * float output: epilogue ``scale`` (``sx sw[n]``), then ``bias`` ``b[n] - sx sw[n] zx colsum[n]``,
   then ``relu``; the template converts the int32 accumulator to float32 for it;
@@ -23,8 +29,8 @@ int8 activations become the kernel's uint8 by ``x_q + 128`` (and ``zx + 128``).
 The pass must run on the module as imported, BEFORE :func:`relay_passes.prepare.prepare`:
 its FoldConstant folds ``dequantize(W_q)`` into a float32 constant and the int8 weights and
 their scales are gone.  What it leaves (a non-zero weight zero point, a per-K weight scale,
-symbolic shapes) keeps its dequantize, folds there, and goes the float32 way; the report says
-why.
+symbolic shapes, a grouped conv) keeps its dequantize, folds there, and goes the float32 way;
+the report says why.
 
 Examples
 --------
@@ -39,7 +45,7 @@ Examples
 ...                                      relax.const(0, "int8")))
 ...     _ = bb.emit_func_output(bb.emit(relax.op.nn.relu(bb.emit(relax.op.matmul(xf, wf)))))
 >>> report = []
->>> mod = rewrite_qdq_dense(bb.get(), target, report)
+>>> mod = rewrite_qdq(bb.get(), target, report)
 >>> [(r.op, r.shape, r.dtypes, r.layout) for r in report]
 [('matmul_qdq+relu', (5, 29, 37), 'uint8*int8->int32', 'vnni4')]
 """
@@ -56,17 +62,19 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
+from microkernels.brgemm import BrgemmShape
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import TaskCollector, Tuner, config_for
 
+from .conv import conv_problem, emit_conv, unsupported_geometry
 from .scaffold import Offload, dispatched_brgemm, is_call_to, rewrite_patterns, static_shape
 
 if TYPE_CHECKING:  # annotations only
     from .scaffold import KernelAdder
 
-__all__ = ["rewrite_qdq_dense"]
+__all__ = ["rewrite_qdq"]
 
 #: What the int8 kernel takes for X: uint8; int8 activations are shifted into it by this.
 _S8_SHIFT = 128
@@ -74,9 +82,11 @@ _S8_SHIFT = 128
 
 @dataclass(frozen=True)
 class _Chain:
-    """One QDQ dense pattern: the root to match and the sub-patterns to read a match by."""
+    """One QDQ layer pattern: the root to match and the sub-patterns to read a match by."""
 
+    anchor: str  # "matmul" or "conv2d"
     root: DFPattern
+    layer: DFPattern  # the matmul / conv2d call
     x_dequantized: DFPattern
     xq: DFPattern
     sx: DFPattern
@@ -85,15 +95,15 @@ class _Chain:
     sw: DFPattern
     zw: DFPattern
     w_dequantized: DFPattern  # the dequantize of W_q, to read its axis
-    w_transposed: DFPattern
-    bias: DFPattern | None
+    w_transposed: DFPattern | None  # matmul: W given as permute_dims(W^T)
+    bias: DFPattern | None  # the bias's value: a constant, or dequantize of constants
     relu: bool
     sy: DFPattern | None  # with zy: the output's quantize, if the chain ends with one
     zy: DFPattern | None
 
     def name(self, out_dtype: str) -> str:
         """The report's name, e.g. ``matmul_qdq+bias+relu+quantize_u8``."""
-        parts = ["matmul_qdq", *(["bias"] if self.bias is not None else []),
+        parts = [f"{self.anchor}_qdq", *(["bias"] if self.bias is not None else []),
                  *(["relu"] if self.relu else [])]
         if self.sy is not None:
             parts.append("quantize_" + {"uint8": "u8", "int8": "s8"}[out_dtype])
@@ -103,32 +113,42 @@ class _Chain:
 def _chains() -> list[_Chain]:
     """Every chain, longest first (the whole epilogue is taken before its prefixes)."""
     out = []
-    for quantized in (True, False):
-        for relu in (True, False):
-            for with_bias in (True, False):
-                xq, sx, zx, wq, sw, zw = (wildcard(), is_const(), is_const(), is_const(),
-                                          is_const(), is_const())
-                x = is_op("relax.dequantize")(xq, sx, zx)
-                w = is_op("relax.dequantize")(wq, sw, zw)
-                wt = is_op("relax.permute_dims")(w)
-                node = is_op("relax.matmul")(x, w) | is_op("relax.matmul")(x, wt)
-                bias = None
-                if with_bias:
-                    # ONNX Runtime's QDQ Gemm keeps its bias as int32 + dequantize.
-                    bias = is_const() | is_op("relax.dequantize")(is_const(), is_const(),
-                                                                  is_const())
-                    node = is_op("relax.add")(node, bias) | is_op("relax.add")(bias, node)
-                if relu:
-                    node = is_op("relax.nn.relu")(node)
-                sy = zy = None
-                if quantized:
-                    sy, zy = is_const(), is_const()
-                    node = is_op("relax.quantize")(node, sy, zy)
-                out.append(_Chain(node, x, xq, sx, zx, wq, sw, zw, w, wt, bias, relu, sy, zy))
+    for anchor in ("matmul", "conv2d"):
+        for quantized in (True, False):
+            for relu in (True, False):
+                for with_bias in (True, False):
+                    out.append(_chain(anchor, quantized, relu, with_bias))
     return out
 
 
-def rewrite_qdq_dense(
+def _chain(anchor: str, quantized: bool, relu: bool, with_bias: bool) -> _Chain:
+    xq, sx, zx, wq, sw, zw = (wildcard(), is_const(), is_const(), is_const(), is_const(),
+                              is_const())
+    x = is_op("relax.dequantize")(xq, sx, zx)
+    w = is_op("relax.dequantize")(wq, sw, zw)
+    wt = None
+    if anchor == "matmul":
+        wt = is_op("relax.permute_dims")(w)
+        layer = is_op("relax.matmul")(x, w) | is_op("relax.matmul")(x, wt)
+    else:
+        layer = is_op("relax.nn.conv2d")(x, w)
+    node, bias = layer, None
+    if with_bias:
+        # ONNX Runtime's QDQ Gemm and Conv keep their bias as int32 + dequantize; a conv's
+        # is reshaped to [1, K, 1, 1] for the add.
+        bias = is_const() | is_op("relax.dequantize")(is_const(), is_const(), is_const())
+        term = bias | is_op("relax.reshape")(bias, wildcard()) if anchor == "conv2d" else bias
+        node = is_op("relax.add")(node, term) | is_op("relax.add")(term, node)
+    if relu:
+        node = is_op("relax.nn.relu")(node)
+    sy = zy = None
+    if quantized:
+        sy, zy = is_const(), is_const()
+        node = is_op("relax.quantize")(node, sy, zy)
+    return _Chain(anchor, node, layer, x, xq, sx, zx, wq, sw, zw, w, wt, bias, relu, sy, zy)
+
+
+def rewrite_qdq(
     mod: tvm.IRModule, target: Target, report: list[Offload],
     tuner: Tuner | TaskCollector | None = None,
 ) -> tvm.IRModule:
@@ -152,38 +172,43 @@ def rewrite_qdq_dense(
 
 @dataclass(frozen=True)
 class _Weights:
-    """The quantized weight as ``[K, N]`` int8 with per-column scales (per tensor: repeated)."""
+    """A layer's quantized weight: the int8 values as the op holds them, the axis of its
+    output channels, and their scales (per tensor: repeated)."""
 
-    w: np.ndarray  # int8 [K, N]
+    values: np.ndarray  # int8, [K, N] / [N, K] (matmul) or OIHW (conv2d)
+    n_axis: int
     scale: np.ndarray  # float64 [N]
 
+    @property
+    def colsum(self) -> np.ndarray:
+        """Per output channel, the sum of its weights: the zero point's fold."""
+        other = tuple(a for a in range(self.values.ndim) if a != self.n_axis)
+        return self.values.astype(np.int64).sum(axis=other)
 
-def _weights(wq: np.ndarray, sw: np.ndarray, zw: np.ndarray, axis: int, transposed: bool
-             ) -> _Weights | str:
-    """The weight of ``dequantize(wq, sw, zw, axis)`` (transposed if ``transposed``) as
-    ``[K, N]``, or why the int8 kernel cannot take it.
+
+def _weights(wq: np.ndarray, sw: np.ndarray, zw: np.ndarray, axis: int, n_axis: int,
+             rank: int) -> _Weights | str:
+    """The weight of ``dequantize(wq, sw, zw, axis)`` whose output channels lie along
+    ``n_axis`` of a rank-``rank`` tensor, or why the int8 kernels cannot take it.
 
     Examples
     --------
     >>> w = np.zeros((3, 2), "int8")
-    >>> _weights(w, np.array([0.5, 0.25], "float32"), np.zeros(2, "int8"), 1, False).scale
+    >>> _weights(w, np.array([0.5, 0.25], "float32"), np.zeros(2, "int8"), 1, 1, 2).scale
     array([0.5 , 0.25])
-    >>> _weights(w, np.float32(0.5), np.int8(1), 1, False)
+    >>> _weights(w, np.float32(0.5), np.int8(1), 1, 1, 2)
     'weight zero point is not 0 (only symmetric int8 weights)'
     """
-    if wq.dtype != np.int8 or wq.ndim != 2:
-        return f"weight is {wq.dtype} of rank {wq.ndim}, not an int8 matrix"
+    if wq.dtype != np.int8 or wq.ndim != rank:
+        return f"weight is {wq.dtype} of rank {wq.ndim}, not an int8 tensor of rank {rank}"
     if np.any(zw != 0):
         return "weight zero point is not 0 (only symmetric int8 weights)"
-    n_axis = 0 if transposed else 1  # the axis of wq that becomes N
     n = wq.shape[n_axis]
-    if sw.size != 1 and (sw.size != n or axis % 2 != n_axis):
-        return "weight scale is not per tensor or per output column"
+    if sw.size != 1 and (sw.size != n or axis % rank != n_axis):
+        return "weight scale is not per tensor or per output channel"
     if not np.all(np.isfinite(sw) & (sw > 0)):
         return "weight scale is not positive"  # the folding divides by it
-    w = wq.T if transposed else wq
-    return _Weights(np.ascontiguousarray(w), np.broadcast_to(
-        sw.astype(np.float64).reshape(-1), (n,)).copy())
+    return _Weights(wq, n_axis, np.broadcast_to(sw.astype(np.float64).reshape(-1), (n,)).copy())
 
 
 def _constant(expr: relax.Expr) -> np.ndarray:
@@ -217,55 +242,100 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     def const(p: DFPattern) -> np.ndarray:
         return matches[p].value.numpy()
 
-    if chain.w_transposed in matches and not _is_transpose(matches[chain.w_transposed]):
+    layer = matches[chain.layer]
+    transposed = chain.w_transposed is not None and chain.w_transposed in matches
+    if transposed and not _is_transpose(matches[chain.w_transposed]):
         return orig
-    xq = matches[chain.xq]
+    if chain.anchor == "conv2d" and unsupported_geometry(layer) is not None:
+        return orig
     weights = _weights(const(chain.wq), const(chain.sw), const(chain.zw),
-                       int(matches[chain.w_dequantized].attrs.axis), chain.w_transposed in matches)
-    if isinstance(weights, str) or _activation_problem(matches[chain.x_dequantized],
-                                                       weights.w.shape[0]):
+                       int(matches[chain.w_dequantized].attrs.axis), *_weight_axes(chain,
+                                                                                 transposed))
+    channel_axis = -1 if chain.anchor == "matmul" else 1
+    if isinstance(weights, str) or _activation_problem(
+            matches[chain.x_dequantized], _reduced(chain, weights), channel_axis):
         return orig
-    sx, zx = (float(const(p).reshape(-1)[0]) for p in (chain.sx, chain.zx))
-    x_shape = static_shape(xq.ty.shape)
-    k, n = weights.w.shape
-    m = int(np.prod(x_shape[:-1]))
+    n = weights.scale.size
     bias = _constant(matches[chain.bias]) if chain.bias is not None else np.zeros(n)
-    if bias.size != n or bias.shape[-1] != n:
+    if bias.size != n:
         return orig
-    bias = bias.reshape(n)
-    out_dtype = "float32"
+    output = None
     if chain.sy is not None:
         sy, zy = _scalar(const(chain.sy)), _scalar(const(chain.zy))
         out_dtype = str(matches[chain.root].ty.dtype)
         if sy is None or zy is None or out_dtype not in ("uint8", "int8"):
             return orig  # per-channel output quantization: the float kernel, then TVM's
-    x = _as_matrix(xq, m, k)
+        output = _Output(sy, int(zy), out_dtype)
+    xq = matches[chain.xq]
+    x_shape = static_shape(xq.ty.shape)
+    sx, zx = (float(const(p).reshape(-1)[0]) for p in (chain.sx, chain.zx))
     if str(xq.ty.dtype) == "int8":
         # The kernel's A is unsigned: x_q + 128 in [0, 255], and the zero point with it.
-        x = relax.op.astype(relax.op.add(relax.op.astype(x, "int32"),
-                                         relax.const(_S8_SHIFT, "int32")), "uint8")
+        xq = relax.op.astype(relax.op.add(relax.op.astype(xq, "int32"),
+                                          relax.const(_S8_SHIFT, "int32")), "uint8")
         zx += _S8_SHIFT
-
-    output = None if chain.sy is None else _Output(sy, int(zy), out_dtype)
-    folded = _folded_epilogue(sx * weights.scale, zx, weights.w.astype(np.int64).sum(axis=0),
-                              bias, chain.relu, output)
+    folded = _folded_epilogue(sx * weights.scale, int(zx), weights.colsum, bias.reshape(n),
+                              chain.relu, output)
     if folded is None:
         return orig
     epilogue, operands = folded
-    problem = GemmProblem(m, n, k, "uint8", epilogue)
+    emit = _emit_dense if chain.anchor == "matmul" else _emit_conv
+    out, shape, kernel, brgemm = emit(xq, x_shape, layer, weights, transposed, epilogue,
+                                      operands, int(zx), add_kernel, target, tuner)
+    report.append(Offload.routed(chain.name(output.dtype if output else "float32"), shape,
+                                 kernel, brgemm))
+    return out
 
+
+def _weight_axes(chain: _Chain, transposed: bool) -> tuple[int, int]:
+    """(axis of the output channels, rank) of the chain's weight as the graph holds it."""
+    if chain.anchor == "conv2d":
+        return 0, 4  # OIHW
+    return (0 if transposed else 1), 2
+
+
+def _reduced(chain: _Chain, weights: _Weights) -> int:
+    """The activation's channels the weight reduces: matmul's K, conv2d's C."""
+    if chain.anchor == "matmul":
+        return weights.values.shape[1 - weights.n_axis]
+    return weights.values.shape[1]
+
+
+def _emit_dense(xq: relax.Expr, x_shape: tuple[int, ...], _layer: relax.Call,
+                weights: _Weights, transposed: bool,
+                epilogue: Epilogue, operands: list[np.ndarray], _zx: int,
+                add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None
+                ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None]:
+    """The int8 GEMM of a QDQ matmul: (its result, the report's shape, kernel, BRGEMM)."""
+    w = np.ascontiguousarray(weights.values.T if transposed else weights.values)  # [K, N]
+    k, n = w.shape
+    m = int(np.prod(x_shape[:-1]))
+    problem = GemmProblem(m, n, k, "uint8", epilogue)
     config = config_for(problem, target, tuner)
     name = f"tpp_qdq_dense_{m}x{n}x{k}_{problem.epilogue.name}"
     sch = schedule(problem, config, machine_of(target).isa)
     gv = add_kernel(sch.mod["main"], name)
-    args = [x, relax.const(pack_weight(weights.w, config.bn, problem)),
+    args = [_as_matrix(xq, x_shape, m, k), relax.const(pack_weight(w, config.bn, problem)),
             *(relax.const(v) for v in operands)]
-    out = relax.call_tir(gv, args, relax.TensorType((m, n), out_dtype))
+    out = relax.call_tir(gv, args, relax.TensorType((m, n), problem.out_dtype))
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
-    report.append(Offload.routed(chain.name(out_dtype), (m, n, k),
-                                 f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch)))
     out_shape = (*x_shape[:-1], n)
-    return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
+    if len(out_shape) != 2:
+        out = relax.op.reshape(out, out_shape)
+    return out, (m, n, k), f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch)
+
+
+def _emit_conv(xq: relax.Expr, _x_shape: tuple[int, ...], layer: relax.Call,
+               weights: _Weights, _transposed: bool,
+               epilogue: Epilogue, operands: list[np.ndarray], zx: int,
+               add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None
+               ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None]:
+    """The int8 conv kernel of a QDQ conv2d: borders pad with the zero point (real zeros)."""
+    problem = conv_problem(layer, "uint8", epilogue)
+    out, kernel, brgemm = emit_conv(xq, problem, weights.values,
+                                    [relax.const(v) for v in operands], add_kernel, target,
+                                    tuner, pad_value=zx)
+    return out, problem.output_shape, kernel, brgemm
 
 
 @dataclass(frozen=True)
@@ -337,9 +407,9 @@ def _is_transpose(call: relax.Call) -> bool:
     return axes is None or [int(a) for a in axes] == [1, 0]
 
 
-def _activation_problem(dequantized: relax.Call, k: int) -> str | None:
-    """Why the activation of ``dequantize(x_q, sx, zx)`` cannot be the kernel's A for K = ``k``
-    (None if it can)."""
+def _activation_problem(dequantized: relax.Call, channels: int, axis: int) -> str | None:
+    """Why the activation of ``dequantize(x_q, sx, zx)`` cannot be the kernel's A when the
+    weight reduces ``channels`` channels along ``axis`` of it (None if it can)."""
     xq, sx, zx = dequantized.args
     if not isinstance(xq.ty, relax.TensorType) or str(xq.ty.dtype) not in ("uint8", "int8"):
         return "activation is not uint8 or int8"
@@ -347,13 +417,18 @@ def _activation_problem(dequantized: relax.Call, k: int) -> str | None:
                for a in (sx, zx)):
         return "activation is not quantized per tensor with constant scale and zero point"
     shape = static_shape(xq.ty.shape)
-    if shape is None or len(shape) < 2 or shape[-1] != k:
-        return "activation shape is symbolic or not a [.., K] matrix for this weight"
+    if shape is None or len(shape) < 2 or shape[axis] != channels:
+        return "activation shape is symbolic or does not fit this weight"
     return None
 
 
+#: Anchor op -> (its name in the report, the axis of the activation's channels).
+_ANCHORS = {"relax.matmul": ("matmul", -1), "relax.nn.conv2d": ("conv2d", 1)}
+
+
 def _report_leftovers(mod: tvm.IRModule, report: list[Offload]) -> None:
-    """Report each matmul still reading a dequantized constant int8 weight, with the reason."""
+    """Report each matmul and conv2d still reading a dequantized constant int8 weight, with
+    the reason."""
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
             bound = relax.analysis.get_var2val(func)
@@ -365,25 +440,30 @@ def _report_left(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr],
     def value(e: relax.Expr) -> relax.Expr:
         return bound.get(e, e) if isinstance(e, relax.Var) else e
 
-    if not is_call_to(expr, "relax.matmul"):
+    anchor = next((a for op, a in _ANCHORS.items() if is_call_to(expr, op)), None)
+    if anchor is None:
         return
+    name, channel_axis = anchor
     x, w = (value(a) for a in expr.args)
-    transposed = is_call_to(w, "relax.permute_dims")
+    transposed = name == "matmul" and is_call_to(w, "relax.permute_dims")
     if transposed:
         w = value(w.args[0])
     if not (is_call_to(w, "relax.dequantize")
             and all(isinstance(a, tvm.ir.expr.Constant) for a in w.args)):
-        return  # not an int8 weight: the float32 passes' matmul
+        return  # not an int8 weight: the float32 passes' layer
     wq, sw, zw = (a.value.numpy() for a in w.args)
-    why = _weights(wq, sw, zw, int(w.attrs.axis), transposed)
+    n_axis, rank = (0, 4) if name == "conv2d" else ((0 if transposed else 1), 2)
+    why = _weights(wq, sw, zw, int(w.attrs.axis), n_axis, rank)
     if not isinstance(why, str):
-        why = (_activation_problem(x, wq.shape[1 - transposed])
+        why = unsupported_geometry(expr) if name == "conv2d" else None
+    if why is None:
+        reduced = wq.shape[1] if name == "conv2d" else wq.shape[1 - n_axis]
+        why = (_activation_problem(x, reduced, channel_axis)
                if is_call_to(x, "relax.dequantize")
                else "activation is not dequantized from uint8 or int8")
-    report.append(Offload("matmul_qdq", static_shape(expr.ty.shape) or (),
+    report.append(Offload(f"{name}_qdq", static_shape(expr.ty.shape) or (),
                           reason=f"{why or 'pattern not matched'}; left dequantized to float32"))
 
 
-def _as_matrix(expr: relax.Expr, rows: int, cols: int) -> relax.Expr:
-    shape = static_shape(expr.ty.shape)
+def _as_matrix(expr: relax.Expr, shape: tuple[int, ...], rows: int, cols: int) -> relax.Expr:
     return expr if shape == (rows, cols) else relax.op.reshape(expr, (rows, cols))

@@ -21,7 +21,7 @@ from onnxruntime.quantization import QuantFormat, quantize_static
 from tvm import relax
 
 import tvm_tpp
-from relay_passes.qdq import rewrite_qdq_dense
+from relay_passes.qdq import rewrite_qdq
 from relay_passes.scaffold import Offload, is_call_to
 from schedules.tuner import TaskCollector
 from tvm_tpp import models
@@ -126,7 +126,7 @@ def _rewrite_and_compile(model: onnx.ModelProto) -> tuple[relax.Expr, list[Offlo
     """The pass on the imported model, then the tpp build (its pipeline prepares the rest)."""
     mod, _ = import_model(model)
     report: list[Offload] = []
-    mod = rewrite_qdq_dense(mod, tpp_target("tpp"), report)
+    mod = rewrite_qdq(mod, tpp_target("tpp"), report)
     return mod, report, tvm_tpp.compile(mod, target="tpp")
 
 
@@ -184,7 +184,7 @@ def test_qdq_layer_matches_onnxruntime(name):
 def test_rewritten_call_reads_uint8_x_and_a_vnni4_int8_weight():
     layer = _LAYERS["gemm_s8_zp-128_per_tensor_bias_s8out"]
     mod, _ = import_model(_layer_model(layer)[0])
-    mod = rewrite_qdq_dense(mod, tpp_target("tpp"), [])
+    mod = rewrite_qdq(mod, tpp_target("tpp"), [])
     calls, dequantized_constants = [], []
 
     def visit(expr: relax.Expr) -> None:
@@ -253,7 +253,7 @@ def test_computed_activation_scale_is_left_with_a_reason():
     x = relax.Var("x", relax.TensorType((4, 24), "uint8"))
     scale = relax.Var("scale", relax.TensorType((), "float32"))
     report: list[Offload] = []
-    rewrite_qdq_dense(_relax_layer(scale, [x, scale]), tpp_target("tpp"), report)
+    rewrite_qdq(_relax_layer(scale, [x, scale]), tpp_target("tpp"), report)
     assert [(r.op, r.shape, r.kernel) for r in report] == [("matmul_qdq", (4, 32), None)]
     assert report[0].reason.startswith("activation is not quantized per tensor with constant")
 
@@ -261,6 +261,6 @@ def test_computed_activation_scale_is_left_with_a_reason():
 def test_tuning_tasks_are_uint8_gemms():
     x = relax.Var("x", relax.TensorType((4, 24), "uint8"))
     tasks = TaskCollector()
-    rewrite_qdq_dense(_relax_layer(relax.const(0.1), [x]), tpp_target("tpp"), [], tasks)
+    rewrite_qdq(_relax_layer(relax.const(0.1), [x]), tpp_target("tpp"), [], tasks)
     assert [(key.op, key.shape, key.dtype) for key in tasks.tasks] == [
         ("dense", (4, 32, 24), "uint8")]

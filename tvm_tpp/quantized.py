@@ -157,6 +157,10 @@ def quantize_static_qdq(model: onnx.ModelProto | str | Path, path: str | Path, s
 
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model))
+    if _default_opset(model) < _QDQ_OPSET:
+        # Per-channel weights need DequantizeLinear's axis (opset 13); the quantizer writes
+        # it whatever the model's opset, and ONNX Runtime then refuses the model.
+        model = onnx.version_converter.convert_version(model, _QDQ_OPSET)
     path = Path(path)
     reader = RandomCalibration(model, samples, seed)
     # quantize_static reads a file; the float model is written next to nothing the caller owns.
