@@ -552,6 +552,12 @@ def test_low_precision_rows_have_ratios_and_fractions(tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     assert "int8 GEMM Y = X @ W, uint8 X x int8 W -> int32" in out
     assert "skipped: torch not installed" in out and "4.00" in out
+    result.rows[0]["explain"] = {"measured": [
+        {"model_rank": None, "model_class": None, "default": True, "predicted_cycles": None,
+         "gflops": 10.0, "config": "BCa bm=64", "error": None, "kept": True}],
+        "best_model_rank": None}
+    print_lowp_report(result, explain=True)
+    assert "64x64x64 t1 int8: model ranking vs measurement" in capsys.readouterr().out
     assert not psutil.Process().children(recursive=True)
 
 

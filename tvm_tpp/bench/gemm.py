@@ -563,11 +563,13 @@ def summary(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
-def print_lowp_report(result: BenchResult) -> None:
+def print_lowp_report(result: BenchResult, explain: bool = False) -> None:
     """The table of a low-precision run: GOPS, ratio to tpp-float32, fractions of the dtype's
-    and the fp32 peak; then the peaks, wall times and load."""
+    and the fp32 peak; then the peaks, ``--explain``'s rankings, wall times and load."""
     from rich.console import Console
     from rich.table import Table
+
+    from .report import _print_explanation
 
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
@@ -601,6 +603,10 @@ def print_lowp_report(result: BenchResult) -> None:
                       f"per core ({lowp['how']}); % peak = GOPS / (threads x that)")
     elif lowp:
         console.print(f"{result.dtype} peak: none ({lowp['how']})")
+    for r in result.rows if explain else ():
+        if "explain" in r:
+            _print_explanation(console, f"{r['m']}x{r['n']}x{r['k']} t{r['threads']} "
+                               f"{r['dtype']}: model ranking vs measurement", r["explain"])
     walls = ", ".join(f"{key} {seconds:.0f} s" for key, seconds in result.wall_seconds.items())
     console.print(f"wall times (impl/tN: preparing that worker; timing/tN: the alternating "
                   f"rounds): {walls}")
@@ -683,7 +689,7 @@ def run(args: argparse.Namespace) -> int:
     if config.dtype == "float32":
         print_gemm_report(result, config.explain)
     else:
-        print_lowp_report(result)
+        print_lowp_report(result, config.explain)
     rows = result.rows
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
