@@ -19,13 +19,13 @@ and W -> float32 Y) time the low-precision GEMMs of the same shapes (:class:`~tv
 workloads.GemmWorkload`): ``tpp`` and ``tpp-tuned`` in that dtype (on AMX, where this process
 may run it, with the tile-shaped default blocks; where the ISA has no instruction for the
 dtype the kernel is an emulation and the notes say so), ``tpp-float32`` (``tpp`` on the
-float32 GEMM: ``ratio_to_fp32`` is every row's GOPS over its GFLOPS), ``numpy`` (float32, as
-above) and ``torch``: PyTorch's CPU matmul in the same units (bf16 ``torch.matmul``, int8
-``torch._int_mm``), a skipped row where ``torch`` does not import (it is optional).  int8
-rows must equal the int64 product exactly, bf16 rows the float64 product of the rounded
-operands within bf16 rounding; a row that fails its check is an error row.  GOPS count
-``2 M N K`` operations as GFLOPS do; ``fraction_of_dtype_peak`` divides by ``threads x`` the
-ISA's peak in the dtype (:func:`dtype_peak`: AMX tiles, VNNI, AVX512-BF16), next to
+float32 GEMM; a row's ``ratio_to_fp32`` is its GOPS over that row's GFLOPS on the shape),
+``numpy`` (float32, as above) and ``torch``: PyTorch's CPU matmul in the same units (bf16
+``torch.matmul``, int8 ``torch._int_mm``), a skipped row where ``torch`` does not import (it
+is optional). int8 rows must equal the int64 product exactly, bf16 rows the float64 product of
+the rounded operands within bf16 rounding; a row that fails its check is an error row. GOPS
+count ``2 M N K`` operations as GFLOPS do; ``fraction_of_dtype_peak`` divides by ``threads x``
+the ISA's peak in the dtype (:func:`dtype_peak`: AMX tiles, VNNI, AVX512-BF16), next to
 ``fraction_of_peak`` of the fp32 FMA peak.
 
 Tuning seconds follow the one rule of :mod:`tvm_tpp.bench.impls`: the search this run did
