@@ -28,7 +28,10 @@ from tvm.target import Target
 
 from microkernels.machine import is_tpp, machine_of
 
-__all__ = ["Guarded", "Inlined", "ParallelLoops", "fallback_schedules", "inline_elementwise"]
+__all__ = [
+    "Guarded", "Inlined", "ParallelLoops", "RowReduction", "fallback_schedules",
+    "inline_elementwise",
+]
 
 
 #: Calls cheap enough to recompute in each consumer when their block is inlined into several.
@@ -130,6 +133,77 @@ class ParallelLoops(dl.ScheduleRule):
         return sch
 
 
+def _loop_bound_to(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, iter_type: int):
+    """The loop whose variable is bound to ``block``'s first iterator of ``iter_type``."""
+    loops = sch.get_loops(block)
+    realize = sch.get(loops[-1]).body
+    value = next(v for iv, v in zip(realize.block.iter_vars, realize.iter_values, strict=True)
+                 if iv.iter_type == iter_type)
+    return next(loop for loop in loops if sch.get(loop).loop_var.same_as(value))
+
+
+class RowReduction(dl.ScheduleRule):
+    """Softmax / layer-norm style functions (row reductions and elementwise blocks sharing
+    leading spatial axes), with vectorized reductions.
+
+    Like DLight's CPU ``Reduction`` (each row's blocks under one parallel loop), but each
+    reduction whose (single, innermost) axis a vector divides first becomes ``lanes`` partial
+    reductions (``rfactor``): a vector accumulator over the row, then ``lanes`` scalar steps.
+    A sum or max over a row otherwise runs as one scalar dependence chain (LLVM may not
+    reorder float additions).  The elementwise chains are inlined first
+    (:func:`inline_elementwise`) and the elementwise blocks' inner loops vectorized.
+    Functions of another shape, or whose reductions no vector divides, are left to the
+    next rule.
+    """
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        sch = s_tir.Schedule(func)
+        inline_elementwise(sch)
+        infos = normalize_prim_func(sch)
+        if (infos is None or len(infos) < 2 or not infos[-1].is_injective()
+                or all(info.is_injective() for info in infos)):
+            return None
+        kinds = [info.dom_kind() for info in infos]
+        lead = min(len(k) - len(k.lstrip("S")) for k in kinds)
+        # One reduction axis at most, innermost.
+        if lead == 0 or any("R" in k[:-1] or k.count("R") > 1 for k in kinds):
+            return None
+        lanes = machine_of(target).isa.lanes("float32") if is_tpp(target) else 8
+        factored = []
+        for info in infos:
+            if info.is_injective():
+                continue
+            loops = sch.get_loops(info.block_rv)
+            extent = sch.get(loops[-1]).extent
+            if not isinstance(extent, tirx.IntImm) or extent.value % lanes or extent.value <= lanes:
+                return None
+            inner = sch.split(loops[-1], [None, lanes])[1]
+            ndim = len(sch.get(info.block_rv).writes[0].source.shape)
+            factored.append(sch.rfactor(inner, factor_axis=ndim))
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+        rows = sch.get_loops(blocks[-1])[:lead]
+        rows = sch.fuse(*rows) if lead > 1 else rows[0]
+        sch.parallel(rows)
+        for block in reversed(blocks[:-1]):
+            sch.compute_at(block, rows, preserve_unit_loops=True)
+        names = {sch.get(block).name_hint for block in factored}
+        for block in blocks:
+            stmt = sch.get(block)
+            if stmt.name_hint in names:
+                across = _loop_bound_to(sch, block, tirx.IterVar.DataPar)
+                along = _loop_bound_to(sch, block, tirx.IterVar.CommReduce)
+                sch.reorder(along, across)
+                sch.vectorize(across)
+            elif all(iv.iter_type == tirx.IterVar.DataPar for iv in stmt.iter_vars):
+                inner = sch.get_loops(block)[-1]
+                width = _width(sch.get(inner).extent, lanes)
+                if width is not None and not inner.same_as(rows):
+                    sch.vectorize(sch.split(inner, [None, width])[1])
+        return sch
+
+
 class Inlined(dl.ScheduleRule):
     """``rule`` applied after :func:`inline_elementwise` (e.g. DLight's ``Reduction``, which
     would otherwise run each of softmax's quantize/dequantize epilogue blocks as its own
@@ -165,6 +239,7 @@ class Guarded(dl.ScheduleRule):
 
 
 def fallback_schedules() -> tvm.transform.Pass:
-    """DLight CPU rules, then :class:`ParallelLoops` for the rest."""
-    rules = (dl.cpu.GEMV(), Inlined(dl.cpu.Reduction()), ParallelLoops())
+    """DLight's CPU GEMV rule, :class:`RowReduction` (else DLight's ``Reduction`` after
+    :func:`inline_elementwise`), then :class:`ParallelLoops` for the rest."""
+    rules = (dl.cpu.GEMV(), RowReduction(), Inlined(dl.cpu.Reduction()), ParallelLoops())
     return dl.ApplyDefaultSchedule(*(Guarded(rule) for rule in rules))
