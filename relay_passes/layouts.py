@@ -35,6 +35,14 @@ __all__ = ["TO_NCHW", "TO_NHWC", "simplify_layouts"]
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
 
+#: Elementwise ops a permute moves through -> how many leading arguments are tensors of
+#: the output's shape (the rest: scalars, quantization parameters, attributes' values).
+_ELEMENTWISE = {"relax.add": 2, "relax.subtract": 2, "relax.multiply": 2, "relax.maximum": 2,
+                "relax.minimum": 2, "relax.nn.relu": 1, "relax.clip": 1, "relax.astype": 1,
+                "relax.sigmoid": 1, "relax.quantize": 1, "relax.dequantize": 1}
+#: An NCHW axis's index in NHWC (a per-channel quantization's axis moves with the permute).
+_NCHW_TO_NHWC_AXIS = (0, 3, 1, 2)
+
 _POOLS = {"relax.nn.max_pool2d": relax.op.nn.max_pool2d,
           "relax.nn.avg_pool2d": relax.op.nn.avg_pool2d}
 
@@ -52,7 +60,9 @@ class _Layouts(relax.PyExprMutator):
     * ``reshape(reshape(a, s), t)`` -> ``reshape(a, t)``, and ``a`` if ``t`` is a's shape
       (FuseOps would otherwise fuse the pair into a copy kernel);
     * pooling and spatial ``mean`` of ``permute_dims(a, NCHW)`` run on ``a`` in NHWC, with
-      the permute after them, where the next conv's permute cancels it.
+      the permute after them, where the next conv's permute cancels it;
+    * so do elementwise ops whose tensor operands are all such permutes (or scalars): a
+      quantized residual block's dequantize / add / relu / quantize between int8 convs.
     """
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -77,6 +87,8 @@ class _Layouts(relax.PyExprMutator):
             return call if source is call.args[0] else relax.op.reshape(source, call.args[1])
         if not (is_call_to(inner, "relax.permute_dims") and _axes(inner) == TO_NCHW):
             return call
+        if name in _ELEMENTWISE:
+            return self._elementwise(call)
         nhwc = inner.args[0]
         attrs = call.attrs
         if name in _POOLS and str(attrs.layout) == "NCHW" and str(attrs.out_layout) == "NCHW":
@@ -90,6 +102,26 @@ class _Layouts(relax.PyExprMutator):
                 return relax.op.mean(nhwc, [1, 2], keepdims=False)
             return relax.op.permute_dims(relax.op.mean(nhwc, [1, 2], keepdims=True), TO_NCHW)
         return call
+
+    def _elementwise(self, call: relax.Call) -> relax.Expr:
+        """``op(permute_dims(a, NCHW), ...)`` -> ``permute_dims(op(a, ...), NCHW)`` when every
+        other tensor operand is a scalar or NCHW-permuted too."""
+        tensors = _ELEMENTWISE[call.op.name]
+        args = list(call.args)
+        for i in range(tensors):
+            bound = self._bound(args[i])
+            if is_call_to(bound, "relax.permute_dims") and _axes(bound) == TO_NCHW:
+                args[i] = bound.args[0]
+            elif not (isinstance(args[i].ty, relax.TensorType) and args[i].ty.ndim == 0):
+                return call
+        attrs = call.attrs
+        if call.op.name in ("relax.quantize", "relax.dequantize"):
+            make = getattr(relax.op, call.op.name.split(".")[1])
+            axis = _NCHW_TO_NHWC_AXIS[int(attrs.axis) % 4]
+            out = make(*args, axis=axis, out_dtype=str(attrs.out_dtype))
+        else:
+            out = relax.Call(call.op, args, attrs)
+        return relax.op.permute_dims(out, TO_NCHW)
 
     def _bound(self, expr: relax.Expr) -> relax.Expr:
         # Through var-to-var aliases (left by cancelled permutes) to the defining call.
