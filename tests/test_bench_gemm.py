@@ -374,10 +374,9 @@ def test_dtype_option_parses_and_picks_the_rows():
     assert int8.impls == ("tpp", "tpp-tuned", "tpp-float32", "numpy", "torch")
     assert _config(_args("--dtype", "bfloat16", "--against", "none")).impls == (
         "tpp", "tpp-tuned", "tpp-float32")
-    # The torch row is the numpy job on the low-precision GEMMs; tpp-float32 and numpy run
-    # the float32 ones.
+    # The torch row runs the low-precision GEMMs; tpp-float32 and numpy the float32 ones.
     jobs = {i: int8.job(i, 1) for i in int8.impls}
-    assert jobs["torch"].impl == "numpy"
+    assert {i: j.impl for i, j in jobs.items()} == {i: i for i in int8.impls}
     assert {i: j.workloads[0].dtype for i, j in jobs.items()} == {
         "tpp": "int8", "tpp-tuned": "int8", "tpp-float32": "float32", "numpy": "float32",
         "torch": "int8"}
@@ -479,13 +478,13 @@ def test_torch_absent_skips_its_row(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
     for dtype in ("int8", "bfloat16"):
-        assert protocol._prepare(protocol.Job("numpy", 1, "wd"), 2,
+        assert protocol._prepare(protocol.Job("torch", 1, "wd"), 2,
                                  GemmWorkload(8, 8, 8, dtype), print) == (
             {"prepared": 2, "skipped": "torch not installed"}, None)
 
 
 # A stand-in worker for a low-precision run: 1 ms per float32 GEMM, 0.25 ms per int8 one;
-# the numpy job on int8 GEMMs (the torch row) has no torch.
+# the torch job has no torch.
 _FAKE_LOWP_WORKER = textwrap.dedent("""
     import json, os, sys
 
@@ -501,7 +500,7 @@ _FAKE_LOWP_WORKER = textwrap.dedent("""
     dtypes = [w["gemm"].get("dtype", "float32") for w in job["workloads"]]
     record.write(f"start {job['impl']} {','.join(dtypes)}\\n")
     for index, dtype in enumerate(dtypes):
-        if job["impl"] == "numpy" and dtype != "float32":
+        if job["impl"] == "torch":
             send({"prepared": index, "skipped": "torch not installed"})
             continue
         send({"prepared": index, "ok": True, "compile_seconds": 0.0, "tune_seconds": None,
@@ -529,7 +528,7 @@ def test_low_precision_rows_have_ratios_and_fractions(tmp_path, monkeypatch, cap
     result = run_bench(config, progress=False)
     assert record.read_text().splitlines() == [
         "start tpp int8,int8", "start tpp-float32 float32,float32",
-        "start numpy float32,float32", "start numpy int8,int8"]
+        "start numpy float32,float32", "start torch int8,int8"]
     assert [(r["m"], r["impl"], r["dtype"]) for r in result.rows] == [
         (m, impl, dtype) for m in (64, 32) for impl, dtype in (
             ("tpp", "int8"), ("tpp-float32", "float32"), ("numpy", "float32"),

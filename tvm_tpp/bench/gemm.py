@@ -103,13 +103,8 @@ DTYPES = GEMM_DTYPES
 FLOAT32 = "tpp-float32"
 #: PyTorch's matmul in a low-precision GEMM's own units (optional: skipped without torch).
 TORCH = "torch"
-#: Worker implementations of rows named otherwise: a GEMM-only implementation may not have an
-#: :data:`tvm_tpp.bench.impls.IMPLS` name of its own while ``tvm-tpp bench`` takes every name
-#: there for models, so the ``numpy`` job on a low-precision GEMM is torch's matmul.
-_JOB_IMPL = {TORCH: "numpy"}
 #: Implementations in table order; ``tpp`` and ``tpp-tuned`` always run.
-IMPLS = tuple(x for i in _impls.IMPLS if _impls.supports(i, GemmWorkload(1, 1, 1))
-              for x in ((i, TORCH) if i == "numpy" else (i,)))
+IMPLS = tuple(i for i in _impls.IMPLS if _impls.supports(i, GemmWorkload(1, 1, 1)))
 #: Baselines ``--against`` may add (torch below float32 only; tvm-default and metaschedule in
 #: float32 only).
 BASELINES = ("numpy", TORCH, "tvm-default", "metaschedule")
@@ -242,7 +237,7 @@ class BenchConfig:
     def job(self, impl: str, threads: int) -> Job:
         """The :class:`~tvm_tpp.bench.protocol.Job` of row ``impl``'s worker at ``threads``."""
         dtype = self.workload_dtype(impl)
-        return Job(_JOB_IMPL.get(impl, impl), threads, str(self.work_dir),
+        return Job(impl, threads, str(self.work_dir),
                    tuple(GemmWorkload(*shape, dtype) for shape in self.shapes), seed=self.seed,
                    ms_trials=self.ms_trials, top_k=self.top_k, tune_budget=self.tune_budget,
                    explain=self.explain, tvm_default_limit=self.tvm_default_limit)

@@ -46,7 +46,7 @@ __all__ = ["IMPLS", "NATIVE_FEATURES", "Built", "Unavailable", "build", "gemm_pr
            "host_llvm", "native_feature", "supports"]
 
 #: Every implementation, in table order (each benchmark shows those its workload supports).
-IMPLS = ("tpp", "tpp-tuned", "tpp-float32", "numpy", "tvm-default", "metaschedule",
+IMPLS = ("tpp", "tpp-tuned", "tpp-float32", "numpy", "torch", "tvm-default", "metaschedule",
          "onnxruntime")
 
 #: ``say(text)``: progress of a long build, shown by the harness.
@@ -408,7 +408,7 @@ def _gemm_tpp_tuned(job: Job, workload: GemmWorkload, say: Say) -> Built:
 
 def _gemm_numpy(job: Job, workload: GemmWorkload, say: Say) -> Built:
     if workload.dtype != "float32":
-        return _gemm_torch(job, workload, say)
+        raise ValueError(f"numpy multiplies float32 GEMMs, not {workload.dtype}")
     x, w = workload.operands(job.seed)
     out = np.empty((workload.m, workload.n), "float32")
 
@@ -542,6 +542,7 @@ _BUILDERS: dict[str, dict[type, Callable[..., Built]]] = {
     # the float32 GEMMs.
     "tpp-float32": {ModelWorkload: _model_tpp, GemmWorkload: _gemm_tpp},
     "numpy": {GemmWorkload: _gemm_numpy},
+    "torch": {GemmWorkload: _gemm_torch},
     "tvm-default": {ModelWorkload: _model_tvm_default, GemmWorkload: _gemm_tvm_default},
     "metaschedule": {ModelWorkload: _model_metaschedule, GemmWorkload: _gemm_metaschedule},
     "onnxruntime": {ModelWorkload: _model_onnxruntime},

@@ -70,7 +70,8 @@ __all__ = ["BASELINES", "FLOAT32", "IMPLS", "STATUSES", "TOLERANCE", "TOLERANCES
            "Row", "default_work_dir", "judge", "run_bench"]
 
 #: The implementations ``tvm-tpp bench`` compares, in table order.
-IMPLS = tuple(i for i in _impls.IMPLS if i != "numpy")
+IMPLS = tuple(i for i in _impls.IMPLS
+              if _impls.supports(i, ModelWorkload("m.onnx", "i.npz", "o.npz", "m")))
 #: The row a low-precision run adds: tpp on the float32 model (not chosen with ``impls``).
 FLOAT32 = "tpp-float32"
 #: Implementations every other row's speedup is given against, when they were benchmarked.
