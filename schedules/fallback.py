@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import tvm
 from tvm import s_tir, tirx
+from tvm.ir import expr as ir_expr
 from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
@@ -45,19 +46,31 @@ def _costly(stmt: tirx.Stmt) -> bool:
     """Whether ``stmt`` calls anything but :data:`_CHEAP_CALLS` (exp, erf, rsqrt, ...)."""
     import tvm_ffi
 
-    call_type = type(tirx.exp(tirx.Var("x", "float32")))
     found = []
-    tvm_ffi.structural_walk(stmt, (call_type, lambda c: found.append(
+    tvm_ffi.structural_walk(stmt, (ir_expr.Call, lambda c: found.append(
         getattr(c.op, "name", None) not in _CHEAP_CALLS)))
     return any(found)
+
+
+def _reads(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> int:
+    """How many loads of ``block``'s result its consumers make (each one recomputes it once
+    the block is inlined)."""
+    import tvm_ffi
+
+    buffer = sch.get(block).writes[0].source
+    loads = []
+    for consumer in sch.get_consumers(block):
+        tvm_ffi.structural_walk(sch.get(consumer).body, (
+            ir_expr.TensorLoad, lambda load: loads.append(load.source.same_as(buffer))))
+    return sum(loads)
 
 
 def inline_elementwise(sch: s_tir.Schedule) -> bool:
     """``compute_inline`` the function's injective intermediate blocks into their consumers.
 
-    A block goes if it has one consumer, or if its computation is cheap (no transcendental
-    call) so that recomputing it in each consumer costs less than a round trip through
-    memory.  Without this, a fused chain of N elementwise operators (the quantized GELU's
+    A block goes if its result is read once, or if its computation is cheap (no
+    transcendental call) so that recomputing it at each read costs less than a round trip
+    through memory.  Without this, a fused chain of N elementwise operators (the quantized GELU's
     dequantize, divide, erf, quantize, ... ) makes N passes over N intermediate tensors, each
     its own parallel loop.  Blocks the primitive refuses (e.g. stores through a reshape's
     index arithmetic) stay.  Returns whether any block was inlined.
@@ -82,7 +95,7 @@ def inline_elementwise(sch: s_tir.Schedule) -> bool:
         if not info.is_injective():
             continue
         block = info.block_rv
-        if len(sch.get_consumers(block)) > 1 and _costly(sch.get(block).body):
+        if _costly(sch.get(block).body) and _reads(sch, block) > 1:
             continue
         try:
             sch.compute_inline(block)

@@ -5,7 +5,13 @@ import tvm
 from tvm import s_tir, te
 from tvm.tirx import ForKind
 
-from schedules.fallback import Guarded, ParallelLoops, fallback_schedules
+from schedules.fallback import (
+    Guarded,
+    ParallelLoops,
+    RowReduction,
+    fallback_schedules,
+    inline_elementwise,
+)
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
 
@@ -57,3 +63,82 @@ def test_fallback_pass_leaves_scheduled_kernels_alone():
     with TARGET:
         out = fallback_schedules()(tvm.IRModule({"main": kernel}))
     assert all(kind == ForKind.SERIAL for kind, _ in _loops(out["main"]))
+
+
+def _kinds(func: tvm.tirx.PrimFunc, block: str) -> list[ForKind]:
+    sch = s_tir.Schedule(func)
+    return [sch.get(loop).kind for loop in sch.get_loops(sch.get_sblock(block))]
+
+
+def _blocks(func: tvm.tirx.PrimFunc) -> list[str]:
+    sch = s_tir.Schedule(func)
+    return [sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))]
+
+
+def test_elementwise_chain_becomes_one_vectorized_block():
+    # dequantize -> erf -> quantize style chain: one pass, no intermediate tensors.
+    x = te.placeholder((4, 64), "uint8", name="x")
+    a = te.compute((4, 64), lambda i, j: (x[i, j].astype("int32") - 3).astype("float32")
+                   * 0.5, name="a")
+    b = te.compute((4, 64), lambda i, j: tvm.tirx.erf(a[i, j]), name="b")
+    y = te.compute((4, 64), lambda i, j: b[i, j] * a[i, j], name="y")
+    func = ParallelLoops().apply(te.create_prim_func([x, y]), TARGET, False).mod["main"]
+    assert _blocks(func) == ["y"]
+    assert _kinds(func, "y") == [ForKind.PARALLEL, ForKind.SERIAL, ForKind.VECTORIZED]
+
+
+def test_costly_block_with_two_consumers_is_not_recomputed():
+    x = te.placeholder((4, 64), "float32", name="x")
+    e = te.compute((4, 64), lambda i, j: tvm.tirx.exp(x[i, j]), name="e")
+    c = te.compute((4, 64), lambda i, j: x[i, j] + 1.0, name="c")
+    y = te.compute((4, 64), lambda i, j: e[i, j] * c[i, j] + e[i, j], name="y")
+    sch = s_tir.Schedule(te.create_prim_func([x, y]))
+    assert inline_elementwise(sch)
+    assert _blocks(sch.mod["main"]) == ["e", "y"]
+
+
+def test_one_dimensional_injective_loop_is_vectorized():
+    x = te.placeholder((96,), "float32", name="x")
+    func = te.create_prim_func([x, te.compute((96,), lambda i: x[i] * 2.0, name="y")])
+    out = ParallelLoops().apply(func, TARGET, False).mod["main"]
+    assert _kinds(out, "y") == [ForKind.PARALLEL, ForKind.VECTORIZED]
+
+
+def _softmax_then_scale():
+    from tvm import topi
+
+    x = te.placeholder((3, 5, 64), "float32", name="x")
+    y = topi.nn.softmax(x, axis=-1)
+    z = te.compute(y.shape, lambda *i: y(*i) * 2.0, name="z")
+    return te.create_prim_func([x, z])
+
+
+def test_row_reduction_vectorizes_the_reductions_and_is_correct():
+    sch = RowReduction().apply(_softmax_then_scale(), TARGET, False)
+    func = sch.mod["main"]
+    rf = [name for name in _blocks(func) if name.endswith("_rf")]
+    # max and sum each become vector-wide partial reductions ...
+    assert len(rf) == 2, _blocks(func)
+    for name in rf:
+        kinds = _kinds(func, name)
+        assert kinds[0] == ForKind.PARALLEL and kinds[-1] == ForKind.VECTORIZED, (name, kinds)
+    # ... and the normalize + scale chain is one block.
+    assert "T_softmax_norm" not in _blocks(func)
+    f = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
+    a = np.random.default_rng(0).standard_normal((3, 5, 64)).astype("float32") * 10
+    out = tvm.runtime.empty((3, 5, 64), "float32")
+    f(tvm.runtime.tensor(a), out)
+    e = np.exp(a - a.max(-1, keepdims=True))
+    np.testing.assert_allclose(out.numpy(), 2 * e / e.sum(-1, keepdims=True), rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_row_reduction_leaves_reductions_no_vector_divides():
+    from tvm import topi
+
+    x = te.placeholder((3, 30), "float32", name="x")
+    func = te.create_prim_func([x, topi.nn.softmax(x, axis=-1)])
+    assert RowReduction().apply(func, TARGET, False) is None
+    with TARGET:  # DLight's Reduction takes it
+        out = fallback_schedules()(tvm.IRModule({"main": func}))
+    assert out["main"].attrs["tirx.is_scheduled"]
