@@ -1,11 +1,16 @@
 """Schedules for what TVM lowers itself: the operators no TPP pattern took.
 
 TVM 0.27 schedules nothing on CPU by default (the legalized loops run serial and scalar), so
-the ``tpp`` pipeline applies DLight's CPU rules (GEMV; softmax/layer-norm style reductions)
-and, for everything else, :class:`ParallelLoops`: the leading spatial loops of each block are
-fused and run in parallel, and an injective block's innermost loop is vectorized by the widest
-of a full, half or quarter-width (4 lanes) vector that divides it.  Functions already
-scheduled (the TPP kernels) are left alone.
+the ``tpp`` pipeline applies DLight's CPU GEMV rule, :class:`RowReduction` for softmax /
+layer-norm style functions (vectorized partial reductions; DLight's ``Reduction`` for the
+rows no vector divides) and, for everything else, :class:`ParallelLoops`: the leading spatial
+loops of each block are fused and run in parallel, and an injective block's innermost loop is
+vectorized by the widest of a full, half or quarter-width (4 lanes) vector that divides it.
+Before any of them, a fused function's elementwise chain is inlined into one block
+(:func:`inline_elementwise`): a quantized GELU is ~20 operators, each otherwise its own loop
+over its own intermediate tensor.  Functions already scheduled (the TPP kernels) are left
+alone.  The exp/erf/tanh/sigmoid calls these functions make become vectorizable polynomials
+afterwards (:func:`microkernels.fast_math.fast_math`, in the pipeline).
 
 Examples
 --------
