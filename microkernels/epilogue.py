@@ -21,8 +21,14 @@ gelu            float32                ``"erf"``: ``x/2 (1 + erf(x/sqrt 2))``; `
 sigmoid         float32                ``1 / (1 + exp(-x))``
 scale           float32                ``x * s``; s a constant (``value``) or a vector
 convert         float32 (last op)      bfloat16, round to nearest even
-requantize      int32 (last op)        uint8/int8: ``sat(rint(float32(x) * s) + zp)``
+requantize      int32, float32         uint8/int8: ``sat(rint(float32(x) * s) + zp)``
+dequantize      uint8, int8            float32: ``(float32(x) - zp) * s``
+residual_dq     float32                ``x + (float32(r) - zp) * s``; r a full ``[M, N]``
+                                       uint8/int8 tensor (a quantized residual)
 ==============  =====================  ==============================================
+
+A quantized value may go on (``requantize`` then ``dequantize``): the QDQ form of a layer whose
+quantized output is added to a quantized residual and quantized again is one chain.
 
 bfloat16 results live in TVM ``"bfloat16"`` buffers (``tvm.runtime.empty(shape, "bfloat16")``,
 whose ``.numpy()`` is an ``ml_dtypes.bfloat16`` array); :func:`reference` returns their uint16
@@ -88,10 +94,13 @@ KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "sigmoid": (_FLOAT, frozenset()),
     "scale": (_FLOAT, frozenset({"value", "broadcast", "name"})),
     "convert": (_FLOAT, frozenset({"dtype"})),
-    "requantize": (frozenset({"int32"}), frozenset({"value", "broadcast", "name", "zero_point",
-                                                    "dtype"})),
+    "requantize": (_ANY, frozenset({"value", "broadcast", "name", "zero_point", "dtype"})),
+    "dequantize": (frozenset({"uint8", "int8"}), frozenset({"value", "zero_point"})),
+    "residual_dq": (_FLOAT, frozenset({"name", "value", "zero_point", "dtype"})),
 }
-_TERMINAL = ("convert", "requantize")
+#: Ops only the last of a chain may be; their result dtype is their ``dtype``.
+_TERMINAL = ("convert",)
+_CONVERTING = ("convert", "requantize")
 _GELU_VARIANTS = ("erf", "tanh")
 _QUANT_RANGE = {"uint8": (0, 255), "int8": (-128, 127)}
 _SHORT = {"uint8": "u8", "int8": "s8", "bfloat16": "bf16"}
@@ -136,13 +145,16 @@ class EpilogueOp:
         Name of the operand tensor (defaults: ``bias``, ``residual``, ``scale``,
         ``requantize_scale``); the keys of ``extra`` in :func:`apply_te` and :func:`reference`.
     value
-        scale/requantize: the per-tensor factor (applied as float32).
+        scale/requantize: the per-tensor factor (applied as float32); dequantize and
+        residual_dq: the scale of the quantized value.
     lo, hi
         clamp bounds, ``lo <= hi`` (integral when the chain is int32).
     zero_point
-        requantize: added after rounding, within the range of ``dtype``.
+        requantize: added after rounding, within the range of ``dtype``; dequantize and
+        residual_dq: subtracted before scaling.
     dtype
-        convert: ``"bfloat16"``; requantize: ``"uint8"`` or ``"int8"``.
+        convert: ``"bfloat16"``; requantize and residual_dq (the residual's): ``"uint8"`` or
+        ``"int8"``.
 
     Examples
     --------
@@ -205,6 +217,18 @@ class EpilogueOp:
         elif not _is_real(self.value) or not math.isfinite(self.value):
             raise ValueError(f"{self.kind} value must be a finite number, got {self.value!r}")
 
+    def _check_dequantize(self) -> None:
+        if not _is_real(self.value) or not math.isfinite(self.value) or not self.value > 0:
+            raise ValueError(f"{self.kind} needs a positive finite `value` (the scale), "
+                             f"got {self.value!r}")
+        if not isinstance(self.zero_point, int) or isinstance(self.zero_point, bool):
+            raise ValueError(f"{self.kind} zero_point must be an int, got {self.zero_point!r}")
+
+    def _check_residual_dq(self) -> None:
+        self._check_dequantize()
+        if self.dtype not in _QUANT_RANGE:
+            raise ValueError(f"residual_dq dtype must be 'uint8' or 'int8', got {self.dtype!r}")
+
     def _check_convert(self) -> None:
         if self.dtype != "bfloat16":
             raise ValueError(f"convert supports dtype 'bfloat16' only, got {self.dtype!r}")
@@ -229,6 +253,8 @@ class EpilogueOp:
             return Operand(self.name or "bias", self.broadcast or "row", dtype)
         if self.kind == "residual":
             return Operand(self.name or "residual", "full", dtype)
+        if self.kind == "residual_dq":
+            return Operand(self.name or "residual", "full", self.dtype)
         if self.kind in ("scale", "requantize") and self.value is None:
             default = "scale" if self.kind == "scale" else "requantize_scale"
             return Operand(self.name or default, self.broadcast, "float32")
@@ -248,15 +274,19 @@ class EpilogueOp:
             raise ValueError(
                 f"clamp of int32 needs integral bounds within int32, got {self.lo}, {self.hi}"
             )
-        return self.dtype if self.kind in _TERMINAL else dtype
+        if self.kind == "dequantize":
+            return "float32"
+        return self.dtype if self.kind in _CONVERTING else dtype
 
     @property
     def tag(self) -> str:
         """Short name for kernel names, e.g. ``gelu_tanh``, ``requantize_u8``."""
         if self.kind == "gelu":
             return f"gelu_{self.variant}"
-        if self.kind in _TERMINAL:
+        if self.kind in _CONVERTING:
             return f"{self.kind}_{_SHORT[self.dtype]}"
+        if self.kind == "residual_dq":
+            return f"residual_{_SHORT[self.dtype]}"
         if self.kind == "bias" and self.broadcast == "col":
             return "bias_col"
         return self.kind
@@ -446,6 +476,16 @@ def _to_bf16(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
     return tirx.reinterpret("bfloat16", half)
 
 
+@register_expr("dequantize")
+def _dequantize(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    return (x.astype("float32") - _f32(op.zero_point)) * _f32(op.value)
+
+
+@register_expr("residual_dq")
+def _residual_dq(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    return x + (arg.astype("float32") - _f32(op.zero_point)) * _f32(op.value)
+
+
 @register_expr("requantize")
 def _requantize(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
     # Saturate in float32 before the cast (an out-of-range float -> int cast is undefined).
@@ -583,6 +623,10 @@ def _np_apply(op: EpilogueOp, x: np.ndarray, arg: np.ndarray | None) -> np.ndarr
         return np.minimum(np.maximum(x, x.dtype.type(op.lo)), x.dtype.type(op.hi))
     if op.kind == "convert":
         return _np_bf16_bits(x)
+    if op.kind in ("dequantize", "residual_dq"):
+        q = x if op.kind == "dequantize" else arg
+        real = (q.astype(np.float32) - np.float32(op.zero_point)) * np.float32(op.value)
+        return real if op.kind == "dequantize" else (x + real).astype(np.float32)
     if op.kind == "requantize":
         qmin, qmax = _QUANT_RANGE[op.dtype]
         scale = np.float32(op.value) if arg is None else arg

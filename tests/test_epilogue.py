@@ -73,7 +73,10 @@ def test_invalid_op_raises(kwargs, message):
         ([EpilogueOp("gelu", variant="erf")], "int32", "takes float32"),
         ([EpilogueOp("scale", value=2.0)], "int32", "use requantize"),
         ([EpilogueOp("convert", dtype="bfloat16")], "int32", "takes float32"),
-        ([EpilogueOp("requantize", value=0.5, dtype="int8")], "float32", "takes int32"),
+        # A quantized value goes on only through dequantize.
+        ([EpilogueOp("requantize", value=0.5, dtype="int8"), EpilogueOp("relu")], "int32",
+         "takes float32 or int32, got int8"),
+        ([EpilogueOp("dequantize", value=0.5)], "int32", "takes int8 or uint8"),
         ([EpilogueOp("clamp", lo=0.5, hi=6.0)], "int32", "integral bounds"),
         ([EpilogueOp("clamp", lo=0, hi=2**31)], "int32", "within int32"),
     ],
@@ -238,6 +241,32 @@ def test_requantize_ties_and_saturation_exact(dtype, zero_point):
     lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
     assert list(want[0, :3]) == [hi, lo, hi]
     assert list(want[0, 3:6]) == [zero_point, zero_point + 2, zero_point - 2]  # 0.5->0, ±1.5->±2
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+def test_quantized_residual_chain(dtype):
+    # A QDQ conv's output requantized, dequantized, added to a quantized residual, relu'd and
+    # quantized again: one chain.  The integer steps are exact; the float sum may become an
+    # FMA in TVM, so a value at a rounding tie may land one step apart.
+    rng = np.random.default_rng(2)
+    lo, hi = np.iinfo(dtype).min, np.iinfo(dtype).max
+    acc = rng.integers(-3000, 3000, size=(31, 67)).astype(np.int32)
+    residual = rng.integers(lo, hi + 1, size=(31, 67)).astype(dtype)
+    s1, s2, s3 = 0.0513, 0.0291, 0.0617
+    epi = Epilogue([EpilogueOp("requantize", value=0.0103, zero_point=lo + 100, dtype=dtype),
+                    EpilogueOp("dequantize", value=s1, zero_point=lo + 100),
+                    EpilogueOp("residual_dq", value=s2, zero_point=lo + 7, dtype=dtype),
+                    EpilogueOp("relu"),
+                    EpilogueOp("requantize", value=1 / s3, zero_point=lo, dtype=dtype)])
+    short = {"uint8": "u8", "int8": "s8"}[dtype]
+    assert epi.name == f"requantize_{short}_dequantize_residual_{short}_relu_requantize_{short}"
+    got = _run_elementwise(epi, acc, {"residual": residual}).astype(np.int64)
+    want = reference(epi, acc, {"residual": residual}).astype(np.int64)
+    assert np.abs(got - want).max() <= 1 and np.mean(got != want) <= 0.01
+    q1 = np.clip(np.rint(acc * np.float32(0.0103)) + lo + 100, lo, hi)
+    real = np.maximum((q1 - lo - 100) * s1 + (residual.astype(np.float64) - lo - 7) * s2, 0)
+    assert np.abs(want - np.clip(np.rint(real / s3) + lo, lo, hi)).max() <= 1
+    assert len(np.unique(want)) > 10  # not saturated
 
 
 def test_transcendentals_on_special_values():
