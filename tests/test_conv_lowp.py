@@ -239,7 +239,7 @@ def test_problem_types():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"dtype": "int8"}, "handles float32, bfloat16, uint8"),
-    ({"dtype": "bfloat16", "epilogue": REQUANT}, "takes int32"),
+    ({"dtype": "bfloat16", "epilogue": REQUANT}, "a bfloat16 conv writes float32, not uint8"),
     ({"dtype": "bfloat16", "epilogue": Epilogue((EpilogueOp("convert", dtype="bfloat16"),))},
      "a bfloat16 conv writes float32, not bfloat16"),
     ({"dtype": "uint8", "epilogue": Epilogue((EpilogueOp("scale", value=0.5),

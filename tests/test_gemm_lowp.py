@@ -210,9 +210,9 @@ def test_problem_types():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"dtype": "int8"}, "handles float32, bfloat16, uint8"),
-    ({"dtype": "bfloat16", "epilogue": REQUANT}, "takes int32"),
-    ({"dtype": "uint8", "epilogue": Epilogue((EpilogueOp("scale", value=0.5),
-                                              EpilogueOp("requantize", value=0.5, dtype="int8")))},
+    ({"dtype": "bfloat16", "epilogue": Epilogue((EpilogueOp("dequantize", value=0.5),))},
+     "takes int8 or uint8"),
+    ({"dtype": "uint8", "epilogue": Epilogue((EpilogueOp("dequantize", value=0.5),))},
      "takes neither the int32 accumulator nor its float32 value"),
 ])
 def test_problem_errors(kwargs, message):
