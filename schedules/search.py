@@ -14,7 +14,7 @@ For one operator, :func:`tune`
 Examples
 --------
 >>> from schedules.gemm import GemmProblem
->>> db = Database("tuning.json")                                    # doctest: +SKIP
+>>> db = Database("work/tuning.db")                                  # doctest: +SKIP
 >>> result = tune(GemmProblem(128, 768, 768), target, database=db)  # doctest: +SKIP
 >>> result.best.spec, result.cached                                  # doctest: +SKIP
 ('cBCa', False)
@@ -138,10 +138,12 @@ def tune(
         raise ValueError(f"top_k must be >= 0, got {top_k}")
     op = op_of(problem)
     key = TuningKey.of(problem, target)
-    if database is not None and (known := database.get(key)) is not None:
+    machine = machine_of(target)
+    # A stored record is used only if it fits the problem; a bad one is dropped and re-tuned.
+    if database is not None and \
+            (known := database.get(key, problem, machine.isa.name)) is not None:
         return TuneResult(known, cached=True, tune_seconds=0.0)
     start = time.perf_counter()
-    machine = machine_of(target)
     choices, generated = op.choices(problem, machine, max_candidates)
     chosen = choices[:1 + top_k]
 

@@ -6,7 +6,7 @@ the rest for them:
 :mod:`schedules.ops`
     The operators (:data:`OPS`): keys, defaults, candidates, schedules, JSON, texts.
 :mod:`schedules.database`
-    :class:`TuningKey` and the JSON :class:`Database` of results.
+    :class:`TuningKey` and the SQLite :class:`Database` of results.
 :mod:`schedules.measure`
     :func:`build`, :func:`measure` and :func:`time_interleaved`.
 :mod:`schedules.search`
@@ -65,7 +65,7 @@ class Tuner:
 
     Examples
     --------
-    >>> tuner = Tuner(Database("tuning.json"))                      # doctest: +SKIP
+    >>> tuner = Tuner(Database("work/tuning.db"))                    # doctest: +SKIP
     >>> tuner.config(ConvProblem(1, 16, 14, 14, 32, 3, 3), target)  # doctest: +SKIP
     ConvConfig(bq=12, bc=16, bk=32, spec='ACDebfg', c_step=1, block_steps=mappingproxy({}))
     """
@@ -77,8 +77,10 @@ class Tuner:
             raise TypeError(f"a Tuner takes a Database, got {type(self.database).__name__}")
 
     def config(self, problem: Problem, target: Target) -> Config | None:
-        """``problem``'s tuned configuration on ``target``'s machine, or None if untuned."""
-        return self.database.get(TuningKey.of(problem, target))
+        """``problem``'s tuned configuration on ``target``'s machine, or None if untuned (or
+        if the stored record does not fit ``problem``: it is dropped, with a warning)."""
+        return self.database.get(TuningKey.of(problem, target), problem,
+                                 machine_of(target).isa.name)
 
 
 @dataclass

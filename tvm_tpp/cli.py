@@ -9,7 +9,7 @@ status 2, and anything else is a bug that shows its traceback.
 Examples
 --------
 $ tvm-tpp info
-$ tvm-tpp tune mlp --budget 2           # writes ./tvm_tpp_work/tuning.json
+$ tvm-tpp tune mlp --budget 2           # writes ./tvm_tpp_work/tuning.db
 $ tvm-tpp run mlp --check onnxruntime   # built with the configs tuned in ./tvm_tpp_work
 $ tvm-tpp run resnet50 --work-dir resnet_work --report
 $ tvm-tpp run bert --precision bf16 --check onnxruntime   # dense layers in bf16
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -416,8 +417,33 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Warnings(logging.StreamHandler):
+    """The library's warnings (a tuning database set aside, a record dropped) as one line
+    each, ``tvm-tpp: warning: ...``, on whatever ``sys.stderr`` is when they are emitted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("tvm-tpp: warning: %(message)s"))
+
+    @property
+    def stream(self):  # noqa: D102 - sys.stderr at emit time (tests swap it)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _show_warnings() -> None:
+    for name in ("schedules", "tvm_tpp"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(h, _Warnings) for h in logger.handlers):
+            logger.addHandler(_Warnings())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _show_warnings()
     try:
         return args.func(args)
     except KeyboardInterrupt:

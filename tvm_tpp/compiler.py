@@ -36,6 +36,7 @@ from tvm.target import Target
 from relay_passes import Offload
 from relay_passes.dense import PRECISIONS
 from relay_passes.pipeline import tpp_pipeline, tpp_rewrites
+from schedules import database as _database_file
 from schedules import tuner as _tuner
 from schedules.tuner import Database, TaskCollector, Tuner, TuneResult
 
@@ -57,8 +58,9 @@ __all__ = ["compile", "tune", "lower", "load", "import_model", "CompiledModel", 
 
 #: The work directory :func:`tune` writes by default, and :func:`compile` reads if it exists.
 WORK_DIR = Path("tvm_tpp_work")
-#: The tuning database's file name in a work directory.
-DATABASE = "tuning.json"
+#: The tuning database's file name in a work directory (an SQLite file; a ``tuning.json``
+#: of earlier versions beside it is migrated when the database is first opened).
+DATABASE = _database_file.FILE_NAME
 _TOP_K = 8  # candidates measured per operator besides its default
 _SIDECAR = ".json"  # export writes model.so and model.so.json (inputs, target)
 _SOURCE_FORMATS = {"asm": "asm", "llvm": "ll"}  # CompiledModel.source's kinds, LLVM's names
@@ -259,19 +261,25 @@ def _relax_inputs(
     return specs
 
 
-def _database(path: Path) -> Database:
+def _database(work_dir: str | os.PathLike) -> Database:
+    """``work_dir``'s database (a corrupt one is set aside by the store, with a warning)."""
+    work = Path(work_dir)
+    if work.exists() and not work.is_dir():
+        raise DatabaseError(f"work directory {work} is a file; name a directory")
     try:
-        return Database(path)
-    except ValueError as err:  # corrupt JSON; the tuner's layer has no TppError to raise
+        return Database(work / DATABASE)
+    except ValueError as err:  # the tuner's layer has no TppError to raise
         raise DatabaseError(str(err)) from None
 
 
 def _existing_database(work_dir: str | os.PathLike | None) -> Database | None:
     """The database to build with: ``work_dir``'s, which must exist when given, else the
     default work directory's if it has one."""
-    path = Path(WORK_DIR if work_dir is None else work_dir) / DATABASE
-    if path.is_file():
-        return _database(path)
+    work = Path(WORK_DIR if work_dir is None else work_dir)
+    if (work / DATABASE).is_file() or (work / _database_file.LEGACY_NAME).is_file():
+        return _database(work)
+    if work.exists() and not work.is_dir():
+        raise DatabaseError(f"work directory {work} is a file; name a directory")
     if work_dir is not None:  # asked for tuned code: building untuned would hide a typo
         raise DatabaseError(f"no tuning database in {work_dir}; write it with "
                             f"`tvm-tpp tune MODEL --work-dir {work_dir}` or tvm_tpp.tune")
@@ -324,7 +332,7 @@ def tune(
     on_tuned: Callable[[Problem, TuneResult], None] | None = None,
     precision: str = "float32",
 ) -> list[Tuned]:
-    """Tune each GEMM, conv and batch GEMM of a model into ``work_dir/tuning.json``.
+    """Tune each GEMM, conv and batch GEMM of a model into ``work_dir/tuning.db``.
 
     Operators the database knows cost nothing; :func:`compile` with the same ``work_dir``
     then builds with the tuned configurations.
@@ -367,7 +375,7 @@ def tune(
     _precision(precision)
     _measurable(tgt)
     mod, _ = import_model(model, input_shapes)
-    return _tune_tasks(mod, tgt, _database(Path(work_dir) / DATABASE), budget, top_k, on_tuned,
+    return _tune_tasks(mod, tgt, _database(work_dir), budget, top_k, on_tuned,
                        precision)
 
 
@@ -421,7 +429,7 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     input_shapes
         Shapes by input name, for inputs with symbolic dimensions.
     work_dir
-        The work directory whose ``tuning.json`` gives the configurations of the operators it
+        The work directory whose ``tuning.db`` gives the configurations of the operators it
         knows (the others get their defaults); it must hold one unless ``tune``.  Default:
         ``./tvm_tpp_work``, if it holds one.
     tune
@@ -459,7 +467,7 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         raise UsageError("untuned builds read no work directory and tune nothing")
     if tune:
         _measurable(tgt)
-        database: Database | None = _database(Path(work_dir or WORK_DIR) / DATABASE)
+        database: Database | None = _database(work_dir or WORK_DIR)
     else:
         database = None if untuned else _existing_database(work_dir)
     start = time.perf_counter()
