@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from microkernels import isa as _isa
-from microkernels.brgemm import BrgemmShape, dispatch
+from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 
@@ -65,10 +65,23 @@ from .blocking import divisors, near_divisors
 if TYPE_CHECKING:
     import numpy as np
     from tvm import s_tir
-    from tvm.tirx import PrimFunc
+    from tvm.s_tir import SBlockRV
+    from tvm.tirx import PrimExpr, PrimFunc
 
-__all__ = ["BatchGemmProblem", "BatchGemmConfig", "default_config", "candidates", "workload",
-           "schedule", "reference"]
+__all__ = ["OPERANDS", "BatchGemmProblem", "BatchGemmConfig", "default_config", "candidates",
+           "workload", "schedule", "reference"]
+
+
+#: dtype of the multiplication -> (accumulator dtype, BRGEMM layout of the packed B), as in
+#: :data:`schedules.gemm.OPERANDS`.
+OPERANDS: dict[str, tuple[str, str]] = {
+    "float32": ("float32", "flat"),
+    "bfloat16": ("float32", "vnni2"),
+    "uint8": ("int32", "vnni4"),
+}
+_SHORT = {"bfloat16": "bf16", "uint8": "u8"}
+#: uint8 B is shifted into the kernel's int8 B by this.
+_B_SHIFT = 128
 
 
 def _positive(value: object, what: str) -> None:
@@ -105,6 +118,8 @@ class BatchGemmProblem:
     x_interleaved: bool = False
     b_interleaved: bool = False
     y_interleaved: bool = False
+    dtype: str = "float32"
+    zero_points: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         for name in ("batch", "m", "n", "k", "heads"):
@@ -121,8 +136,21 @@ class BatchGemmProblem:
         if interleaved != (self.heads > 1):
             raise ValueError(f"heads={self.heads}: heads > 1 exactly when some operand is "
                              "interleaved")
-        if self.epilogue.out_dtype("float32") != "float32":
-            raise ValueError("the batch GEMM writes float32: the epilogue must end in float32")
+        if self.dtype not in OPERANDS:
+            raise ValueError(f"the batch GEMM template handles {', '.join(OPERANDS)}, "
+                             f"got {self.dtype!r}")
+        zero_points = tuple(self.zero_points)
+        if len(zero_points) != 2 or not all(
+                isinstance(z, int) and not isinstance(z, bool) and 0 <= z <= 255
+                for z in zero_points):
+            raise ValueError(f"zero_points must be two ints in [0, 255], got {self.zero_points!r}")
+        object.__setattr__(self, "zero_points", zero_points)
+        if self.dtype != "uint8" and zero_points != (0, 0):
+            raise ValueError("zero points are for uint8 operands only")
+        out = self.epilogue.out_dtype(self.epilogue_dtype)  # raises for ill-typed chains
+        if self.dtype != "uint8" and out != "float32":
+            raise ValueError(f"a {self.dtype} batch GEMM writes float32: the epilogue must "
+                             "end in float32")
 
     def _h(self, interleaved: bool) -> int:
         return self.heads if interleaved else 1
@@ -151,6 +179,42 @@ class BatchGemmProblem:
         return 2 * self.batch * self.m * self.n * self.k
 
     @property
+    def acc_dtype(self) -> str:
+        """The accumulator's dtype: float32, or int32 for uint8."""
+        return OPERANDS[self.dtype][0]
+
+    @property
+    def b_layout(self) -> str:
+        """The BRGEMM layout of the packed B: ``flat``, ``vnni2`` or ``vnni4``."""
+        return OPERANDS[self.dtype][1]
+
+    @property
+    def io_dtype(self) -> str:
+        """The dtype of the stored X and B: float32 (bfloat16 problems convert it while they
+        pack), or uint8."""
+        return "uint8" if self.dtype == "uint8" else "float32"
+
+    @property
+    def alpha(self) -> int:
+        """K elements per VNNI group of the packed B (1: not grouped)."""
+        return LAYOUTS[self.b_layout][0]
+
+    @property
+    def padded_k(self) -> int:
+        """K rounded up to whole VNNI groups: the K the blocks tile."""
+        return -(-self.k // self.alpha) * self.alpha
+
+    @property
+    def epilogue_dtype(self) -> str:
+        """The dtype the epilogue starts from (:meth:`Epilogue.start_dtype`)."""
+        return self.epilogue.start_dtype(self.acc_dtype)
+
+    @property
+    def out_dtype(self) -> str:
+        """The dtype of Y."""
+        return self.epilogue.out_dtype(self.epilogue_dtype)
+
+    @property
     def layout(self) -> str:
         """Layout letters (t: B^T; x/b/y: interleaved) and the heads, "" for plain operands.
 
@@ -162,7 +226,12 @@ class BatchGemmProblem:
         tags = "".join(t for t, on in (("t", self.b_transposed), ("x", self.x_interleaved),
                                        ("b", self.b_interleaved), ("y", self.y_interleaved))
                        if on)
-        return tags + (str(self.heads) if self.heads > 1 else "")
+        tags += str(self.heads) if self.heads > 1 else ""
+        if self.dtype != "float32":  # tuning keys tell the precisions apart by the layout
+            tags += _SHORT[self.dtype]
+            za, zb = self.zero_points
+            tags += f"z{za}.{zb}" if self.zero_points != (0, 0) else ""
+        return tags
 
     @property
     def name(self) -> str:
@@ -199,16 +268,19 @@ class BatchGemmConfig:
     def check(self, problem: BatchGemmProblem) -> None:
         """ValueError unless the blocks tile ``problem`` exactly."""
         for block, dim, name in ((self.bm, problem.m, "bm"), (self.bn, problem.n, "bn"),
-                                 (self.bk, problem.k, "bk")):
+                                 (self.bk, problem.padded_k, "bk")):
             if dim % block:
                 raise ValueError(f"{name}={block} does not divide {dim}")
+        if self.bk % problem.alpha:
+            raise ValueError(f"bk={self.bk} is not a multiple of {problem.alpha}, the VNNI "
+                             f"group of {problem.dtype} batch GEMMs")
 
 
-def _block(dim: int, limit: int, multiple: int = 1) -> int:
-    """The largest divisor of ``dim`` within ``limit`` (preferring multiples of ``multiple``);
-    the whole ``dim`` instead of a sliver when ``dim`` has no fair divisor (a prime sequence
-    length such as 197) and is not too large for one block."""
-    fitting = [d for d in divisors(dim) if d <= limit]
+def _block(dim: int, limit: int, multiple: int = 1, step: int = 1) -> int:
+    """The largest divisor of ``dim`` within ``limit`` (preferring multiples of ``multiple``,
+    only multiples of ``step``); the whole ``dim`` instead of a sliver when ``dim`` has no
+    fair divisor (a prime sequence length such as 197) and is not too large for one block."""
+    fitting = [d for d in divisors(dim) if d <= limit and d % step == 0] or [dim]
     best = max([d for d in fitting if d % multiple == 0] or fitting)
     return dim if 4 * best < min(dim, limit) and dim <= 4 * limit else best
 
@@ -221,7 +293,7 @@ def default_config(problem: BatchGemmProblem, machine: Machine) -> BatchGemmConf
     n = problem.n
     bn = _block(n, max(64, 2 * lanes), 2 * lanes) if n % lanes == 0 else _block(n, 64, lanes)
     bm = _block(problem.m, 64)
-    bk = _block(problem.k, 512)
+    bk = _block(problem.padded_k, 512, step=problem.alpha)
     tasks = problem.batch * (n // bn)
     return BatchGemmConfig(bm, bn, bk,
                            parallel_rows=tasks < 2 * machine.threads and problem.m > bm)
@@ -256,8 +328,10 @@ def candidates(problem: BatchGemmProblem, machine: Machine) -> list[BatchGemmCon
                                                            hi=128)]
     blocks += [replace(base, bn=bn) for bn in near_divisors(
         p.n, base.bn, 1, lo=min(lanes, p.n), hi=64, multiple=lanes if p.n % lanes == 0 else 1)]
-    blocks += [replace(base, bk=bk) for bk in near_divisors(p.k, base.bk, 1,
-                                                           lo=min(lanes, p.k), hi=512)]
+    kp, alpha = p.padded_k, p.alpha
+    blocks += [replace(base, bk=bk) for bk in near_divisors(kp, base.bk, 1, lo=min(lanes, kp),
+                                                           hi=512, multiple=alpha)
+               if bk % alpha == 0]
     found = []
     for config in (base, *blocks):
         for parallel_rows in (config.parallel_rows, not config.parallel_rows):
@@ -267,43 +341,149 @@ def candidates(problem: BatchGemmProblem, machine: Machine) -> list[BatchGemmCon
     return found
 
 
+def _bf16(x: PrimExpr) -> PrimExpr:
+    """float32 -> bfloat16 on the bits, round to nearest even (NaNs stay quiet NaNs), as the
+    epilogue's ``convert`` computes it (TVM's own cast turns NaNs into infinities)."""
+    from tvm import tirx
+
+    from microkernels.fast_math import _isnan
+
+    def u32(v: int) -> PrimExpr:
+        return tirx.const(v, "uint32")
+
+    bits = tirx.reinterpret("uint32", x)
+    rne = (bits + u32(0x7FFF) + ((bits >> u32(16)) & u32(1))) >> u32(16)
+    half = tirx.Select(_isnan(x), (bits >> u32(16)) | u32(0x40), rne).astype("uint16")
+    return tirx.reinterpret("bfloat16", half)
+
+
 def workload(problem: BatchGemmProblem, bn: int) -> PrimFunc:
     """The unscheduled PrimFunc ``(X, B, *epilogue operands, Y)`` with the packing stage ``Bp``,
-    the GEMM ``C`` over the stored Y's ``[rows, cols]`` and the stage ``epilogue`` (if any)."""
-    from tvm import te
+    the GEMM ``C`` over the stored Y's ``[rows, cols]`` and the stage ``epilogue`` (if any).
+
+    bfloat16 problems add ``Xc``, X's rows converted to bf16 (K padded to even); uint8 ones
+    ``Xc`` only for a K padded to whole VNNI-4 groups, and, for non-zero zero points, the sums
+    ``colsum`` (of B's columns) and ``rowsum`` (of X's rows) that the epilogue folds in."""
+    from tvm import te, tirx
 
     from microkernels.epilogue import apply_te
 
     p = problem
     if p.n % bn:
         raise ValueError(f"bn={bn} does not divide N={p.n}")
-    m, n, k = p.m, p.n, p.k
+    m, n, k, kp, alpha = p.m, p.n, p.k, p.padded_k, p.alpha
+    acc = p.acc_dtype
     hx, hb, hy = (p._h(f) for f in (p.x_interleaved, p.b_interleaved, p.y_interleaved))
-    x = te.placeholder(p.x_shape, "float32", name="X")
-    b_in = te.placeholder(p.b_shape, "float32", name="B")
+    x = te.placeholder(p.x_shape, p.io_dtype, name="X")
+    b_in = te.placeholder(p.b_shape, p.io_dtype, name="B")
 
-    def panel(b, jo, r, ji):
+    def b_at(b, r, j):  # B[b][r, j]
         o, h = b // hb, b % hb
         if p.b_transposed:
-            return b_in[o, jo * bn + ji, h * k + r]
-        return b_in[o, r, h * n + jo * bn + ji]
+            return b_in[o, j, h * k + r]
+        return b_in[o, r, h * n + j]
 
-    bp = te.compute((p.batch, n // bn, k, bn), panel, name="Bp")
-    r = te.reduce_axis((0, k), name="k")
+    def x_at(b, i, r):  # X[b][i, r]
+        return x[b // hx * m + i, (b % hx) * k + r]
+
+    def packed(v):  # a stored value as the kernel's B holds it
+        if p.dtype == "bfloat16":
+            return _bf16(v)
+        if p.dtype == "uint8":
+            return (v.astype("int32") - _B_SHIFT).astype("int8")
+        return v
+
+    b_dtype = {"float32": "float32", "bfloat16": "bfloat16", "uint8": "int8"}[p.dtype]
+    if alpha == 1:
+        bp = te.compute((p.batch, n // bn, k, bn),
+                        lambda b, jo, r, ji: b_at(b, r, jo * bn + ji), name="Bp")
+    else:
+        def group(b, jo, kq, ji, t):
+            r = kq * alpha + t
+            value = packed(b_at(b, tirx.min(r, k - 1), jo * bn + ji))
+            return value if kp == k else tirx.if_then_else(r < k, value,
+                                                           tirx.const(0, b_dtype))
+        bp = te.compute((p.batch, n // bn, kp // alpha, bn, alpha), group, name="Bp")
+
+    # A: X in place, or its rows converted (bf16) / zero-padded (K not whole VNNI groups).
+    xc = None
+    if p.dtype == "bfloat16" or kp != k:
+        a_dtype = "bfloat16" if p.dtype == "bfloat16" else p.io_dtype
+
+        def row(b, i, r):
+            value = x_at(b, i, tirx.min(r, k - 1))
+            value = _bf16(value) if p.dtype == "bfloat16" else value
+            return value if kp == k else tirx.if_then_else(r < k, value,
+                                                           tirx.const(0, a_dtype))
+        xc = te.compute((p.batch, m, kp), row, name="Xc")
+    r = te.reduce_axis((0, kp), name="k")
+
+    def coords(row, col):
+        """Batch element, row and column of the stored Y element (row, col)."""
+        b = row // m * hy + col // n if hy > 1 else row // m
+        return b, row % m, col % n
+
+    # uint8: the accumulator starts from the zero points' fold instead of 0.
+    init = _zero_point_fold(p, coords, x_at, b_at)
 
     def gemm(row, col):
-        # Batch element and position of the stored Y element (row, col).
-        b = row // m * hy + col // n if hy > 1 else row // m
-        i, j = row % m, col % n
-        x_row = row if hx == hy else b // hx * m + i
-        x_col = (b % hx) * k + r if hx > 1 else r
-        return te.sum(x[x_row, x_col] * bp[b, j // bn, r, j % bn], axis=r)
+        b, i, j = coords(row, col)
+        if xc is not None:
+            a = xc[b, i, r]
+        else:
+            a = x[row if hx == hy else b // hx * m + i, (b % hx) * k + r if hx > 1 else r]
+        w = (bp[b, j // bn, r, j % bn] if alpha == 1
+             else bp[b, j // bn, r // alpha, j % bn, r % alpha])
+        if p.dtype == "float32":
+            return te.sum(a * w, axis=r)
+        return te.sum(a.astype(acc) * w.astype(acc), axis=r,
+                      init=None if init is None else init(row, col))
 
     c = te.compute(p.y_shape, gemm, name="C")
+    start = p.epilogue_dtype
+    if start != acc:
+        c = te.compute(p.y_shape, lambda i, j: c[i, j].astype(start), name="dequantize")
     extra = {op.name: te.placeholder(op.shape(*p.y_shape), op.dtype, name=op.name)
-             for op in p.epilogue.inputs("float32")}
+             for op in p.epilogue.inputs(start)}
     y = apply_te(p.epilogue, c, extra) if p.epilogue.ops else c
     return te.create_prim_func([x, b_in, *extra.values(), y])
+
+
+def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at):
+    """``init(row, col)``: where the int32 accumulator of ``sum_k a (b - 128)`` starts so that
+    it ends as ``sum_k (a - za)(b - zb)``: ``(128 - zb) rowsum_a[i] - za colsum_b[j] + K za zb``
+    per batch element, the sums as stages of their own (``rowsum``, ``colsum``); None when
+    all of it is 0."""
+    from tvm import te, tirx
+
+    if p.dtype != "uint8":
+        return None
+    za, zb = p.zero_points
+    row_coef, col_coef, constant = _B_SHIFT - zb, -za, p.k * za * zb
+    if not (row_coef or col_coef):
+        return None
+    terms = []
+    if row_coef:
+        r = te.reduce_axis((0, p.k), name="kr")
+        rowsum = te.compute((p.batch, p.m), lambda b, i: te.sum(
+            x_at(b, i, r).astype("int32"), axis=r), name="rowsum")
+        terms.append(lambda b, i, j: rowsum[b, i] * tirx.const(row_coef, "int32"))
+    if col_coef:
+        r = te.reduce_axis((0, p.k), name="kc")
+        colsum = te.compute((p.batch, p.n), lambda b, j: te.sum(
+            b_at(b, r, j).astype("int32"), axis=r), name="colsum")
+        terms.append(lambda b, i, j: colsum[b, j] * tirx.const(col_coef, "int32"))
+
+    def fold(b, i, j):
+        value = tirx.const(constant, "int32")
+        for term in terms:
+            value = value + term(b, i, j)
+        return value
+
+    # TE takes a reduction's init from a tensor only: the stage ``zero_fold``, of Y's shape.
+    zero_fold = te.compute(p.y_shape, lambda row, col: fold(*coords(row, col)),
+                           name="zero_fold")
+    return lambda row, col: zero_fold[row, col]
 
 
 def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
@@ -328,6 +508,13 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     p, bm, bn = problem, config.bm, config.bn
     hy = p._h(p.y_interleaved)
     sch = s_tir.Schedule(workload(p, bn))
+    stages = _stages(sch)
+    if "zero_fold" in stages:
+        # The accumulator starts from the fold; a new schedule sees the new dependency.
+        _init_from(sch, "C", "zero_fold")
+        sch = s_tir.Schedule(sch.mod)
+    if "dequantize" in stages:
+        sch.compute_inline(sch.get_sblock("dequantize"))
     gemm = sch.get_sblock("C")
     row, col, kk = sch.get_loops(gemm)
     o, io, ii = sch.split(row, [p.batch // hy, p.m // bm, bm])
@@ -335,28 +522,117 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     ko, ki = sch.split(kk, [1, None])  # a one-trip K loop: where C is zeroed
     sch.reorder(o, h, jo, io, ko, ii, ji, ki)
     task = sch.fuse(o, h, jo, io) if config.parallel_rows else sch.fuse(o, h, jo)
+    rows_at = task if config.parallel_rows else io
     # The panel under the task loop: TVM compacts Bp (and the C of an epilogue) to one task's
     # region, a per-thread buffer that stays in cache for all of the task's M blocks.
     pack = sch.get_sblock("Bp")
     sch.compute_at(pack, task)
-    sch.vectorize(sch.get_loops(pack)[-1])
-    if p.epilogue.ops:
+    _vectorize_tail(sch, pack, 2 if p.alpha > 1 else 1)
+    if "Xc" in stages:  # the rows of X one M block reads, converted (or padded) for it
+        xc = sch.get_sblock("Xc")
+        sch.compute_at(xc, rows_at)
+        sch.vectorize(sch.get_loops(xc)[-1])
+    if "epilogue" in stages:
         epilogue = sch.get_sblock("epilogue")
-        sch.reverse_compute_at(epilogue, task if config.parallel_rows else io)
+        sch.reverse_compute_at(epilogue, rows_at)
         sch.vectorize(sch.get_loops(epilogue)[-1])
     sch.parallel(task)
+    # The zero points' fold (where the accumulator starts from) and its sums.
+    if "zero_fold" in stages:
+        fold = sch.get_sblock("zero_fold")
+        sch.compute_at(fold, rows_at)
+        sch.vectorize(sch.get_loops(fold)[-1])
+    if "colsum" in stages:
+        colsum = sch.get_sblock("colsum")
+        sch.compute_at(colsum, task)
+        _sum_schedule(sch, colsum, contiguous=p.b_transposed)
+    if "rowsum" in stages:
+        rowsum = sch.get_sblock("rowsum")
+        sch.compute_at(rowsum, rows_at)
+        _sum_schedule(sch, rowsum, contiguous=True)
     init = sch.decompose_reduction(gemm, ko)
     sch.vectorize(sch.get_loops(init)[-1])
-    shape = BrgemmShape(m=bm, n=bn, k=config.bk, batch=p.k // config.bk, layout="flat",
+    if "zero_fold" in stages:  # the update reads no fold: the kernel's reads
+        _set_reads(sch, sch.get_sblock("C_update"), keep=("C", "X", "Xc", "Bp"))
+    if p.dtype == "bfloat16" and isa_name == "amx":
+        # TVM stores a bf16 buffer the function allocates (Xc, Bp) as float32, which tile loads
+        # would read as bf16: the AVX-512 kernel, which reads them through uint16 views, runs.
+        isa_name = _isa.from_name(isa_name).parent
+    shape = BrgemmShape(m=bm, n=bn, k=config.bk, batch=p.padded_k // config.bk,
+                        dtype_a=p.dtype, dtype_acc=p.acc_dtype, layout=p.b_layout,
                         isa=isa_name)
     # A unit row loop vanishes from the matched block (see the BRGEMM desc): start below it.
     sch.tensorize(ii if bm > 1 else ji, dispatch(shape))
     return sch
 
 
+def _stages(sch: s_tir.Schedule) -> set[str]:
+    """Which of the workload's optional stages the scheduled function has."""
+    found = set()
+    for name in ("Xc", "rowsum", "colsum", "zero_fold", "dequantize", "epilogue"):
+        try:
+            sch.get_sblock(name)
+        except Exception:  # noqa: BLE001 - TVM's schedule error: no such block
+            continue
+        found.add(name)
+    return found
+
+
+def _init_from(sch: s_tir.Schedule, name: str, source: str) -> None:
+    """Make the reduction block ``name`` start from the same element of ``source``'s output
+    instead of 0.  (TE's reductions take an ``init``, but ``create_prim_func`` writes 0 in
+    its place.)"""
+    from tvm import ir, tirx
+    from tvm.s_tir.stmt import SBlock
+
+    sref = sch.get_sref(sch.get_sblock(name))
+    old = sref.stmt
+    written = sch.get(sch.get_sblock(source)).writes[0]
+    store = old.init
+    init = tirx.BufferStore(store.buffer, tirx.BufferLoad(written.source, store.indices),
+                            store.indices)
+    region = type(written)(written.source,
+                           [ir.Range.from_min_extent(i, 1) for i in store.indices], written.ty)
+    new = SBlock(old.iter_vars, [*old.reads, region], old.writes, old.name_hint, old.body,
+                 init, old.alloc_buffers, old.match_buffers, old.annotations)
+    sch.state.replace(sref, new, {old: new})
+
+
+def _set_reads(sch: s_tir.Schedule, block: SBlockRV, keep: tuple[str, ...]) -> None:
+    """Keep only the reads of ``block`` from the buffers named ``keep``."""
+    from tvm.s_tir.stmt import SBlock
+
+    sref = sch.get_sref(block)
+    old = sref.stmt
+    reads = [r for r in old.reads if r.source.name in keep]
+    new = SBlock(old.iter_vars, reads, old.writes, old.name_hint, old.body, old.init,
+                 old.alloc_buffers, old.match_buffers, old.annotations)
+    sch.state.replace(sref, new, {old: new})
+
+
+def _vectorize_tail(sch: s_tir.Schedule, block, loops: int) -> None:
+    """Vectorize the innermost ``loops`` loops of ``block``, fused."""
+    inner = sch.get_loops(block)[-loops:]
+    sch.vectorize(sch.fuse(*inner) if loops > 1 else inner[0])
+
+
+def _sum_schedule(sch: s_tir.Schedule, block, contiguous: bool) -> None:
+    """A row (``contiguous``: the summed values are adjacent) or column sum of uint8 values:
+    columns vectorize across the columns, the reduction outside them."""
+    loops = sch.get_loops(block)
+    spatial, red = loops[-2], loops[-1]
+    if not contiguous:
+        sch.reorder(red, spatial)
+        sch.vectorize(spatial)
+
+
 def reference(problem: BatchGemmProblem, x: np.ndarray, b: np.ndarray,
               extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """numpy result (stored Y) for operands in their stored shapes, accumulated in float64.
+
+    bfloat16 problems take float32 X and B and round them to bf16 (to nearest even) as the
+    kernel does; uint8 problems compute ``sum_k (x - za)(b - zb)`` exactly in int32, then the
+    epilogue (from float32 when it starts with a float op).
 
     Examples
     --------
@@ -365,6 +641,9 @@ def reference(problem: BatchGemmProblem, x: np.ndarray, b: np.ndarray,
     >>> reference(p, np.ones((2, 2), np.float32), np.full((2, 1, 2), 3, np.float32))
     array([[6.],
            [6.]], dtype=float32)
+    >>> q = BatchGemmProblem(1, 1, 1, 2, dtype="uint8", zero_points=(1, 128))
+    >>> reference(q, np.array([[3, 5]], np.uint8), np.array([[[130], [129]]], np.uint8))
+    array([[8]], dtype=int32)
     """
     import numpy as np
 
@@ -379,11 +658,20 @@ def reference(problem: BatchGemmProblem, x: np.ndarray, b: np.ndarray,
     def logical(a, h, rows, cols):
         return a.reshape(-1, rows, h, cols).transpose(0, 2, 1, 3).reshape(p.batch, rows, cols)
 
-    xs = logical(np.asarray(x, np.float64), hx, p.m, p.k)
-    bs = logical(np.asarray(b, np.float64), hb, *((p.n, p.k) if p.b_transposed else (p.k, p.n)))
+    x, b = np.asarray(x), np.asarray(b)
+    if p.dtype == "bfloat16":
+        import ml_dtypes
+
+        x, b = (v.astype(np.float32).astype(ml_dtypes.bfloat16) for v in (x, b))
+    wide = np.int64 if p.dtype == "uint8" else np.float64
+    za, zb = p.zero_points
+    xs = logical(x.astype(wide) - za, hx, p.m, p.k)
+    bs = logical(b.astype(wide) - zb, hb, *((p.n, p.k) if p.b_transposed else (p.k, p.n)))
     if p.b_transposed:
         bs = bs.transpose(0, 2, 1)
-    ys = (xs @ bs).astype(np.float32)
+    ys = (xs @ bs).astype(p.acc_dtype)
     # Logical -> stored Y.
     c = ys.reshape(-1, hy, p.m, p.n).transpose(0, 2, 1, 3).reshape(p.y_shape)
+    if p.epilogue_dtype != p.acc_dtype:
+        c = c.astype(p.epilogue_dtype)
     return epilogue_reference(p.epilogue, c, extra) if p.epilogue.ops else c
