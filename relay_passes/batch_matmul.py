@@ -16,6 +16,15 @@ Matches ``relax.matmul(x, y)`` whose right operand is not a constant (the dense 
 The kernel (:mod:`schedules.batch_gemm`) packs the right operand itself, per batch element and
 N panel.  What does not fit stays with TVM and is reported with the reason.
 
+Precision.  With ``precision="bf16"`` (:data:`relay_passes.dense.PRECISIONS`) the float32
+matmuls multiply in bfloat16 accumulating in float32: the kernel rounds X and B to bf16 while
+it packs them; inputs, epilogue and output stay float32.  Matmuls of two dequantized uint8
+tensors (ONNX Runtime's QDQ attention, ``matmul(dequantize(a_q, sa, za), dequantize(b_q, sb,
+zb))``, the permutes on the integers) multiply the integers in any precision: uint8 by B
+shifted to int8 (``vpdpbusd``), the zero points folded in the kernel, then the epilogue
+``scale`` ``sa sb c`` (``c`` the chain's constant) and the add in float32, and a following
+``quantize`` as the epilogue's ``requantize`` (without an add, one requantize of the int32).
+
 Examples
 --------
 >>> report = []
@@ -41,6 +50,7 @@ from microkernels.machine import machine_of
 from schedules.batch_gemm import BatchGemmProblem, schedule
 from schedules.tuner import Tuner, config_for
 
+from .dense import PRECISIONS
 from .scaffold import (
     KernelAdder,
     Offload,
@@ -55,9 +65,18 @@ __all__ = ["rewrite_batch_matmul"]
 
 
 @dataclass(frozen=True)
+class _Dequantized:
+    """``dequantize(q, scale, zero_point)``: an int8 operand of a QDQ matmul."""
+
+    q: DFPattern
+    scale: DFPattern
+    zero_point: DFPattern
+
+
+@dataclass(frozen=True)
 class _Chain:
-    """``matmul(x, y)``, then optionally scaled, added to and permuted: the pattern ``root``
-    and the parts to read a match by."""
+    """``matmul(x, y)``, then optionally scaled, added to, quantized and permuted: the pattern
+    ``root`` and the parts to read a match by.  A QDQ chain's operands are dequantized."""
 
     root: DFPattern
     matmul: DFPattern
@@ -65,46 +84,69 @@ class _Chain:
     scale_op: str | None  # "divide" / "multiply"
     addend: DFPattern | None
     out_permute: DFPattern | None
+    operands: tuple[_Dequantized, _Dequantized] | None = None  # QDQ: x and y dequantized
+    quantize: tuple[DFPattern, DFPattern] | None = None  # QDQ: the output's scale, zero point
 
 
 def _chains() -> list[_Chain]:
-    """Every chain, longest first so the whole epilogue is taken before its prefixes."""
+    """Every chain, longest first so the whole epilogue is taken before its prefixes; the QDQ
+    chains (int8 operands) before the float32 ones, which would take them in float32."""
     out = []
-    for out_permute in (True, False):
-        for with_add in (True, False):
-            for scale_op in ("divide", "multiply", None):
-                mm = is_op("relax.matmul")(wildcard(), wildcard())
-                node, scale, addend, permute = mm, None, None, None
-                if scale_op == "divide":
-                    scale = is_const()
-                    node = is_op("relax.divide")(node, scale)
-                elif scale_op == "multiply":
-                    scale = is_const()
-                    node = is_op("relax.multiply")(node, scale) | is_op("relax.multiply")(
-                        scale, node)
-                if with_add:
-                    addend = wildcard()
-                    node = is_op("relax.add")(node, addend) | is_op("relax.add")(addend, node)
-                if out_permute:
-                    node = permute = is_op("relax.permute_dims")(node)
-                out.append(_Chain(node, mm, scale, scale_op, addend, permute))
+    for qdq in (True, False):
+        for out_permute in (True, False):
+            for quantized in ((True, False) if qdq else (False,)):
+                for with_add in (True, False):
+                    for scale_op in ("divide", "multiply", None):
+                        out.append(_chain(qdq, out_permute, quantized, with_add, scale_op))
     return out
 
 
+def _chain(qdq: bool, out_permute: bool, quantized: bool, with_add: bool,
+           scale_op: str | None) -> _Chain:
+    operands = None
+    if qdq:
+        operands = tuple(_Dequantized(wildcard(), is_const(), is_const()) for _ in range(2))
+        mm = is_op("relax.matmul")(*(is_op("relax.dequantize")(d.q, d.scale, d.zero_point)
+                                     for d in operands))
+    else:
+        mm = is_op("relax.matmul")(wildcard(), wildcard())
+    node, scale, addend, permute, quantize = mm, None, None, None, None
+    if scale_op == "divide":
+        scale = is_const()
+        node = is_op("relax.divide")(node, scale)
+    elif scale_op == "multiply":
+        scale = is_const()
+        node = is_op("relax.multiply")(node, scale) | is_op("relax.multiply")(scale, node)
+    if with_add:
+        addend = wildcard()
+        node = is_op("relax.add")(node, addend) | is_op("relax.add")(addend, node)
+    if quantized:
+        quantize = (is_const(), is_const())
+        node = is_op("relax.quantize")(node, *quantize)
+    if out_permute:
+        node = permute = is_op("relax.permute_dims")(node)
+    return _Chain(node, mm, scale, scale_op, addend, permute, operands, quantize)
+
+
 def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload],
-                         tuner: Tuner | None = None) -> tvm.IRModule:
-    """Replace every float32 matmul of two activations (and its epilogue) by a TPP kernel call.
+                         tuner: Tuner | None = None, precision: str = "float32") -> tvm.IRModule:
+    """Replace every matmul of two activations (and its epilogue) by a TPP kernel call.
 
     Appends one :class:`~relay_passes.scaffold.Offload` per such matmul to ``report``: the kernel
     (``shape`` is ``(batch, m, n, k)``) or why it stayed with TVM (``shape`` is its output's).
     With a ``tuner`` each kernel gets its tuned configuration (tuned now if its database does
-    not know it yet); without one, the default heuristic's.
+    not know it yet); without one, the default heuristic's.  ``precision`` (a key of
+    :data:`relay_passes.dense.PRECISIONS`) is what float32 matmuls multiply in; matmuls of
+    two dequantized uint8 tensors (QDQ) multiply the integers whatever it is.
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    dtype = PRECISIONS[precision]
 
     def make_rewriter(add_kernel, pattern, func):
         bindings = _bindings(func)
         return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, add_kernel, target,
-                                              tuner, report)
+                                              tuner, report, dtype)
 
     return offload_patterns(mod, _chains(), make_rewriter, report, "relax.matmul", _why_left)
 
@@ -194,7 +236,8 @@ def _scalar(const) -> float | None:
 
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
              pattern: _Chain, bindings: dict[relax.Var, relax.Expr], add_kernel: KernelAdder,
-             target: Target, tuner: Tuner | None, report: list[Offload]) -> relax.Expr:
+             target: Target, tuner: Tuner | None, report: list[Offload], dtype: str
+             ) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, with _why_left().
     call = matches[pattern.matmul]
@@ -203,8 +246,16 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     xs = static_shape(call.args[0].ty.shape)
     lead, (m, k), n = xs[:-2], xs[-2:], static_shape(call.args[1].ty.shape)[-1]
     batch = int(np.prod(lead, dtype=np.int64))
-    x_src, x_inter, _ = _operand(call.args[0], bindings, transposable=False)
-    b_src, b_inter, transposed = _operand(call.args[1], bindings, transposable=True)
+    quant = None
+    x_arg, y_arg = call.args
+    if pattern.operands is not None:
+        quant = _quantization(pattern, matches)
+        if quant is None:
+            return orig
+        x_arg, y_arg = (matches[d.q] for d in pattern.operands)
+        dtype = "uint8"
+    x_src, x_inter, _ = _operand(x_arg, bindings, transposable=False)
+    b_src, b_inter, transposed = _operand(y_arg, bindings, transposable=True)
     y_inter = pattern.out_permute is not None
     if y_inter and _layout(_axes(orig, len(xs)), False) != (True, False):
         return orig  # not the permute back to [..., S, H, D]
@@ -212,34 +263,95 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if heads == 1:  # one head: interleaved and plain layouts are the same memory
         x_inter = b_inter = y_inter = False
 
-    ops, extra = [], []
+    factor = 1.0  # the product's scale: the dequantization's, times the chain's constant
+    if quant is not None:
+        factor = quant.scale
     if pattern.scale is not None:
         value = _scalar(matches[pattern.scale])
         if value is None or (pattern.scale_op == "divide" and value == 0):
             return orig
-        ops.append(EpilogueOp("scale", value=1.0 / value if pattern.scale_op == "divide"
-                              else value))
-    if pattern.addend is not None:
-        added = _addend(matches[pattern.addend], (*lead, m, n), batch * m, n,
-                        heads if y_inter else 1)
-        if added is None:
-            return orig
-        ops.append(added[0])
-        extra.append(added[1])
+        factor *= 1.0 / value if pattern.scale_op == "divide" else value
+    ops, extra = [], []
+    requantize = quant is not None and quant.output is not None
+    if requantize and pattern.addend is None:
+        # The whole chain on the integers: one requantize of the folded accumulator.
+        so, zo, out_dtype = quant.output
+        ops.append(EpilogueOp("requantize", value=factor / so, zero_point=zo, dtype=out_dtype))
+    else:
+        if quant is not None or pattern.scale is not None:
+            ops.append(EpilogueOp("scale", value=factor))
+        if pattern.addend is not None:
+            added = _addend(matches[pattern.addend], (*lead, m, n), batch * m, n,
+                            heads if y_inter else 1)
+            if added is None:
+                return orig
+            ops.append(added[0])
+            extra.append(added[1])
+        if requantize:
+            so, zo, out_dtype = quant.output
+            ops.append(EpilogueOp("requantize", value=1.0 / so, zero_point=zo, dtype=out_dtype))
 
     problem = BatchGemmProblem(batch, m, n, k, transposed, Epilogue(tuple(ops)), heads=heads,
                                x_interleaved=x_inter, b_interleaved=b_inter,
-                               y_interleaved=y_inter)
+                               y_interleaved=y_inter, dtype=dtype,
+                               zero_points=quant.zero_points if quant else (0, 0))
     config = config_for(problem, target, tuner)
     name = f"tpp_batch_matmul_{problem.name}"
     sch = schedule(problem, config, machine_of(target).isa)
     gv = add_kernel(sch.mod["main"], name)
     args = [_view(x_src, problem.x_shape), _view(b_src, problem.b_shape), *extra]
-    out = relax.call_tir(gv, args, relax.TensorType(problem.y_shape, "float32"))
-    report.append(Offload.routed(offload_name("batch_matmul", ops), (batch, m, n, k), name,
+    out = relax.call_tir(gv, args, relax.TensorType(problem.y_shape, problem.out_dtype))
+    anchor = "batch_matmul_qdq" if quant is not None else "batch_matmul"
+    report.append(Offload.routed(offload_name(anchor, ops), (batch, m, n, k), name,
                                  dispatched_brgemm(sch)))
     shape = static_shape(orig.ty.shape)
     return out if shape == problem.y_shape else relax.op.reshape(out, shape)
+
+
+@dataclass(frozen=True)
+class _Quantization:
+    """A QDQ matmul's integers: the product's scale ``sx sy``, the operands' zero points, and
+    the output's quantization ``(scale, zero point, dtype)`` if the chain quantizes."""
+
+    scale: float
+    zero_points: tuple[int, int]
+    output: tuple[float, int, str] | None
+
+
+def _quantization(pattern: _Chain, matches: Mapping[DFPattern, relax.Expr]
+                  ) -> _Quantization | None:
+    """The quantization of a QDQ chain's match, or None when the kernel cannot take it:
+    operands other than uint8 quantized per tensor, an output other than uint8/int8
+    quantized per tensor."""
+    scale, zero_points = 1.0, []
+    for d in pattern.operands:
+        q = matches[d.q]
+        if not isinstance(q.ty, relax.TensorType) or q.ty.dtype != "uint8":
+            return None
+        s, z = (_integral_scalar(matches[c]) if c is d.zero_point else _scalar(matches[c])
+                for c in (d.scale, d.zero_point))
+        if s is None or z is None or not s > 0 or not 0 <= z <= 255:
+            return None
+        scale *= s
+        zero_points.append(int(z))
+    output = None
+    if pattern.quantize is not None:
+        out_dtype = str(matches[pattern.root].ty.dtype)
+        so, zo = _scalar(matches[pattern.quantize[0]]), _integral_scalar(
+            matches[pattern.quantize[1]])
+        limits = {"uint8": (0, 255), "int8": (-128, 127)}.get(out_dtype)
+        if so is None or zo is None or not so > 0 or limits is None or not (
+                limits[0] <= zo <= limits[1]):
+            return None
+        output = (so, int(zo), out_dtype)
+    return _Quantization(scale, tuple(zero_points), output)
+
+
+def _integral_scalar(const) -> int | None:
+    value = const.value.numpy()
+    if value.size != 1 or value.dtype.kind not in "iu":
+        return None
+    return int(value.reshape(()))
 
 
 def _addend(expr, out_shape: tuple[int, ...], rows: int, n: int, heads: int):

@@ -64,7 +64,7 @@ def tpp_rewrites(
         mod = rewrite_dense(mod, target, found, tuner, precision)
         mod = rewrite_conv(mod, target, found, tuner, precision)
         # What dense left: matmuls whose operands both vary.
-        mod = rewrite_batch_matmul(mod, target, found, tuner)
+        mod = rewrite_batch_matmul(mod, target, found, tuner, precision)
         # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
         return relax.transform.RemoveRedundantReshape()(mod)
 
