@@ -28,7 +28,7 @@ from .batch_matmul import rewrite_batch_matmul
 from .conv import rewrite_conv
 from .dense import rewrite_dense
 from .keep_int8 import keep_int8
-from .prepare import prepare
+from .prepare import prepare, sum_to_add
 from .qdq import rewrite_qdq
 from .scaffold import Offload
 
@@ -59,7 +59,7 @@ def tpp_rewrites(
         # Quantized (QDQ) layers first: prepare's FoldConstant would fold dequantize(W_q)
         # into float32 weights and lose the int8 values and their scales.  Before them, the
         # round trips through float32 around data movement go, so the kernels read integers.
-        mod = rewrite_qdq(keep_int8(mod), target, found, tuner)
+        mod = rewrite_qdq(sum_to_add(keep_int8(mod)), target, found, tuner)
         mod = prepare()(mod)
         mod = rewrite_dense(mod, target, found, tuner, precision)
         mod = rewrite_conv(mod, target, found, tuner, precision)

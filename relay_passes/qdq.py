@@ -52,8 +52,10 @@ Examples
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -68,7 +70,7 @@ from microkernels.machine import machine_of
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import TaskCollector, Tuner, config_for
 
-from .conv import conv_problem, emit_conv, unsupported_geometry
+from .conv import conv_problem, emit_conv, to_matrix, unsupported_geometry
 from .scaffold import Offload, dispatched_brgemm, is_call_to, rewrite_patterns, static_shape
 
 if TYPE_CHECKING:  # annotations only
@@ -100,25 +102,66 @@ class _Chain:
     relu: bool
     sy: DFPattern | None  # with zy: the output's quantize, if the chain ends with one
     zy: DFPattern | None
+    residual: _Residual | None = None
 
     def name(self, out_dtype: str) -> str:
         """The report's name, e.g. ``matmul_qdq+bias+relu+quantize_u8``."""
         parts = [f"{self.anchor}_qdq", *(["bias"] if self.bias is not None else []),
                  *(["relu"] if self.relu else [])]
+        if self.residual is not None:
+            parts += ["quantize", "residual", *(["relu"] if self.residual.relu else [])]
         if self.sy is not None:
             parts.append("quantize_" + {"uint8": "u8", "int8": "s8"}[out_dtype])
         return "+".join(parts)
 
 
+@dataclass(frozen=True)
+class _Residual:
+    """``quantize([relu](dequantize(layer_q, s1, z1) + dequantize(r_q, sr, zr)), sy, zy)``
+    after a layer whose output is quantized (``layer_q``, by the chain's inner quantize): a
+    quantized residual block's add, fused into the layer's kernel."""
+
+    inner: DFPattern  # the layer's own quantize
+    reshaped: DFPattern  # a reshape of its output (Gemm's back to [.., N])
+    mine: DFPattern  # the dequantize of the layer's output, the add's operand
+    s1: DFPattern  # the scale and zero point of that dequantize
+    z1: DFPattern
+    rq: DFPattern  # the residual's integers, scale and zero point
+    sr: DFPattern
+    zr: DFPattern
+    relu: bool
+
+
 def _chains() -> list[_Chain]:
-    """Every chain, longest first (the whole epilogue is taken before its prefixes)."""
-    out = []
+    """Every chain, longest first (the whole epilogue is taken before its prefixes): the
+    residual blocks, then the layers alone."""
+    flags = [(relu, with_bias) for relu in (True, False) for with_bias in (True, False)]
+    # Each operand order is a chain of its own: where both operands come from layers, the one
+    # that cannot join (another reader) must not hide the other.
+    out = [_with_residual(_chain(anchor, True, relu, with_bias), relu_after, mine_first)
+           for anchor in ("matmul", "conv2d") for relu_after in (True, False)
+           for relu, with_bias in flags for mine_first in (True, False)]
     for anchor in ("matmul", "conv2d"):
         for quantized in (True, False):
-            for relu in (True, False):
-                for with_bias in (True, False):
-                    out.append(_chain(anchor, quantized, relu, with_bias))
+            out += [_chain(anchor, quantized, relu, with_bias) for relu, with_bias in flags]
     return out
+
+
+def _with_residual(layer: _Chain, relu: bool, mine_first: bool) -> _Chain:
+    """``layer`` (whose output is quantized) followed by a quantized residual add, the
+    layer's operand first or second."""
+    s1, z1, sr, zr, sy, zy = (is_const() for _ in range(6))
+    rq = wildcard()
+    # A Gemm's output may be reshaped back to [batch, seq, N] first (ORT's pre-processing).
+    reshaped = is_op("relax.reshape")(layer.root, wildcard())
+    mine = is_op("relax.dequantize")(layer.root | reshaped, s1, z1)
+    other = is_op("relax.dequantize")(rq, sr, zr)
+    node = is_op("relax.add")(*((mine, other) if mine_first else (other, mine)))
+    if relu:
+        node = is_op("relax.nn.relu")(node)
+    root = is_op("relax.quantize")(node, sy, zy)
+    return replace(layer, root=root, sy=sy, zy=zy,
+                   residual=_Residual(layer.root, reshaped, mine, s1, z1, rq, sr, zr, relu))
 
 
 def _chain(anchor: str, quantized: bool, relu: bool, with_bias: bool) -> _Chain:
@@ -160,9 +203,10 @@ def rewrite_qdq(
     With a ``tuner`` each GEMM gets its tuned configuration, or is recorded as a task.
     """
 
-    def make_rewriter(add_kernel, chain, _func):
+    def make_rewriter(add_kernel, chain, func):
+        single_use = _single_use(func)
         return lambda orig, matches: _rewrite(orig, matches, chain, add_kernel, target, tuner,
-                                              report)
+                                              report, single_use)
 
     new_mod = relax.transform.DeadCodeElimination()(
         rewrite_patterns(mod, _chains(), make_rewriter))
@@ -234,9 +278,19 @@ def _scalar(value: np.ndarray) -> float | None:
     return float(value.reshape(-1)[0]) if value.size == 1 else None
 
 
+def _single_use(func: relax.Function) -> Callable[[relax.Expr], bool]:
+    """Whether a value bound in ``func`` is read exactly once (fusing its only reader into
+    its kernel then computes it once)."""
+    uses: Counter[relax.Var] = Counter()
+    relax.analysis.post_order_visit(
+        func.body, lambda e: uses.update([e]) if isinstance(e, relax.Var) else None)
+    var_of = {value: var for var, value in relax.analysis.get_var2val(func).items()}
+    return lambda expr: expr in var_of and uses[var_of[expr]] == 1
+
+
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _Chain,
              add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None,
-             report: list[Offload]) -> relax.Expr:
+             report: list[Offload], single_use: Callable[[relax.Expr], bool]) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to the float path; what
     # stays is reported once, by _report_leftovers.
     def const(p: DFPattern) -> np.ndarray:
@@ -261,11 +315,14 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
         return orig
     output = None
     if chain.sy is not None:
-        sy, zy = _scalar(const(chain.sy)), _scalar(const(chain.zy))
-        out_dtype = str(matches[chain.root].ty.dtype)
-        if sy is None or zy is None or out_dtype not in ("uint8", "int8"):
+        output = _output(matches[chain.root])
+        if output is None:
             return orig  # per-channel output quantization: the float kernel, then TVM's
-        output = _Output(sy, int(zy), out_dtype)
+    residual = None
+    if chain.residual is not None:
+        residual = _residual(matches, chain.residual, single_use)
+        if residual is None:
+            return orig  # the layer alone, then TVM's add
     xq = matches[chain.xq]
     x_shape = static_shape(xq.ty.shape)
     sx, zx = (float(const(p).reshape(-1)[0]) for p in (chain.sx, chain.zx))
@@ -275,16 +332,30 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
                                           relax.const(_S8_SHIFT, "int32")), "uint8")
         zx += _S8_SHIFT
     folded = _folded_epilogue(sx * weights.scale, int(zx), weights.colsum, bias.reshape(n),
-                              chain.relu, output)
+                              chain.relu, output if residual is None else residual.layer)
     if folded is None:
         return orig
-    epilogue, operands = folded
+    epilogue, values = folded
+    operands: list[relax.Expr] = [relax.const(v) for v in values]
+    if residual is not None:
+        epilogue = Epilogue(epilogue.ops + residual.ops(output))
     emit = _emit_dense if chain.anchor == "matmul" else _emit_conv
     out, shape, kernel, brgemm = emit(xq, x_shape, layer, weights, transposed, epilogue,
-                                      operands, int(zx), add_kernel, target, tuner)
+                                      operands, residual and residual.tensor, int(zx),
+                                      add_kernel, target, tuner)
     report.append(Offload.routed(chain.name(output.dtype if output else "float32"), shape,
                                  kernel, brgemm))
-    return out
+    want = static_shape(orig.ty.shape)  # a residual add may have reshaped the layer's output
+    return out if want == _emitted_shape(chain, x_shape, weights, layer) else \
+        relax.op.reshape(out, want)
+
+
+def _emitted_shape(chain: _Chain, x_shape: tuple[int, ...], weights: _Weights,
+                   layer: relax.Call) -> tuple[int, ...]:
+    """The shape of what the chain's emitter returns: the layer's own output shape."""
+    if chain.anchor == "conv2d":
+        return static_shape(layer.ty.shape)
+    return (*x_shape[:-1], weights.scale.size)
 
 
 def _weight_axes(chain: _Chain, transposed: bool) -> tuple[int, int]:
@@ -303,7 +374,8 @@ def _reduced(chain: _Chain, weights: _Weights) -> int:
 
 def _emit_dense(xq: relax.Expr, x_shape: tuple[int, ...], _layer: relax.Call,
                 weights: _Weights, transposed: bool,
-                epilogue: Epilogue, operands: list[np.ndarray], _zx: int,
+                epilogue: Epilogue, operands: list[relax.Expr],
+                residual: relax.Expr | None, _zx: int,
                 add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None
                 ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None]:
     """The int8 GEMM of a QDQ matmul: (its result, the report's shape, kernel, BRGEMM)."""
@@ -316,7 +388,9 @@ def _emit_dense(xq: relax.Expr, x_shape: tuple[int, ...], _layer: relax.Call,
     sch = schedule(problem, config, machine_of(target).isa)
     gv = add_kernel(sch.mod["main"], name)
     args = [_as_matrix(xq, x_shape, m, k), relax.const(pack_weight(w, config.bn, problem)),
-            *(relax.const(v) for v in operands)]
+            *operands]
+    if residual is not None:  # the epilogue's last operand
+        args.append(_as_matrix(residual, static_shape(residual.ty.shape), m, n))
     out = relax.call_tir(gv, args, relax.TensorType((m, n), problem.out_dtype))
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
     out_shape = (*x_shape[:-1], n)
@@ -327,14 +401,16 @@ def _emit_dense(xq: relax.Expr, x_shape: tuple[int, ...], _layer: relax.Call,
 
 def _emit_conv(xq: relax.Expr, _x_shape: tuple[int, ...], layer: relax.Call,
                weights: _Weights, _transposed: bool,
-               epilogue: Epilogue, operands: list[np.ndarray], zx: int,
+               epilogue: Epilogue, operands: list[relax.Expr],
+               residual: relax.Expr | None, zx: int,
                add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None
                ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None]:
     """The int8 conv kernel of a QDQ conv2d: borders pad with the zero point (real zeros)."""
     problem = conv_problem(layer, "uint8", epilogue)
     out, kernel, brgemm = emit_conv(xq, problem, weights.values,
-                                    [relax.const(v) for v in operands], add_kernel, target,
-                                    tuner, pad_value=zx)
+                                    [*operands, *([] if residual is None
+                                                  else [to_matrix(residual)])],
+                                    add_kernel, target, tuner, pad_value=zx)
     return out, problem.output_shape, kernel, brgemm
 
 
@@ -345,6 +421,70 @@ class _Output:
     scale: float
     zero_point: int
     dtype: str
+
+
+def _output(quantize: relax.Call) -> _Output | None:
+    """The per-tensor quantization a ``quantize`` call makes (None: per channel, or not to
+    uint8/int8)."""
+    scale, zero = (_scalar(a.value.numpy()) for a in quantize.args[1:])
+    dtype = str(quantize.attrs.out_dtype)
+    if scale is None or zero is None or dtype not in ("uint8", "int8"):
+        return None
+    return _Output(scale, int(zero), dtype)
+
+
+@dataclass(frozen=True)
+class _ResidualAdd:
+    """A matched quantized residual add: the layer's own output quantization, the residual
+    tensor and its quantization, and whether a relu follows the add."""
+
+    layer: _Output
+    tensor: relax.Expr
+    scale: float
+    zero_point: int
+    relu: bool
+
+    def ops(self, output: _Output) -> tuple[EpilogueOp, ...]:
+        """The epilogue after the layer's requantization: dequantize it, add the dequantized
+        residual, [relu,] quantize to ``output`` -- the QDQ graph's own roundings."""
+        dtype = str(self.tensor.ty.dtype)
+        return (EpilogueOp("dequantize", value=self.layer.scale,
+                           zero_point=self.layer.zero_point),
+                EpilogueOp("residual_dq", value=self.scale, zero_point=self.zero_point,
+                           dtype=dtype),
+                *([EpilogueOp("relu")] if self.relu else []),
+                EpilogueOp("requantize", value=1 / output.scale, zero_point=output.zero_point,
+                           dtype=output.dtype))
+
+
+def _same_matrix(a: tuple[int, ...] | None, b: tuple[int, ...] | None) -> bool:
+    """Whether two static shapes hold the same ``[rows, channels]`` matrix (a reshape of
+    the leading dimensions apart)."""
+    return a is not None and b is not None and a[-1] == b[-1] and math.prod(a) == math.prod(b)
+
+
+def _residual(matches: Mapping[DFPattern, relax.Expr], pattern: _Residual,
+              single_use: Callable[[relax.Expr], bool]) -> _ResidualAdd | None:
+    """The residual add of a match, if it can join the layer's kernel: the layer's quantized
+    output read by the add only, dequantized as it was quantized, the residual a per-tensor
+    quantized tensor of the output's shape."""
+    inner = matches[pattern.inner]
+    layer = _output(inner)
+    rq = matches[pattern.rq]
+    scale, zero = (_scalar(matches[p].value.numpy()) for p in (pattern.sr, pattern.zr))
+    # The layer's output, on its way to the add, must have no other reader: the fused kernel
+    # does not write it.
+    path = [inner, matches[pattern.mine], *([matches[pattern.reshaped]]
+                                            if pattern.reshaped in matches else [])]
+    if (layer is None or not all(single_use(e) for e in path) or scale is None or zero is None
+            or (_scalar(matches[pattern.s1].value.numpy()), _scalar(
+                matches[pattern.z1].value.numpy())) != (layer.scale, layer.zero_point)
+            or not isinstance(rq.ty, relax.TensorType)
+            or str(rq.ty.dtype) not in ("uint8", "int8")
+            or not _same_matrix(static_shape(rq.ty.shape), static_shape(inner.ty.shape))
+            or not scale > 0):
+        return None
+    return _ResidualAdd(layer, rq, scale, int(zero), pattern.relu)
 
 
 def _folded_epilogue(scale: np.ndarray, zx: int, colsum: np.ndarray, bias: np.ndarray,

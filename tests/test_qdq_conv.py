@@ -174,6 +174,52 @@ def test_asymmetric_weights_stay_float_with_the_reason(tmp_path):
     assert max_errors([got], run_onnxruntime(model, {"x": x}))[1] <= 1e-2
 
 
+def _residual_block() -> onnx.ModelProto:
+    """``relu(conv2(relu(conv1(x))) + x)``: a basic residual block, odd channels."""
+    rng = np.random.default_rng(3)
+    c = 12
+    w = [numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) * 0.15).astype("float32"),
+                                 f"w{i}") for i in (1, 2)]
+    b = [numpy_helper.from_array((0.1 * rng.standard_normal(c)).astype("float32"), f"b{i}")
+         for i in (1, 2)]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], pads=[1] * 4),
+             helper.make_node("Add", ["c2", "x"], ["sum"]),
+             helper.make_node("Relu", ["sum"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 9, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [*w, *b])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_quantized_residual_add_joins_the_conv_kernel(tmp_path):
+    src, dst = tmp_path / "float.onnx", tmp_path / "qdq.onnx"
+    onnx.save(_residual_block(), str(src))
+    layer = _Conv(12, 12, (9, 7), 3)
+    quantize_static(str(src), str(dst), _Inputs(layer), quant_format=QuantFormat.QDQ,
+                    per_channel=True, activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8)
+    model = onnx.load(str(dst))
+    _, report = _int8_report(model)
+    assert sorted(r.op for r in report) == [
+        "conv2d_qdq+bias+quantize+residual+quantize_u8", "conv2d_qdq+bias+quantize_u8"]
+    assert all(r.dtypes == "uint8*int8->int32" for r in report)
+    mod, _ = _int8_report(model)
+    adds = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: adds.append(e)
+                                    if is_call_to(e, "relax.add") else None)
+    assert not adds  # the residual add is in the kernel's epilogue
+    compiled = tvm_tpp.compile(model, target="tpp")
+    step = _output_step(model)
+    for seed in range(2):
+        x = layer.inputs(seed)
+        got, want = compiled.run(x=x)[0], run_onnxruntime(model, {"x": x})[0]
+        assert np.std(want) > 0
+        assert np.max(np.abs(got - want)) <= step * (1 + 1e-5)
+        assert np.mean(got != want) <= 0.01
+
+
 @pytest.mark.parametrize("name", ["resnet_small", "mobilenet_v2"])
 def test_quantized_network_runs_its_convs_on_int8_kernels(name, tmp_path):
     float_model = models.load(name)
