@@ -35,7 +35,8 @@ from tvm.target import Target
 from microkernels.machine import is_tpp, machine_of
 
 __all__ = [
-    "Guarded", "Inlined", "ParallelLoops", "RowReduction", "fallback_schedules",
+    "ChannelsLastReduction", "Guarded", "Inlined", "ParallelLoops", "RowReduction",
+    "fallback_schedules",
     "inline_elementwise",
 ]
 
@@ -222,6 +223,58 @@ class RowReduction(dl.ScheduleRule):
         return sch
 
 
+def _indexed_last_by(region: tirx.BufferRegion, var: tirx.Var) -> bool:
+    """Whether ``region``'s innermost index is ``var`` itself (a unit-stride access along it)."""
+    last = region.region[-1].min
+    return isinstance(last, tirx.Var) and last.same_as(var)
+
+
+class ChannelsLastReduction(dl.ScheduleRule):
+    """Reductions over the outer axes of a channels-last tensor (NHWC pooling, spatial
+    means): the reduction loops move outside the channel loop, which is vectorized.
+
+    ``S..S c R..R`` (every access's innermost index ``c``) becomes ``parallel(S..S)``, the
+    reductions, then ``c`` in vectors: each output pixel's channels accumulate in vector
+    registers.  DLight and :class:`ParallelLoops` would instead reduce each output element
+    by scalar steps.  Functions with other blocks than injective ones are left alone.
+    """
+
+    def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
+        if not isinstance(func, tirx.PrimFunc):
+            return None
+        sch = s_tir.Schedule(func)
+        inline_elementwise(sch)
+        infos = normalize_prim_func(sch)
+        if infos is None:
+            return None
+        reductions = [info for info in infos if not info.is_injective()]
+        if len(reductions) != 1:
+            return None
+        info = reductions[0]
+        kinds = info.dom_kind()
+        spatial = len(kinds) - len(kinds.lstrip("S"))
+        loops = sch.get_loops(info.block_rv)
+        block = sch.get(info.block_rv)
+        if (spatial < 2 or kinds[spatial:].strip("R") or len(loops) != len(kinds)
+                or len(block.writes) != 1):
+            return None
+        channel = block.iter_vars[spatial - 1].var
+        if not all(_indexed_last_by(r, channel) for r in (*block.reads, *block.writes)):
+            return None
+        bits = tvm.DataType(block.writes[0].source.dtype).bits
+        lanes = (machine_of(target).isa.vector_bits if is_tpp(target) else 256) // bits
+        width = _width(sch.get(loops[spatial - 1]).extent, lanes)
+        if width is None:
+            return None
+        channels = sch.split(loops[spatial - 1], [None, width])
+        sch.reorder(*loops[:spatial - 1], channels[0], *loops[spatial:], channels[1])
+        outer = sch.fuse(*loops[:spatial - 1], channels[0])
+        sch.parallel(outer)
+        sch.vectorize(channels[1])
+        sch.decompose_reduction(info.block_rv, loops[spatial])
+        return sch
+
+
 class Inlined(dl.ScheduleRule):
     """``rule`` applied after :func:`inline_elementwise` (e.g. DLight's ``Reduction``, which
     would otherwise run each of softmax's quantize/dequantize epilogue blocks as its own
@@ -259,5 +312,6 @@ class Guarded(dl.ScheduleRule):
 def fallback_schedules() -> tvm.transform.Pass:
     """DLight's CPU GEMV rule, :class:`RowReduction` (else DLight's ``Reduction`` after
     :func:`inline_elementwise`), then :class:`ParallelLoops` for the rest."""
-    rules = (dl.cpu.GEMV(), RowReduction(), Inlined(dl.cpu.Reduction()), ParallelLoops())
+    rules = (dl.cpu.GEMV(), RowReduction(), ChannelsLastReduction(), Inlined(dl.cpu.Reduction()),
+             ParallelLoops())
     return dl.ApplyDefaultSchedule(*(Guarded(rule) for rule in rules))

@@ -1,11 +1,13 @@
 """Schedules for what TVM lowers itself: parallel/vectorized loops, and failing rules skipped."""
 
 import numpy as np
+import pytest
 import tvm
 from tvm import s_tir, te
 from tvm.tirx import ForKind
 
 from schedules.fallback import (
+    ChannelsLastReduction,
     Guarded,
     ParallelLoops,
     RowReduction,
@@ -142,3 +144,49 @@ def test_row_reduction_leaves_reductions_no_vector_divides():
     with TARGET:  # DLight's Reduction takes it
         out = fallback_schedules()(tvm.IRModule({"main": func}))
     assert out["main"].attrs["tirx.is_scheduled"]
+
+
+def _nhwc_pool(dtype: str, kind: str):
+    from tvm import topi
+
+    x = te.placeholder((2, 9, 11, 32), dtype, name="x")
+    y = topi.nn.pool2d(x, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), kind, layout="NHWC")
+    return te.create_prim_func([x, y]), y.shape
+
+
+def _numpy_pool(a: np.ndarray, kind: str) -> np.ndarray:
+    pad = -np.inf if kind == "max" else 0.0
+    padded = np.pad(a.astype(np.float64), ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=pad)
+    taps = np.stack([padded[:, i:i + 9:2, j:j + 11:2] for i in range(3) for j in range(3)])
+    return taps.max(0) if kind == "max" else taps.sum(0) / 9  # count_include_pad
+
+
+@pytest.mark.parametrize("dtype, kind", [("uint8", "max"), ("float32", "max"),
+                                         ("float32", "avg")])
+def test_channels_last_pooling_reduces_whole_vectors(dtype, kind):
+    func, shape = _nhwc_pool(dtype, kind)
+    sch = ChannelsLastReduction().apply(func, TARGET, False)
+    assert sch is not None
+    out_func = sch.mod["main"]
+    update = "pool_max_update" if kind == "max" else "pool_sum_update"
+    loops = [sch.get(loop) for loop in sch.get_loops(sch.get_sblock(update))]
+    # Pixels (and channel vectors) in parallel, the 3x3 taps, then one AVX2 vector of
+    # channels (8 floats, or all 32 bytes).
+    assert loops[0].kind == ForKind.PARALLEL and loops[-1].kind == ForKind.VECTORIZED
+    assert [int(loop.extent) for loop in loops[1:]] == [3, 3, 8 if dtype == "float32" else 32]
+    f = tvm.compile(tvm.IRModule({"main": out_func}), target=TARGET)
+    rng = np.random.default_rng(0)
+    a = (rng.integers(0, 256, (2, 9, 11, 32)) if dtype == "uint8"
+         else rng.standard_normal((2, 9, 11, 32))).astype(dtype)
+    out = tvm.runtime.empty(tuple(int(d) for d in shape), dtype)
+    f(tvm.runtime.tensor(a), out)
+    np.testing.assert_allclose(out.numpy(), _numpy_pool(a, kind).astype(dtype), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_channels_last_reduction_leaves_channels_first_pooling():
+    from tvm import topi
+
+    x = te.placeholder((2, 32, 9, 11), "float32", name="x")
+    y = topi.nn.pool2d(x, (3, 3), (2, 2), (1, 1), (1, 1, 1, 1), "max", layout="NCHW")
+    assert ChannelsLastReduction().apply(te.create_prim_func([x, y]), TARGET, False) is None
