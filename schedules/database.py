@@ -61,7 +61,7 @@ LEGACY_NAME = "tuning.json"
 _APPLICATION_ID = 0x54505031  # "TPP1"
 #: The record format; a file of another version is set aside, never guessed at.
 _SCHEMA_VERSION = 1
-_SQLITE_MAGIC = b"SQLite format 3\x00"
+_SQLITE_NOTADB, _SQLITE_CORRUPT = 26, 11  # SQLite's result codes
 #: Seconds a writer waits for another process's transaction before failing.
 _BUSY_SECONDS = 120.0
 
@@ -245,21 +245,27 @@ class Database:
             os.close(fd)  # releases the lock
 
     def _check_file(self) -> None:
-        """Set the file aside unless it is an intact tuning database (or empty/absent)."""
-        if not self.path.is_file() or self.path.stat().st_size == 0:
-            return
-        with open(self.path, "rb") as f:
-            magic = f.read(len(_SQLITE_MAGIC))
-        if magic != _SQLITE_MAGIC:
-            legacy = self._legacy_records(self.path)
-            if legacy is None:
-                self._set_aside("is not a tuning database")
-            else:  # a JSON database of earlier versions, by the name given
-                moved = _aside(self.path, "migrated")
-                self._create_schema()
-                self._import(legacy, self.path, moved)
-            return
-        problem = None
+        """Set the file aside unless it is an intact tuning database (or empty/absent).
+
+        The file is read through SQLite: closing any other descriptor of it would drop the
+        POSIX locks this process's connections hold on it (SQLite's documented way to
+        corrupt a database), so Python reads it only once SQLite has said it is no database.
+        """
+        if self.path.is_file() and self.path.stat().st_size > 0:
+            problem = self._sqlite_problem()
+            if problem == "not a database":
+                legacy = self._legacy_records(self.path)
+                if legacy is None:
+                    self._set_aside("is not a tuning database")
+                else:  # a JSON database of earlier versions, by the name given
+                    moved = _aside(self.path, "migrated")
+                    self._create_schema()
+                    self._import(legacy, self.path, moved)
+            elif problem is not None:
+                self._set_aside(problem)
+
+    def _sqlite_problem(self) -> str | None:
+        """What is wrong with the file as a tuning database, or None."""
         try:
             conn = sqlite3.connect(self.path, timeout=_BUSY_SECONDS)
             try:
@@ -268,20 +274,23 @@ class Database:
                 tables = {r[0] for r in conn.execute(
                     "SELECT name FROM sqlite_master WHERE type='table'")}
                 if (application, version) != (_APPLICATION_ID, _SCHEMA_VERSION):
-                    if tables or application:
-                        problem = ("is another SQLite database" if application !=
-                                   _APPLICATION_ID else f"has record format {version}, "
-                                   f"this version reads {_SCHEMA_VERSION}")
-                else:
-                    check = conn.execute("PRAGMA quick_check").fetchone()[0]
-                    if check != "ok":
-                        problem = f"is damaged ({check})"
+                    if not tables and not application:
+                        return None  # an empty SQLite file: the schema comes next
+                    return ("is another SQLite database" if application != _APPLICATION_ID
+                            else f"has record format {version}, this version reads "
+                            f"{_SCHEMA_VERSION}")
+                check = conn.execute("PRAGMA quick_check").fetchone()[0]
+                return None if check == "ok" else f"is damaged ({check})"
             finally:
                 conn.close()
         except sqlite3.DatabaseError as err:
-            problem = f"is damaged ({err})"
-        if problem is not None:
-            self._set_aside(problem)
+            code = getattr(err, "sqlite_errorcode", None)
+            if code == _SQLITE_NOTADB:
+                return "not a database"
+            if code == _SQLITE_CORRUPT or "malformed" in str(err):
+                return f"is damaged ({err})"
+            # Locked past the busy timeout, unreadable, ...: nothing to set aside.
+            raise ValueError(f"cannot open tuning database {self.path}: {err}") from None
 
     def _set_aside(self, problem: str) -> None:
         moved = _aside(self.path, "corrupt")

@@ -68,7 +68,11 @@ from schedules.database import Database, TuningKey
 from schedules.gemm import GemmConfig
 db = Database(sys.argv[1])
 first = int(sys.argv[2])
+kept = []  # the CLI opens one Database per model: several stay open in one process
 for m in range(first, first + 200):
+    if m % 50 == 0:
+        kept.append(db)
+        db = Database(sys.argv[1])
     key = TuningKey("dense", (m, 64, 96), "", "float32", "", "avx2/haswell/1t")
     db.put(key, GemmConfig.of("BCa", 8, 64, 96), gflops=float(m))
 print("done")
@@ -77,7 +81,9 @@ print("done")
 
 def test_processes_lose_nothing(tmp_path):
     """Four processes writing 200 records each at once (the JSON file lost entries and failed
-    on its shared temporary file): every record is there, every process succeeded."""
+    on its shared temporary file): every record is there, every process succeeded.  Each
+    process opens the database again while its first connections are open (reading the file
+    outside SQLite then would drop their locks, and records were lost)."""
     path = tmp_path / "work" / FILE_NAME
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(1 + 1000 * i)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -336,7 +336,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="print the report table: each operator's shape, TPP kernel and "
                        "config, the ISA of its BRGEMM (amx where the tile kernel runs), "
                        "operand dtypes and layout, or why it stayed with TVM (-v/--verbose: "
-                       "the same)")
+                       "the same, and what TVM and LLVM printed while building)")
         # No argparse choices: a bad value is then compiler's one-line UsageError, not a
         # usage dump.
         p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
@@ -372,6 +372,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds of tuning per operator (default: no limit)")
     p.add_argument("--explain", action="store_true",
                    help="show the measurements (next to the cost model's ranking for GEMMs)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show what TVM and LLVM print while building candidates")
     p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
                    help="tune the GEMMs a build of this precision runs (bf16: its dense layers)")
 
@@ -421,9 +423,11 @@ class _Warnings(logging.StreamHandler):
     """The library's warnings (a tuning database set aside, a record dropped) as one line
     each, ``tvm-tpp: warning: ...``, on whatever ``sys.stderr`` is when they are emitted."""
 
-    def __init__(self) -> None:
+    def __init__(self, form: str = "tvm-tpp: warning: %(message)s",
+                 level: int = logging.WARNING) -> None:
         super().__init__()
-        self.setFormatter(logging.Formatter("tvm-tpp: warning: %(message)s"))
+        self.setLevel(level)
+        self.setFormatter(logging.Formatter(form))
 
     @property
     def stream(self):  # noqa: D102 - sys.stderr at emit time (tests swap it)
@@ -434,16 +438,22 @@ class _Warnings(logging.StreamHandler):
         pass
 
 
-def _show_warnings() -> None:
+def _show_warnings(verbose: bool) -> None:
+    """The library's warnings on stderr; with ``verbose`` also what TVM and LLVM printed
+    (:func:`tvm_tpp.compiler.native_output` keeps it out of the terminal otherwise)."""
     for name in ("schedules", "tvm_tpp"):
         logger = logging.getLogger(name)
         if not any(isinstance(h, _Warnings) for h in logger.handlers):
             logger.addHandler(_Warnings())
+    native = logging.getLogger("tvm_tpp.native")
+    native.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not any(isinstance(h, _Warnings) for h in native.handlers):
+        native.addHandler(_Warnings("tvm: %(message)s", logging.INFO))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _show_warnings()
+    _show_warnings(getattr(args, "report", False) or getattr(args, "verbose", False))
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -17,12 +17,17 @@ Examples
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -54,7 +59,7 @@ if TYPE_CHECKING:
     Problem = GemmProblem | ConvProblem | BatchGemmProblem
 
 __all__ = ["compile", "tune", "lower", "load", "import_model", "CompiledModel", "Tuned",
-           "WORK_DIR", "DATABASE"]
+           "WORK_DIR", "DATABASE", "ARTIFACT_FORMAT", "native_output"]
 
 #: The work directory :func:`tune` writes by default, and :func:`compile` reads if it exists.
 WORK_DIR = Path("tvm_tpp_work")
@@ -62,7 +67,7 @@ WORK_DIR = Path("tvm_tpp_work")
 #: of earlier versions beside it is migrated when the database is first opened).
 DATABASE = _database_file.FILE_NAME
 _TOP_K = 8  # candidates measured per operator besides its default
-_SIDECAR = ".json"  # export writes model.so and model.so.json (inputs, target)
+_SIDECAR = ".json"  # export writes model.so and model.so.json (format, inputs, target, hash)
 _SOURCE_FORMATS = {"asm": "asm", "llvm": "ll"}  # CompiledModel.source's kinds, LLVM's names
 #: What :func:`compile` and :func:`tune` accept as a model.
 Model = str | os.PathLike | bytes | onnx.ModelProto | tvm.IRModule
@@ -145,7 +150,8 @@ class CompiledModel:
             )
         args = []
         for spec in self.inputs:
-            array = np.ascontiguousarray(arrays[spec.name])
+            # Not np.ascontiguousarray: it makes a 0-d array (a scalar input) 1-d.
+            array = np.require(arrays[spec.name], requirements="C")
             if tuple(array.shape) != spec.shape or array.dtype != np.dtype(spec.dtype):
                 raise ValueError(
                     f"input {spec.name!r} must be {spec.dtype}{list(spec.shape)}, "
@@ -182,27 +188,43 @@ class CompiledModel:
                          for m in self.executable.mod.imports)
 
     def export(self, path: str | os.PathLike) -> Path:
-        """Write a shared library plus ``<path>.json`` describing its inputs and target.
+        """Write a shared library plus ``<path>.json`` describing it: its inputs, target, size
+        and SHA-256 (:func:`load` checks them before it maps the library).
 
         Code for another architecture is linked with its cross compiler
         (``<triple>-gcc``, e.g. Debian's gcc-aarch64-linux-gnu); a ``.tar`` path writes the
         object files unlinked instead.
+
+        Raises
+        ------
+        UsageError
+            ``path`` is not a file in an existing, writable directory.
+        NotRunnableError
+            Foreign code and no cross compiler to link it.
         """
         path = Path(path)
+        if path.is_dir() or not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+            raise UsageError(f"cannot write {path}: not a file in an existing, writable "
+                             "directory")
         triple = str(self.target.attrs.get("mtriple", ""))
-        if path.suffix == ".tar" or triple.startswith(platform.machine()) or not triple:
-            self.executable.export_library(str(path))
-        else:
-            compiler = f"{triple.split('-')[0]}-linux-gnu-gcc"
-            if shutil.which(compiler) is None:
-                raise NotRunnableError(
-                    f"linking {triple} code needs {compiler} on PATH; "
-                    "or export to a .tar of object files"
-                )
-            from tvm.contrib import cc
+        with native_output():
+            if path.suffix == ".tar" or triple.startswith(platform.machine()) or not triple:
+                self.executable.export_library(str(path))
+            else:
+                compiler = f"{triple.split('-')[0]}-linux-gnu-gcc"
+                if shutil.which(compiler) is None:
+                    raise NotRunnableError(
+                        f"linking {triple} code needs {compiler} on PATH; "
+                        "or export to a .tar of object files"
+                    )
+                from tvm.contrib import cc
 
-            self.executable.export_library(str(path), fcompile=cc.cross_compiler(compiler))
-        meta = {"inputs": [asdict(s) for s in self.inputs], "target": str(self.target)}
+                self.executable.export_library(str(path), fcompile=cc.cross_compiler(compiler))
+        meta = {"format": ARTIFACT_FORMAT, "inputs": [asdict(s) for s in self.inputs],
+                "target": str(self.target), "arch": _arch(self.target),
+                "library": {"name": path.name, "size": path.stat().st_size,
+                            "sha256": _sha256(path)}}
+        meta["digest"] = _digest(meta)
         Path(str(path) + _SIDECAR).write_text(json.dumps(meta, indent=1))
         return path
 
@@ -213,21 +235,162 @@ def _flatten(result) -> list:
     return [leaf for item in result for leaf in _flatten(item)]
 
 
+#: The sidecar's format: :func:`load` reads only this one (older exports: export again).
+ARTIFACT_FORMAT = 2
+
+_native_log = logging.getLogger("tvm_tpp.native")
+
+
+@contextlib.contextmanager
+def native_output() -> Iterator[None]:
+    """Keep what native code prints to the process's stderr in the block (TVM's C++ log:
+    ``Warning: Scope Saving:``, LLVM's ``Unknown pragma``, ...) out of the terminal: it is
+    logged line by line at INFO level on the ``tvm_tpp.native`` logger (``tvm-tpp -v`` shows
+    it).  Python's own ``sys.stderr`` keeps writing to the terminal meanwhile.
+
+    Examples
+    --------
+    >>> with native_output():
+    ...     _ = os.write(2, b"Warning: Scope Saving: global\n")  # not shown
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no fd 2 (embedded): nothing to keep out
+        yield
+        return
+    python_stderr = sys.stderr
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            if python_stderr.fileno() == 2:  # Python's writes still reach the terminal
+                sys.stderr = open(saved, "w", buffering=1, closefd=False)  # noqa: SIM115
+        except (OSError, ValueError, AttributeError):  # a replaced sys.stderr (tests)
+            pass
+        try:
+            yield
+        finally:
+            if sys.stderr is not python_stderr:
+                sys.stderr.flush()
+                sys.stderr = python_stderr
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            for line in sink.read().decode("utf-8", "replace").splitlines():
+                if line.strip():
+                    _native_log.info(line)
+
+
+def _arch(tgt: Target) -> str:
+    """The architecture code for ``tgt`` runs on (its triple's first part), or the host's."""
+    triple = str(tgt.attrs.get("mtriple", "")) if tgt.kind.name == "llvm" else ""
+    return triple.split("-")[0] if triple else platform.machine()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _digest(meta: dict) -> str:
+    """The SHA-256 of a sidecar's fields but its digest: an edited sidecar (inputs that the
+    library does not take) is refused by :func:`load`, not failed on deep in a run."""
+    fields = {k: v for k, v in meta.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _sidecar(meta_path: Path) -> dict:
+    """The sidecar's contents, every field checked; ModelError naming the first bad one."""
+
+    def bad(what: str) -> ModelError:
+        return ModelError(f"{meta_path} is not a valid tvm-tpp sidecar ({what}); "
+                          "export the model again")
+
+    try:
+        meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise bad(f"not JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise bad(f"a JSON {type(meta).__name__}, not an object")
+    if meta.get("format") != ARTIFACT_FORMAT:
+        found = meta.get("format", "none")
+        raise ModelError(f"{meta_path} has sidecar format {found}; this tvm-tpp reads format "
+                         f"{ARTIFACT_FORMAT}: export the model again")
+    if meta.get("digest") != _digest(meta):
+        raise ModelError(f"{meta_path} was changed after the export (its digest does not "
+                         "match its contents); export the model again")
+    library = meta.get("library")
+    if not (isinstance(library, dict) and isinstance(library.get("size"), int)
+            and isinstance(library.get("sha256"), str)):
+        raise bad("no library size and sha256")
+    if not isinstance(meta.get("target"), str) or not isinstance(meta.get("arch"), str):
+        raise bad("no target")
+    inputs = meta.get("inputs")
+    if not isinstance(inputs, list):
+        raise bad("no input list")
+    for i in inputs:
+        if not (isinstance(i, dict) and isinstance(i.get("name"), str)
+                and isinstance(i.get("shape"), list)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                        for d in i["shape"])
+                and isinstance(i.get("dtype"), str)):
+            raise bad(f"input {i!r} is not a name, a shape of sizes and a dtype")
+        try:
+            np.dtype(i["dtype"])
+        except TypeError:
+            raise bad(f"input {i['name']!r} has an unknown dtype {i['dtype']!r}") from None
+    return meta
+
+
 def load(path: str | os.PathLike) -> CompiledModel:
     """Load a model written by :meth:`CompiledModel.export`.
 
-    Loading runs no kernel; running the model first checks that this process may (for an
-    AMX build: that Linux granted the tile permission, requested then).
+    Before anything is mapped into the process the sidecar is checked: its format, that the
+    library has the size and SHA-256 the export wrote (not truncated, not replaced), and that
+    its code is for this machine's architecture.  Loading runs no kernel; running the model
+    first checks that this process may (for an AMX build: that Linux granted the tile
+    permission, requested then).
+
+    Raises
+    ------
+    ModelError
+        A missing, truncated, changed or foreign library, or a bad sidecar: one line saying
+        which.
     """
     path = Path(path)
     meta_path = Path(str(path) + _SIDECAR)
     if not path.is_file() or not meta_path.is_file():
         raise ModelError(f"{path} (and {meta_path.name}) must both exist; write them with export()")
-    meta = json.loads(meta_path.read_text())
-    inputs = [TensorSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in meta["inputs"]]
-    return CompiledModel(
-        tvm.runtime.load_module(str(path)), Target(json.loads(meta["target"])), inputs
-    )
+    meta = _sidecar(meta_path)
+    library = meta["library"]
+    size = path.stat().st_size
+    if size != library["size"]:
+        raise ModelError(f"{path} is {size} bytes, its export wrote {library['size']}: the file "
+                         "is truncated or was replaced; export the model again")
+    if _sha256(path) != library["sha256"]:
+        raise ModelError(f"{path} does not match the SHA-256 its export recorded in "
+                         f"{meta_path.name}: the file was changed; export the model again")
+    if meta["arch"] != platform.machine():
+        raise ModelError(f"{path} holds {meta['arch']} code and this machine is "
+                         f"{platform.machine()}: load it where {meta['arch']} code runs")
+    try:
+        tgt = Target(json.loads(meta["target"]))
+        inputs = [TensorSpec(i["name"], tuple(i["shape"]), i["dtype"]) for i in meta["inputs"]]
+    except (ValueError, TypeError, RuntimeError) as err:
+        first = str(err).strip().splitlines()
+        raise ModelError(f"{meta_path} names an invalid target or input: "
+                         f"{first[0] if first else err!r}") from None
+    try:
+        with native_output():
+            module = tvm.runtime.load_module(str(path))
+    except RuntimeError as err:  # the sidecar matched but the library does not load here
+        first = [line for line in str(err).strip().splitlines() if line.strip()]
+        raise ModelError(f"{path} could not be loaded: {first[-1] if first else err!r}"
+                         ) from None
+    return CompiledModel(module, tgt, inputs)
 
 
 def import_model(
@@ -239,6 +402,8 @@ def import_model(
         return model, _relax_inputs(model, input_shapes)
     proto = onnx_import.load_onnx(model)
     specs = onnx_import.input_specs(proto, input_shapes)
+    if input_shapes:
+        onnx_import.check_shapes(proto, specs)
     return onnx_import.to_relax(proto, specs), specs
 
 
@@ -313,8 +478,9 @@ def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: floa
         tpp_rewrites(tgt, tuner=collector, precision=precision)(mod)
     tuned = []
     for problem in collector.tasks.values():
-        result = _tuner.tune(problem, tgt, database=database, top_k=top_k,
-                             budget_seconds=budget)
+        with native_output():
+            result = _tuner.tune(problem, tgt, database=database, top_k=top_k,
+                                 budget_seconds=budget)
         tuned.append(Tuned(problem, result))
         if on_tuned is not None:
             on_tuned(problem, result)
@@ -399,7 +565,7 @@ def lower(
     tgt = make_target(target)
     _precision(precision)
     mod, _ = import_model(model, input_shapes)
-    with tgt:  # the graph pipeline without code generation
+    with tgt, native_output():  # the graph pipeline without code generation
         return tpp_pipeline(tgt, tuner=_lookup(_existing_database(work_dir)),
                             precision=precision)(mod)
 
@@ -475,8 +641,9 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     tuned = (_tune_tasks(mod, tgt, database, tune_budget, _TOP_K, on_tuned, precision)
              if tune else [])
     report: list[Offload] = []
-    executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(
-        tgt, report, _lookup(database), precision))
+    with native_output():
+        executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(
+            tgt, report, _lookup(database), precision))
     return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report,
                          sum(t.result.tune_seconds for t in tuned),
                          database.path if database is not None else None)

@@ -20,7 +20,7 @@ import onnx
 from .errors import ModelError
 from .quantized import to_qdq
 
-__all__ = ["TensorSpec", "load_onnx", "input_specs", "to_relax"]
+__all__ = ["TensorSpec", "load_onnx", "input_specs", "check_shapes", "to_relax"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ def input_specs(
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name
         if value.name in shapes:
             shape = tuple(int(d) for d in shapes.pop(value.name))
+            _fits_declared(value.name, shape, tensor)
         else:
             dims = []
             for dim in tensor.shape.dim:
@@ -97,6 +98,49 @@ def input_specs(
         known = ", ".join(s.name for s in specs)
         raise ModelError(f"shapes given for unknown inputs {sorted(shapes)}; inputs are: {known}")
     return specs
+
+
+def _fits_declared(name: str, shape: tuple[int, ...], tensor) -> None:
+    """ModelError unless a shape given for an input keeps its declared rank and static sizes
+    (a given shape only fills in symbolic dimensions)."""
+    if any(d < 1 for d in shape):
+        raise ModelError(f"input {name!r}: shape sizes must be >= 1, got {list(shape)}")
+    if not tensor.HasField("shape"):  # no declared shape: any is taken
+        return
+    declared = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0
+                else (d.dim_param or "?") for d in tensor.shape.dim]
+    fixed = [d for d in declared if isinstance(d, int)]
+    if len(declared) != len(shape) or any(isinstance(d, int) and d != s
+                                          for d, s in zip(declared, shape, strict=True)):
+        what = "has the static shape" if len(fixed) == len(declared) else "is declared"
+        raise ModelError(f"input {name!r} {what} {_dims(declared)}; a given shape may only set "
+                         f"its symbolic dimensions, got {_dims(shape)}")
+
+
+def _dims(dims) -> str:
+    return "[" + ", ".join(map(str, dims)) + "]"
+
+
+def check_shapes(proto: onnx.ModelProto, specs: Sequence[TensorSpec]) -> None:
+    """ModelError unless the model's operators accept inputs of these shapes (ONNX's strict
+    shape inference), so a wrong size given for a symbolic dimension is named as such, not
+    as a failure deep in TVM's importer."""
+    model = onnx.ModelProto()
+    model.CopyFrom(proto)
+    by_name = {s.name: s for s in specs}
+    for value in model.graph.input:
+        if value.name in by_name:
+            dims = value.type.tensor_type.shape.dim
+            del dims[:]
+            for d in by_name[value.name].shape:
+                dims.add().dim_value = d
+    try:
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as err:
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        given = ", ".join(f"{s.name}={','.join(map(str, s.shape))}" for s in specs)
+        raise ModelError(f"the input shapes ({given}) do not fit the model: "
+                         f"{lines[0] if lines else err}") from None
 
 
 def to_relax(proto: onnx.ModelProto, specs: Sequence[TensorSpec]):

@@ -137,7 +137,17 @@ def target(spec: str | dict | Target = "tpp", num_cores: int | None = None) -> T
     else:
         chosen = host_isa()
         mcpu = options.get("mcpu") or _host_mcpu(chosen)
+    if "mcpu" in options:
+        _check_mcpu(options["mcpu"], chosen)
     return Target(_config(chosen, mcpu, cores))
+
+
+def _check_mcpu(mcpu: str, chosen: _isa.Isa) -> None:
+    """TargetError unless LLVM knows ``mcpu`` for the ISA's architecture (else LLVM prints
+    its complaints for every function it compiles and builds for a generic CPU)."""
+    if not tvm.target.codegen.llvm_is_valid_cpu(mcpu, chosen.mtriple):
+        raise TargetError(f"-mcpu={mcpu} is not a CPU LLVM knows for {chosen.mtriple} "
+                          f"(e.g. -mcpu={chosen.mcpu})")
 
 
 def runs_on_host(tgt: Target) -> bool:
