@@ -18,8 +18,11 @@ Operands are those of the ``vnni4`` (u8/s8 A, s8 B, int32 C) and ``vnni2`` (bf16
 layouts of :mod:`microkernels.brgemm`; B's ``[n, alpha]`` rows must be dense (they are, in any
 VNNI-packed tensor).  The LLVM intrinsics are used in their tile-number form
 (``llvm.x86.tileloadd64(i8 tile, ptr, i64 stride)``): the ``.internal`` x86_amx-value form
-cannot be chained from TIR.  bf16 pointers are taken with ``T.address_of`` because
-``access_ptr`` on a bfloat16 buffer trips TVM's bf16 legalization.
+cannot be chained from TIR.  bf16 operands are read through ``uint16`` views of their
+buffers (as the x86 kernels do): TVM stores a bf16 buffer a function allocates (a packed or
+K-padded copy of A) as float32, and only a 16-bit view addresses its elements right; pointers
+are taken with ``T.address_of`` because ``access_ptr`` on a bfloat16 buffer trips TVM's bf16
+legalization.
 
 Running AMX code on Linux needs per-process permission (without it the first tile instruction
 kills the process with SIGILL): every process that may execute AMX code calls
@@ -207,6 +210,41 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
         conv = [tir.Cast("int8", a) for a in args[:tiles]] + list(args[tiles:])
         return tir.call_llvm_intrin("void", f"llvm.x86.{op}", *conv)
 
+    bf16 = ta == "bfloat16"
+
+    @T.macro
+    def program(A, B, C, sa, sb, sc):
+        config = T.alloc_buffer((8,), "int64", scope="local")
+        config[0] = T.int64(words[0])
+        config[1] = T.int64(words[1])
+        config[2] = T.int64(words[2])
+        config[3] = T.int64(words[3])
+        config[4] = T.int64(words[4])
+        config[5] = T.int64(words[5])
+        config[6] = T.int64(words[6])
+        config[7] = T.int64(words[7])
+        T.evaluate(amx("ldtilecfg", config.access_ptr("r")))
+        for i in T.unroll(nr):
+            for j in T.unroll(nc):
+                T.evaluate(amx("tileloadd64", i * nc + j, T.address_of(C[i * 16, j * 16]),
+                               T.Cast("int64", sc * 4), tiles=1))
+        for s in T.serial(steps):
+            for i in T.unroll(nr):
+                T.evaluate(amx("tileloadd64", num_c + i, T.address_of(A[i * 16, s * kt]),
+                               T.Cast("int64", sa * eb), tiles=1))
+            for j in T.unroll(nc):
+                T.evaluate(amx("tileloadd64", num_c + nr + j,
+                               T.address_of(B[s * (kt // alpha), j * 16, 0]),
+                               T.Cast("int64", sb * eb), tiles=1))
+            for i in T.unroll(nr):
+                for j in T.unroll(nc):
+                    T.evaluate(amx(p.op, i * nc + j, num_c + i, num_c + nr + j, tiles=3))
+        for i in T.unroll(nr):
+            for j in T.unroll(nc):
+                T.evaluate(amx("tilestored64", i * nc + j, T.address_of(C[i * 16, j * 16]),
+                               T.Cast("int64", sc * 4), tiles=1))
+        T.evaluate(amx("tilerelease"))
+
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle):
         sa0 = T.int32()
@@ -220,36 +258,14 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
         with T.sblock("root"):
             T.reads(C[0:m, 0:n], A[0:m, 0:k_total], B[0:k_total // alpha, 0:n, 0:alpha])
             T.writes(C[0:m, 0:n])
-            config = T.alloc_buffer((8,), "int64", scope="local")
-            config[0] = T.int64(words[0])
-            config[1] = T.int64(words[1])
-            config[2] = T.int64(words[2])
-            config[3] = T.int64(words[3])
-            config[4] = T.int64(words[4])
-            config[5] = T.int64(words[5])
-            config[6] = T.int64(words[6])
-            config[7] = T.int64(words[7])
-            T.evaluate(amx("ldtilecfg", config.access_ptr("r")))
-            for i in T.unroll(nr):
-                for j in T.unroll(nc):
-                    T.evaluate(amx("tileloadd64", i * nc + j, T.address_of(C[i * 16, j * 16]),
-                                   T.Cast("int64", sc * 4), tiles=1))
-            for s in T.serial(steps):
-                for i in T.unroll(nr):
-                    T.evaluate(amx("tileloadd64", num_c + i, T.address_of(A[i * 16, s * kt]),
-                                   T.Cast("int64", sa0 * eb), tiles=1))
-                for j in T.unroll(nc):
-                    T.evaluate(amx("tileloadd64", num_c + nr + j,
-                                   T.address_of(B[s * (kt // alpha), j * 16, 0]),
-                                   T.Cast("int64", sb0 * eb), tiles=1))
-                for i in T.unroll(nr):
-                    for j in T.unroll(nc):
-                        T.evaluate(amx(p.op, i * nc + j, num_c + i, num_c + nr + j, tiles=3))
-            for i in T.unroll(nr):
-                for j in T.unroll(nc):
-                    T.evaluate(amx("tilestored64", i * nc + j, T.address_of(C[i * 16, j * 16]),
-                                   T.Cast("int64", sc * 4), tiles=1))
-            T.evaluate(amx("tilerelease"))
+            if bf16:  # the tiles read raw bf16 bits: through uint16 views (see module doc)
+                A16 = T.decl_buffer((m, k_total), "uint16", data=A.data, strides=[sa0, 1],
+                                    elem_offset=A.elem_offset)
+                B16 = T.decl_buffer((k_total // alpha, n, alpha), "uint16", data=B.data,
+                                    strides=[sb0, alpha, 1], elem_offset=B.elem_offset)
+                program(A16, B16, C, sa0, sb0, sc)
+            else:
+                program(A, B, C, sa0, sb0, sc)
 
     return impl
 

@@ -64,9 +64,7 @@ the accumulator, except that an int32 one meets a chain that takes floats only (
 first: dequantization) converted to float32, exactly below ``2**24``.  On ``amx`` the kernel
 runs in tiles when its blocks are tile-shaped (:func:`microkernels.amx.plan`; the defaults
 choose such blocks), otherwise the ISA's AVX-512 kernel runs
-(:func:`microkernels.brgemm.find_impl`'s fallback); so does a bf16 GEMM whose A is a copy
-(``pack_a``, or an odd K padded): TVM stores a bf16 buffer a function allocates as float32,
-and the tiles would read it as bf16 (the default keeps bf16 X in place on ``amx``).
+(:func:`microkernels.brgemm.find_impl`'s fallback).
 
 Candidates (:func:`candidates`): a few blockings around the default (:func:`blockings`),
 PARLOOPER's loop orders for each (:func:`schedules.space.generate`), ranked within each
@@ -446,10 +444,6 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     finish_nest(sch, spec, order, grid_loops, gemm, frozenset("a"), epilogue)
     if pack is not None:
         _parallel_pack(sch, spec, pack, pack_depth, bool(grid_loops))
-    if pack is not None and problem.dtype == "bfloat16" and isa_name == "amx":
-        # TVM's bf16 legalization stores a bf16 buffer the function allocates (this copy of
-        # A) as float32, which tile loads would read as bf16: the AVX-512 kernel reads it.
-        isa_name = _isa.from_name(isa_name).parent
     # On amx, blocks that are not tile-shaped get the AVX-512 kernel (find_impl's fallback).
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
@@ -509,9 +503,7 @@ def default_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     1
     """
     whole = whole_k_config(problem, machine)
-    # bf16 tiles cannot read a packed A (see schedule): on amx they keep the whole K.
-    tiles_need_x = problem.dtype == "bfloat16" and _uses_tiles(problem, machine)
-    if whole.k_step > 1 and problem.m > GEMV_ROWS and not tiles_need_x and \
+    if whole.k_step > 1 and problem.m > GEMV_ROWS and \
             problem.padded_k * whole.bn * problem.element_bytes > machine.caches.l2 // 2:
         return long_k_config(problem.m, whole.bn, whole.bk, machine.threads,
                              max_bm=_max_bm(problem, machine, whole.bn))

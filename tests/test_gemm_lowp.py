@@ -266,10 +266,10 @@ def test_amx_default_uses_whole_tile_rows():
     assert (cfg.bm, cfg.bn, cfg.bk % 32) == (32, 32, 0)
     cfg = default_config(GemmProblem(37, 48, 68, "uint8"), _machine("amx"))
     assert (cfg.bm, cfg.bn) == (37, 16)  # 16 + 16 + 5 rows by one column tile
-    # A K too long for L2 packs A (int8) except in bf16, whose tiles read X in place.
+    # A K too long for L2 packs A, in int8 and in bf16 (the tiles read the copy too).
     long_k = (256, 1024, 32768)
     assert default_config(GemmProblem(*long_k, "uint8"), _machine("amx")).pack_a == 1
-    assert default_config(GemmProblem(*long_k, "bfloat16"), _machine("amx")).pack_a is None
+    assert default_config(GemmProblem(*long_k, "bfloat16"), _machine("amx")).pack_a == 1
 
 
 def test_pack_weight_layouts():
@@ -351,7 +351,7 @@ def test_amx_asm(dtype, multiply):
     assert multiply not in ops and "ldtilecfg" not in ops
     assert ("vpdpbusd" if dtype == "uint8" else "vdpbf16ps") in ops
     packed = _ops(_asm(problem, replace(config, pack_a=0), "amx"))
-    assert (multiply in packed) is (dtype == "uint8")  # bf16 tiles cannot read the copy
+    assert multiply in packed  # the tiles read a packed copy of A too (bf16: uint16 views)
 
 
 def test_avx512_vnni_asm():
@@ -386,9 +386,11 @@ def _emulated_dispatch(shape: BrgemmShape) -> str:
     ("uint8", 64, 64, 256, REQUANT, 1),       # whole tiles, 4 K steps per call, A packed
     ("bfloat16", 1, 48, 68, Epilogue(), None),
     ("bfloat16", 40, 32, 96, Epilogue(), None),
-    # A is a copy (odd K padded; packed): the AVX-512 kernel runs, TVM stores the copy as fp32
-    pytest.param("bfloat16", 1, 48, 67, Epilogue(), None, marks=_needs("avx512_bf16")),
-    pytest.param("bfloat16", 40, 32, 96, Epilogue(), 1, marks=_needs("avx512_bf16")),
+    # A is a copy the function allocates (odd K padded; packed; both): TVM stores it as fp32,
+    # the tiles read its bf16 bits through uint16 views
+    ("bfloat16", 1, 48, 67, Epilogue(), None),
+    ("bfloat16", 40, 32, 96, Epilogue(), 1),
+    ("bfloat16", 40, 32, 95, Epilogue(), 0),
 ])
 def test_amx_gemm_emulated(amx_emulator, monkeypatch, dtype, m, n, k, epilogue, pack_a):
     """The template's AMX GEMM (default blocks) runs its tile program under the emulator with
@@ -400,7 +402,6 @@ def test_amx_gemm_emulated(amx_emulator, monkeypatch, dtype, m, n, k, epilogue, 
     c = default.candidate
     serial = Candidate(c.spec.lower(), c.block_steps, c.steps)
     config = replace(default.with_candidate(serial), pack_a=pack_a)
-    tiles = not (dtype == "bfloat16" and (pack_a is not None or problem.padded_k != k))
     monkeypatch.setattr(gemm, "dispatch", _emulated_dispatch)
     # The emulated program needs no vector ISA; the AVX-512 fallback needs this host's.
     monkeypatch.setitem(MCPU, "amx", "znver4" if _runs_here("avx512_bf16") else "haswell")
@@ -408,5 +409,5 @@ def test_amx_gemm_emulated(amx_emulator, monkeypatch, dtype, m, n, k, epilogue, 
     _check(problem, config, "amx")
     assert amx_emulator.tpp_amx_emu_faults() == 0
     calls = (m // config.bm) * (n // config.bn) * (problem.padded_k // config.bk // config.k_step)
-    assert amx_emulator.tpp_amx_emu_configs() == (calls if tiles else 0)
+    assert amx_emulator.tpp_amx_emu_configs() == calls
     assert amx_emulator.tpp_amx_emu_releases() == amx_emulator.tpp_amx_emu_configs()
