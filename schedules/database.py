@@ -228,11 +228,15 @@ class Database:
                 raise ValueError(f"{self.path.parent} is a file, not a work directory") from None
             except OSError as err:
                 raise ValueError(f"cannot create {self.path.parent}: {err.strerror}") from None
-            with self._directory_lock():
-                self._check_file()
-                self._create_schema()
-                if self.legacy is not None and self.legacy.is_file():
-                    self._migrate(self.legacy)
+            try:
+                with self._directory_lock():
+                    self._check_file()
+                    self._create_schema()
+                    if self.legacy is not None and self.legacy.is_file():
+                        self._migrate(self.legacy)
+            except (sqlite3.Error, OSError) as err:  # read-only, full disk, ...
+                what = err.strerror if isinstance(err, OSError) and err.strerror else err
+                raise ValueError(f"cannot open tuning database {self.path}: {what}") from None
             self._opened = True
 
     @contextlib.contextmanager
