@@ -51,7 +51,7 @@ from .ops import OPS, Config, Problem, op_of, shape_text
 if TYPE_CHECKING:
     from tvm.target import Target
 
-__all__ = ["TuningKey", "Database", "FILE_NAME", "LEGACY_NAME", "check_config"]
+__all__ = ["TuningKey", "Database", "StoreError", "FILE_NAME", "LEGACY_NAME", "check_config"]
 
 #: The database's file name in a work directory.
 FILE_NAME = "tuning.db"
@@ -66,6 +66,11 @@ _SQLITE_NOTADB, _SQLITE_CORRUPT = 26, 11  # SQLite's result codes
 _BUSY_SECONDS = 120.0
 
 log = logging.getLogger(__name__)
+
+
+class StoreError(ValueError):
+    """The database file cannot be opened, read or written (locked past the busy timeout,
+    read-only, a full disk): the message names it."""
 
 
 @dataclass(frozen=True)
@@ -186,7 +191,9 @@ class Database:
     Raises
     ------
     ValueError
-        ``path``'s directory is a file, or the database cannot be opened (permissions).
+        ``path``'s directory is a file.
+    StoreError
+        The database cannot be opened (permissions, a full disk); also from the methods.
 
     Examples
     --------
@@ -236,7 +243,7 @@ class Database:
                         self._migrate(self.legacy)
             except (sqlite3.Error, OSError) as err:  # read-only, full disk, ...
                 what = err.strerror if isinstance(err, OSError) and err.strerror else err
-                raise ValueError(f"cannot open tuning database {self.path}: {what}") from None
+                raise StoreError(f"cannot open tuning database {self.path}: {what}") from None
             self._opened = True
 
     @contextlib.contextmanager
@@ -294,7 +301,7 @@ class Database:
             if code == _SQLITE_CORRUPT or "malformed" in str(err):
                 return f"is damaged ({err})"
             # Locked past the busy timeout, unreadable, ...: nothing to set aside.
-            raise ValueError(f"cannot open tuning database {self.path}: {err}") from None
+            raise StoreError(f"cannot open tuning database {self.path}: {err}") from None
 
     def _set_aside(self, problem: str) -> None:
         moved = _aside(self.path, "corrupt")
@@ -359,7 +366,7 @@ class Database:
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=NORMAL")
             except sqlite3.DatabaseError as err:
-                raise ValueError(f"cannot open tuning database {self.path}: {err}") from None
+                raise StoreError(f"cannot open tuning database {self.path}: {err}") from None
             self._local.conn, self._local.pid = conn, os.getpid()
         return conn
 
@@ -389,7 +396,7 @@ class Database:
         try:
             return conn.execute(sql, args).fetchall()
         except sqlite3.DatabaseError as err:
-            raise ValueError(f"tuning database {self.path} cannot be read: {err}") from None
+            raise StoreError(f"tuning database {self.path} cannot be read: {err}") from None
 
     def close(self) -> None:
         """Close this thread's connection (the last one to close folds the journal into the
@@ -464,4 +471,4 @@ class Database:
                              "ON CONFLICT(key) DO UPDATE SET op = excluded.op, "
                              "record = excluded.record", (key.text(), key.op, text))
         except sqlite3.DatabaseError as err:
-            raise ValueError(f"tuning database {self.path} cannot be written: {err}") from None
+            raise StoreError(f"tuning database {self.path} cannot be written: {err}") from None

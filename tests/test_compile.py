@@ -10,6 +10,7 @@ import tvm
 from conftest import make_dense_model
 
 import tvm_tpp
+from tvm_tpp import compiler
 from tvm_tpp.compiler import DATABASE, WORK_DIR, import_model
 from tvm_tpp.errors import DatabaseError, ModelError, NotRunnableError, TppError, UsageError
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
@@ -169,3 +170,21 @@ def test_foreign_isa_builds_but_does_not_run(dense_model, tmp_path):
 def test_relax_module_without_main():
     with pytest.raises(ModelError, match="no 'main'"):
         tvm_tpp.compile(tvm.IRModule({}))
+
+
+def test_a_database_failing_under_a_build_or_tuner_is_one_error(tmp_path, dense_model,
+                                                                 monkeypatch):
+    """A database that cannot be read or written meanwhile (a full disk, a lock held past
+    the busy timeout) is a DatabaseError naming it, also from inside TVM's passes."""
+    from schedules.database import Database, StoreError
+
+    tvm_tpp.tune(dense_model, work_dir=tmp_path, budget=0.05, top_k=1)
+
+    def fail(self, *args, **kwargs):
+        raise StoreError(f"tuning database {self.path} cannot be read: disk I/O error")
+
+    monkeypatch.setattr(Database, "get", fail)
+    for build in (tvm_tpp.compile, compiler.lower, tvm_tpp.tune):
+        with pytest.raises(DatabaseError, match=f"tuning database {tmp_path / DATABASE} "
+                           "cannot be read: disk I/O error"):
+            build(dense_model, work_dir=tmp_path)

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -43,6 +43,7 @@ from relay_passes.dense import PRECISIONS
 from relay_passes.pipeline import tpp_pipeline, tpp_rewrites
 from schedules import database as _database_file
 from schedules import tuner as _tuner
+from schedules.database import StoreError
 from schedules.tuner import Database, TaskCollector, Tuner, TuneResult
 
 from . import onnx_import
@@ -251,7 +252,7 @@ def native_output() -> Iterator[None]:
     Examples
     --------
     >>> with native_output():
-    ...     _ = os.write(2, b"Warning: Scope Saving: global\n")  # not shown
+    ...     _ = os.write(2, b"Warning: Scope Saving: global\\n")  # not shown
     """
     try:
         sys.stderr.flush()
@@ -451,9 +452,38 @@ def _existing_database(work_dir: str | os.PathLike | None) -> Database | None:
     return None
 
 
-def _lookup(database: Database | None) -> Tuner | None:
+@dataclass(frozen=True)
+class _Lookup(Tuner):
+    """A :class:`Tuner` that only looks configs up, for a build: a database that cannot be
+    read meanwhile is noted (an exception raised inside TVM's passes would reach the user as
+    a RuntimeError traceback) and raised by :meth:`check` after it as one DatabaseError."""
+
+    failures: list = field(default_factory=list)
+
+    def config(self, problem, target):
+        try:
+            return super().config(problem, target)
+        except StoreError as err:
+            self.failures.append(err)
+            return None
+
+    def check(self) -> None:
+        if self.failures:
+            raise DatabaseError(str(self.failures[0]))
+
+
+def _lookup(database: Database | None) -> _Lookup | None:
     """A tuner that only looks configs up (the passes use defaults for the others)."""
-    return Tuner(database) if database is not None else None
+    return _Lookup(database) if database is not None else None
+
+
+@contextlib.contextmanager
+def _store_errors() -> Iterator[None]:
+    """The database failing under a tuner: one DatabaseError line, not a traceback."""
+    try:
+        yield
+    except StoreError as err:
+        raise DatabaseError(str(err)) from None
 
 
 def _precision(precision: str) -> None:
@@ -478,7 +508,7 @@ def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: floa
         tpp_rewrites(tgt, tuner=collector, precision=precision)(mod)
     tuned = []
     for problem in collector.tasks.values():
-        with native_output():
+        with native_output(), _store_errors():
             result = _tuner.tune(problem, tgt, database=database, top_k=top_k,
                                  budget_seconds=budget)
         tuned.append(Tuned(problem, result))
@@ -565,9 +595,12 @@ def lower(
     tgt = make_target(target)
     _precision(precision)
     mod, _ = import_model(model, input_shapes)
+    lookup = _lookup(_existing_database(work_dir))
     with tgt, native_output():  # the graph pipeline without code generation
-        return tpp_pipeline(tgt, tuner=_lookup(_existing_database(work_dir)),
-                            precision=precision)(mod)
+        lowered = tpp_pipeline(tgt, tuner=lookup, precision=precision)(mod)
+    if lookup is not None:
+        lookup.check()
+    return lowered
 
 
 def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
@@ -641,9 +674,12 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     tuned = (_tune_tasks(mod, tgt, database, tune_budget, _TOP_K, on_tuned, precision)
              if tune else [])
     report: list[Offload] = []
+    lookup = _lookup(database)
     with native_output():
         executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(
-            tgt, report, _lookup(database), precision))
+            tgt, report, lookup, precision))
+    if lookup is not None:
+        lookup.check()
     return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report,
                          sum(t.result.tune_seconds for t in tuned),
                          database.path if database is not None else None)
