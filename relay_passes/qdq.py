@@ -103,6 +103,7 @@ class _Chain:
     sy: DFPattern | None  # with zy: the output's quantize, if the chain ends with one
     zy: DFPattern | None
     residual: _Residual | None = None
+    rescale: DFPattern | None = None  # a multiply of the layer's result (dynamic quantization)
 
     def name(self, out_dtype: str) -> str:
         """The report's name, e.g. ``matmul_qdq+bias+relu+quantize_u8``."""
@@ -142,6 +143,9 @@ def _chains() -> list[_Chain]:
            for anchor in ("matmul", "conv2d") for relu_after in (True, False)
            for relu, with_bias in flags for mine_first in (True, False)]
     for anchor in ("matmul", "conv2d"):
+        # ONNX Runtime's dynamic quantization: MatMulInteger / ConvInteger, then scaled.
+        out += [_chain(anchor, False, relu, with_bias, rescaled=True)
+                for relu, with_bias in flags]
         for quantized in (True, False):
             out += [_chain(anchor, quantized, relu, with_bias) for relu, with_bias in flags]
     return out
@@ -164,8 +168,11 @@ def _with_residual(layer: _Chain, relu: bool, mine_first: bool) -> _Chain:
                    residual=_Residual(layer.root, reshaped, mine, s1, z1, rq, sr, zr, relu))
 
 
-def _chain(anchor: str, quantized: bool, relu: bool, with_bias: bool) -> _Chain:
-    xq, sx, zx, wq, sw, zw = (wildcard(), is_const(), is_const(), is_const(), is_const(),
+def _chain(anchor: str, quantized: bool, relu: bool, with_bias: bool,
+           rescaled: bool = False) -> _Chain:
+    # sx and zx may be computed at run time (dynamic quantization): the rewrite checks that
+    # they are scalars.
+    xq, sx, zx, wq, sw, zw = (wildcard(), wildcard(), wildcard(), is_const(), is_const(),
                               is_const())
     x = is_op("relax.dequantize")(xq, sx, zx)
     w = is_op("relax.dequantize")(wq, sw, zw)
@@ -175,7 +182,11 @@ def _chain(anchor: str, quantized: bool, relu: bool, with_bias: bool) -> _Chain:
         layer = is_op("relax.matmul")(x, w) | is_op("relax.matmul")(x, wt)
     else:
         layer = is_op("relax.nn.conv2d")(x, w)
-    node, bias = layer, None
+    node, bias, rescale = layer, None, None
+    if rescaled:
+        # Dynamic quantization: the integer product times the run-time scale sx * sw.
+        rescale = wildcard()
+        node = is_op("relax.multiply")(node, rescale) | is_op("relax.multiply")(rescale, node)
     if with_bias:
         # ONNX Runtime's QDQ Gemm and Conv keep their bias as int32 + dequantize; a conv's
         # is reshaped to [1, K, 1, 1] for the add.
@@ -188,7 +199,8 @@ def _chain(anchor: str, quantized: bool, relu: bool, with_bias: bool) -> _Chain:
     if quantized:
         sy, zy = is_const(), is_const()
         node = is_op("relax.quantize")(node, sy, zy)
-    return _Chain(anchor, node, layer, x, xq, sx, zx, wq, sw, zw, w, wt, bias, relu, sy, zy)
+    return _Chain(anchor, node, layer, x, xq, sx, zx, wq, sw, zw, w, wt, bias, relu, sy, zy,
+                  rescale=rescale)
 
 
 def rewrite_qdq(
@@ -325,18 +337,45 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
             return orig  # the layer alone, then TVM's add
     xq = matches[chain.xq]
     x_shape = static_shape(xq.ty.shape)
-    sx, zx = (float(const(p).reshape(-1)[0]) for p in (chain.sx, chain.zx))
-    if str(xq.ty.dtype) == "int8":
+    zx_expr = matches[chain.zx]
+    rescale = matches[chain.rescale] if chain.rescale is not None else None
+    sx = 1.0
+    if isinstance(matches[chain.sx], tvm.ir.expr.Constant):
+        sx = float(const(chain.sx).reshape(-1)[0])
+    elif rescale is None:  # a run-time scale (checked a scalar by _activation_problem)
+        rescale = matches[chain.sx]
+    else:
+        rescale = relax.op.multiply(rescale, matches[chain.sx])
+    shift = _S8_SHIFT if str(xq.ty.dtype) == "int8" else 0
+    if shift:
         # The kernel's A is unsigned: x_q + 128 in [0, 255], and the zero point with it.
         xq = relax.op.astype(relax.op.add(relax.op.astype(xq, "int32"),
                                           relax.const(_S8_SHIFT, "int32")), "uint8")
-        zx += _S8_SHIFT
-    folded = _folded_epilogue(sx * weights.scale, int(zx), weights.colsum, bias.reshape(n),
-                              chain.relu, output if residual is None else residual.layer)
-    if folded is None:
-        return orig
-    epilogue, values = folded
-    operands: list[relax.Expr] = [relax.const(v) for v in values]
+    scale = sx * weights.scale
+    if isinstance(rescale, tvm.ir.expr.Constant):
+        factor = rescale.value.numpy().astype(np.float64).reshape(-1)
+        if factor.size not in (1, n):
+            return orig
+        scale, rescale = scale * factor, None
+    elif rescale is not None and chain.rescale in matches and not _is_scalar(
+            matches[chain.rescale], "float32"):
+        return orig  # only a run-time scalar (the activation's scale times the weight's)
+    if isinstance(zx_expr, tvm.ir.expr.Constant) and rescale is None:
+        zx = int(zx_expr.value.numpy().reshape(-1)[0]) + shift
+        folded = _folded_epilogue(scale, zx, weights.colsum, bias.reshape(n), chain.relu,
+                                  output if residual is None else residual.layer)
+        if folded is None:
+            return orig
+        epilogue, values = folded
+        operands: list[relax.Expr] = [relax.const(v) for v in values]
+    elif output is None and residual is None:
+        epilogue, operands = _run_time_epilogue(scale, rescale, zx_expr, shift, weights.colsum,
+                                                bias.reshape(n), chain.relu)
+        zx = 0  # a run-time zero point: borders (convs) pad with it only if known
+        if chain.anchor == "conv2d" and any(int(p) for p in layer.attrs.padding):
+            return orig
+    else:
+        return orig  # a quantized output of a run-time quantization: TVM's
     if residual is not None:
         epilogue = Epilogue(epilogue.ops + residual.ops(output))
     emit = _emit_dense if chain.anchor == "matmul" else _emit_conv
@@ -412,6 +451,36 @@ def _emit_conv(xq: relax.Expr, _x_shape: tuple[int, ...], layer: relax.Call,
                                                   else [to_matrix(residual)])],
                                     add_kernel, target, tuner, pad_value=zx)
     return out, problem.output_shape, kernel, brgemm
+
+
+def _is_scalar(expr: relax.Expr, dtype: str) -> bool:
+    """Whether ``expr`` is one value of ``dtype``: a constant of size 1, or a rank-0 tensor."""
+    if isinstance(expr, tvm.ir.expr.Constant):
+        return expr.value.numpy().size == 1
+    return (isinstance(expr.ty, relax.TensorType) and expr.ty.ndim == 0
+            and str(expr.ty.dtype) == dtype)
+
+
+def _run_time_epilogue(scale: np.ndarray, rescale: relax.Expr | None, zx: relax.Expr,
+                       shift: int, colsum: np.ndarray, bias: np.ndarray, relu: bool
+                       ) -> tuple[Epilogue, list[relax.Expr]]:
+    """The float epilogue of a layer whose activation is quantized at run time (ONNX
+    Runtime's dynamic quantization): per-column ``scale`` (times the run-time scalar
+    ``rescale``) and ``bias - scale * zx * colsum``, both computed in the graph from the
+    run-time scalars, then ``relu``.  ``scale * (acc - zx colsum) + bias`` as
+    :func:`_folded_epilogue` folds it, with ``zx`` (+ ``shift``) known only when it runs."""
+    scale_vector: relax.Expr = relax.const(scale.astype(np.float32))
+    if rescale is not None:
+        scale_vector = relax.op.multiply(scale_vector, rescale)
+    zero = relax.op.astype(zx, "float32")
+    if shift:
+        zero = relax.op.add(zero, relax.const(float(shift), "float32"))
+    folded = relax.op.multiply(zero, relax.const(colsum.astype(np.float32)))
+    float_bias = relax.op.subtract(relax.const(bias.astype(np.float32)),
+                                   relax.op.multiply(scale_vector, folded))
+    ops = [EpilogueOp("scale", broadcast="row"), EpilogueOp("bias"),
+           *([EpilogueOp("relu")] if relu else [])]
+    return Epilogue(tuple(ops)), [scale_vector, float_bias]
 
 
 @dataclass(frozen=True)
@@ -553,9 +622,9 @@ def _activation_problem(dequantized: relax.Call, channels: int, axis: int) -> st
     xq, sx, zx = dequantized.args
     if not isinstance(xq.ty, relax.TensorType) or str(xq.ty.dtype) not in ("uint8", "int8"):
         return "activation is not uint8 or int8"
-    if not all(isinstance(a, tvm.ir.expr.Constant) and a.value.numpy().size == 1
-               for a in (sx, zx)):
-        return "activation is not quantized per tensor with constant scale and zero point"
+    # A scale and zero point computed at run time (dynamic quantization) are scalars.
+    if not (_is_scalar(sx, "float32") and _is_scalar(zx, str(xq.ty.dtype))):
+        return "activation is not quantized per tensor (a scalar scale and zero point)"
     shape = static_shape(xq.ty.shape)
     if shape is None or len(shape) < 2 or shape[axis] != channels:
         return "activation shape is symbolic or does not fit this weight"

@@ -17,7 +17,7 @@ import pytest
 import tvm
 from conftest import RandomCalibration
 from onnx import TensorProto, helper, numpy_helper
-from onnxruntime.quantization import QuantFormat, quantize_static
+from onnxruntime.quantization import QuantFormat, quantize_dynamic, quantize_static
 from tvm import relax
 
 import tvm_tpp
@@ -248,14 +248,35 @@ def _relax_layer(x_scale: relax.Expr, params: list[relax.Var]) -> tvm.IRModule:
     return bb.get()
 
 
-def test_computed_activation_scale_is_left_with_a_reason():
-    # What DynamicQuantizeMatMul becomes: x's scale is computed from x at run time.
+def test_computed_activation_scale_is_folded_at_run_time():
+    # What DynamicQuantizeMatMul becomes: x's scale is computed from x at run time; the
+    # kernel's scale and bias vectors then are too.
     x = relax.Var("x", relax.TensorType((4, 24), "uint8"))
     scale = relax.Var("scale", relax.TensorType((), "float32"))
     report: list[Offload] = []
-    rewrite_qdq(_relax_layer(scale, [x, scale]), tpp_target("tpp"), report)
-    assert [(r.op, r.shape, r.kernel) for r in report] == [("matmul_qdq", (4, 32), None)]
-    assert report[0].reason.startswith("activation is not quantized per tensor with constant")
+    mod = rewrite_qdq(_relax_layer(scale, [x, scale]), tpp_target("tpp"), report)
+    assert [(r.op, r.shape, r.dtypes) for r in report] == [
+        ("matmul_qdq", (4, 32, 24), "uint8*int8->int32")]
+    xq = np.random.default_rng(0).integers(0, 256, (4, 24)).astype("uint8")
+    (got,) = tvm_tpp.compile(mod, target="tpp").run(x=xq, scale=np.array(0.25, "float32"))
+    np.testing.assert_allclose(got, xq.astype(np.float64) @ np.full((24, 32), 0.5) * 0.25,
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mlp", pytest.param("bert", marks=pytest.mark.slow)])
+def test_dynamically_quantized_network_runs_int8_kernels(name, tmp_path):
+    # ONNX Runtime's quantize_dynamic: DynamicQuantizeLinear + MatMulInteger + Cast + Mul.
+    src, dst = tmp_path / "float.onnx", tmp_path / "dynamic.onnx"
+    onnx.save(models.load(name), str(src))
+    quantize_dynamic(str(src), str(dst))
+    quantized = onnx.load(str(dst))
+    matmuls = sum(n.op_type == "MatMulInteger" for n in quantized.graph.node)
+    compiled = tvm_tpp.compile(quantized, target="tpp")
+    int8 = [r for r in compiled.report if r.dtypes == "uint8*int8->int32"]
+    assert len(int8) == matmuls > 0, compiled.report
+    inputs = random_inputs(compiled.inputs, seed=1)
+    got, want = compiled.run(**inputs), run_onnxruntime(quantized, inputs)
+    assert max_errors(got, want)[1] <= 1e-3  # float outputs: exact int32 products, rescaled
 
 
 def test_tuning_tasks_are_uint8_gemms():

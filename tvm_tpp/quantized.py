@@ -226,6 +226,8 @@ def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
     rewriter = _Rewriter(model)
     nodes = []
     for node in model.graph.node:
+        if node.name in rewriter.absorbed:
+            continue
         nodes.extend(rewriter.rewrite(node) if _needs_rewrite(node) else [node])
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -265,6 +267,13 @@ class _Rewriter:
             for v in [*inferred.input, *inferred.value_info, *inferred.output]
         }
         self.used = {name for node in model.graph.node for name in [*node.input, *node.output]}
+        self.readers: dict[str, list[onnx.NodeProto]] = {}
+        for node in model.graph.node:
+            for name in node.input:
+                self.readers.setdefault(name, []).append(node)
+        self.outputs = {v.name for v in model.graph.output}
+        # Nodes a rewrite made part of its own (by name): the caller drops them.
+        self.absorbed: set[str] = set()
         self.used |= {node.name for node in model.graph.node} | set(self.constants)
         self.new_initializers: list[onnx.TensorProto] = []
         self.emitted: list[onnx.NodeProto] = []
@@ -292,6 +301,17 @@ class _Rewriter:
         if tensor is None or not tensor.elem_type:
             self.fail(f"the element type of {name!r} is unknown")
         return tensor.elem_type
+
+    def only_float_cast(self, name: str) -> onnx.NodeProto | None:
+        """The ``Cast`` to float32 that is the only reader of value ``name``, if it is one
+        (and has a name to be dropped by)."""
+        readers = self.readers.get(name, [])
+        if name in self.outputs or len(readers) != 1:
+            return None
+        cast = readers[0]
+        if cast.op_type != "Cast" or not cast.name or _attrs(cast).get("to") != TensorProto.FLOAT:
+            return None
+        return cast
 
     def fail(self, why: str) -> NoReturn:
         """Refuse the node being rewritten, saying why."""
@@ -480,11 +500,18 @@ def _qlinear_concat(r: _Rewriter, i: list[str], attrs: dict) -> None:
 
 
 def _integer_op(float_op: str, a_axis: int, b_axis: int) -> _Rule:
-    """MatMulInteger/ConvInteger(a, b, za, zb) -> Cast<int32>(op(a - za, b - zb)) in float."""
+    """MatMulInteger/ConvInteger(a, b, za, zb) -> Cast<int32>(op(a - za, b - zb)) in float;
+    where the int32 result is only cast back to float (ONNX Runtime's dynamic quantization:
+    then scaled), the float op's result itself, without the round trip through int32."""
 
     def rule(r: _Rewriter, i: list[str], attrs: dict) -> None:
         a = r.dq(i[0], r.unit_scale(i[2], "unit_a"), i[2], "dq_a", axis=a_axis)
         b = r.dq(i[1], r.unit_scale(i[3], "unit_b"), i[3], "dq_b", axis=b_axis)
+        cast = r.only_float_cast(r.node.output[0])
+        if cast is not None:
+            r.absorbed.add(cast.name)
+            r.emit(float_op, [a, b], "", cast.output[0], **attrs)
+            return
         y = r.emit(float_op, [a, b], "float", **attrs)
         r.emit("Cast", [y], "", r.node.output[0], to=TensorProto.INT32)
 
