@@ -527,7 +527,7 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     # region, a per-thread buffer that stays in cache for all of the task's M blocks.
     pack = sch.get_sblock("Bp")
     sch.compute_at(pack, task)
-    _vectorize_tail(sch, pack, 2 if p.alpha > 1 else 1)
+    _pack_schedule(sch, pack, p.alpha, p.b_transposed)
     if "Xc" in stages:  # the rows of X one M block reads, converted (or padded) for it
         xc = sch.get_sblock("Xc")
         sch.compute_at(xc, rows_at)
@@ -675,3 +675,19 @@ def reference(problem: BatchGemmProblem, x: np.ndarray, b: np.ndarray,
     if p.epilogue_dtype != p.acc_dtype:
         c = c.astype(p.epilogue_dtype)
     return epilogue_reference(p.epilogue, c, extra) if p.epilogue.ops else c
+
+
+def _pack_schedule(sch: s_tir.Schedule, pack: SBlockRV, alpha: int, transposed: bool) -> None:
+    """Vectorize the packing of B.  A flat panel copies rows along ``bn``.  A VNNI group
+    interleaves ``alpha`` rows of B (columns of a transposed B): the group loop is unrolled
+    inside the column loop and LLVM vectorizes the rows' loads and the interleaving stores
+    (TVM's own vectorization of the fused loop gathers lane by lane: measured 189 -> 152 us on
+    BERT's ``P @ V`` in bf16 on one core, 117 -> 81 in int8).  Transposed B walks each
+    column's contiguous K values in the inner loops (scores in int8: 124 -> 110 us)."""
+    if alpha == 1:
+        _vectorize_tail(sch, pack, 1)
+        return
+    kq, ji, t = sch.get_loops(pack)[-3:]
+    if transposed:
+        sch.reorder(ji, kq, t)
+    sch.unroll(t)
