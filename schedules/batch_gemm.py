@@ -36,6 +36,27 @@ Y      ``[batch * M, N]``           ``[batch / H * M, H * N]``
 The epilogue sees Y in its stored two-dimensional form: operand shapes follow
 ``Operand.shape(*problem.y_shape)``.
 
+Operand types (:data:`OPERANDS`, the GEMM template's kernel families).  ``"float32"``
+multiplies float32 X and B.  ``"bfloat16"`` takes float32 X and B too and rounds them to bf16
+(to nearest even) while it packs them: B into the VNNI-2 panel ``Bp[batch, N/bn, K'/2, bn,
+2]``, the rows of X an M block reads into a bf16 copy ``Xc`` under that block (per task: a
+task's rows are converted once per N panel, ``1/bn`` of the compute); float32 accumulation,
+epilogue and Y.  ``"uint8"`` multiplies uint8 X by uint8 B shifted to int8 while packed
+(``b - 128``, VNNI-4, ``vpdpbusd``), accumulating in int32; X is read in place (a zero-padded
+copy when K is not a multiple of 4).  With the operands' zero points ``(za, zb)``::
+
+    sum_k (a - za)(b - zb) = sum_k a (b - 128) + (128 - zb) rowsum_a[i] - za colsum_b[j] + K za zb
+
+the accumulator starts from the last three terms instead of 0 (stage ``zero_fold``): the
+row sums of X under each M block, the column sums of B per task (the panel's), both int32
+and computed in the PrimFunc; a term whose factor is 0 is left out.  The epilogue then starts
+from the exact int32 (or its float32 value, for a chain starting with ``scale``) and may end
+in ``requantize`` (uint8/int8 Y).  K is padded to whole VNNI groups (:attr:`padded_k`) with
+zeros in the packed B.  On ``amx`` a bf16 batch GEMM runs the AVX-512 BF16 kernel: TVM stores a
+bf16 buffer a function allocates (``Xc``, ``Bp``) as float32, which AMX tile loads would read
+as bf16; the AVX-512 kernels read bf16 through uint16 views.  uint8 tile-shaped blocks run AMX
+tiles (the int8 buffers are stored as they are).
+
 Examples
 --------
 >>> p = BatchGemmProblem(batch=12, m=128, n=128, k=64, b_transposed=True)
@@ -91,7 +112,7 @@ def _positive(value: object, what: str) -> None:
 
 @dataclass(frozen=True)
 class BatchGemmProblem:
-    """``Y[b] = epilogue(X[b] @ B[b])`` in float32 for ``batch`` pairs of activations.
+    """``Y[b] = epilogue(X[b] @ B[b])`` for ``batch`` pairs of activations.
 
     Parameters
     ----------
@@ -106,6 +127,17 @@ class BatchGemmProblem:
         ``batch``.  1 when no operand is interleaved.
     x_interleaved, b_interleaved, y_interleaved
         Which operands are stored interleaved (module docstring).
+    dtype
+        What the kernel multiplies in (:data:`OPERANDS`): ``"float32"``, ``"bfloat16"``
+        (float32 X and B rounded while packed) or ``"uint8"`` (uint8 X and B).
+    zero_points
+        uint8: the zero points ``(za, zb)`` of X and B, folded in (module docstring).
+
+    Examples
+    --------
+    >>> p = BatchGemmProblem(3, 5, 7, 9, True, dtype="uint8", zero_points=(3, 200))
+    >>> (p.acc_dtype, p.b_layout, p.padded_k, p.out_dtype, p.layout)
+    ('int32', 'vnni4', 12, 'int32', 'tu8z3.200')
     """
 
     batch: int
