@@ -28,7 +28,9 @@ MMLA layout (``layout="mmla"``; impls on ``isa="neon_i8mm"``)
 bf16 vectors cannot reach LLVM intrinsics from TIR (TVM's BF16 legalization promotes them to
 fp32), so ``bfmmla`` is called through a small LLVM-IR function that loads the two bf16 blocks
 itself; the impl carries it as a ``pragma_import_llvm`` attribute, so nothing has to be
-annotated after tensorize.
+annotated after tensorize.  Its pointers are taken on ``uint16`` views of the bf16 buffers:
+TVM stores a bf16 buffer a function allocates (the GEMM template's packed A) as float32, and
+only a 16-bit view addresses its elements right.
 
 Examples
 --------
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
 
 __all__ = ["neon_fp32_impl", "mmla_desc", "mmla_impl", "mmla_shapes", "mmla_reference",
-           "BFMMLA_LLVM_IR"]
+           "mmla_registers", "BFMMLA_LLVM_IR", "VECTOR_REGISTERS"]
 
 VECTOR_REGISTERS = 32
 LANES = 4  # fp32 lanes of a 128-bit register
@@ -160,6 +162,17 @@ def neon_fp32_impl(shape: BrgemmShape) -> PrimFunc:
 # ---------------------------------------------------------------------------------------------
 
 
+def mmla_registers(m: int, n: int) -> int:
+    """Vector registers an ``m x n`` MMLA kernel holds (even m, n): ``m/2 x n/2`` 2x2 C
+    blocks plus one A and one B register per row and column pair; at most
+    :data:`VECTOR_REGISTERS` (32) run as MMLA, larger blocks fall back to the generic loops.
+
+    >>> mmla_registers(8, 8), mmla_registers(8, 10), mmla_registers(16, 16)
+    (24, 29, 80)
+    """
+    return (m // 2) * (n // 2) + m // 2 + n // 2
+
+
 def mmla_shapes(shape: BrgemmShape) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]:
     """Shapes of packed A, packed B and C of one ``mmla``-layout kernel call.
 
@@ -239,7 +252,7 @@ def mmla_impl(shape: BrgemmShape) -> PrimFunc:
     ta, tb, tc = shape.dtype_a, shape.dtype_b, shape.dtype_acc
     m2, kq_total, _, kb = a_shape
     n2 = b_shape[0]
-    regs = m2 * n2 + m2 + n2
+    regs = mmla_registers(m, n)
     if regs > VECTOR_REGISTERS:
         raise ValueError(
             f"MMLA {m}x{n} kernel needs {regs} of the {VECTOR_REGISTERS} vector registers; "
@@ -292,8 +305,13 @@ def mmla_impl(shape: BrgemmShape) -> PrimFunc:
             T.reads(C[0:m, 0:n], A[a_region], B[b_region])
             T.writes(C[0:m, 0:n])
             if bf16:  # links the bfmmla helper into the module
+                # The helper reads raw bf16 bits: through uint16 views (module doc).
+                A16 = T.decl_buffer(a_shape, "uint16", data=A.data, strides=[sa0, sa1, kb, 1],
+                                    elem_offset=A.elem_offset)
+                B16 = T.decl_buffer(b_shape, "uint16", data=B.data, strides=[sb0, sb1, kb, 1],
+                                    elem_offset=B.elem_offset)
                 with T.attr(T.int32(0), "pragma_import_llvm", BFMMLA_LLVM_IR):
-                    kernel(A, B, C)
+                    kernel(A16, B16, C)
             else:
                 kernel(A, B, C)
 

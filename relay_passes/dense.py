@@ -145,8 +145,9 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         return orig
 
     m = int(np.prod(x_shape[:-1]))
-    problem = GemmProblem(m, n, k, dtype, pattern.epilogue())
     isa = machine_of(target).isa
+    # Bound to the ISA: the operands' layout (VNNI, MMLA) is that of the ISA's kernels.
+    problem = GemmProblem(m, n, k, dtype, pattern.epilogue()).on(isa)
     config = config_for(problem, target, tuner)
     name = (f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if pattern.ops() else "")
             + ("_bf16" if dtype == "bfloat16" else ""))

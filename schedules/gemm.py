@@ -66,6 +66,18 @@ runs in tiles when its blocks are tile-shaped (:func:`microkernels.amx.plan`; th
 choose such blocks), otherwise the ISA's AVX-512 kernel runs
 (:func:`microkernels.brgemm.find_impl`'s fallback).
 
+The layout is a function of X's dtype and the ISA, chosen in one place
+(:func:`operand_layout`): where the ISA has an MMLA kernel for the dtype (``neon_i8mm``:
+``usmmla`` for u8 x s8, ``bfmmla`` for bf16) both operands are packed in MMLA 2-row blocks
+along K (``"mmla"``, :mod:`microkernels.arm`): W ahead of time as ``Wp[N'/2, K'/kb, 2, kb]``
+(:func:`pack_weight` with the problem bound to the ISA, :meth:`GemmProblem.on`), X at run
+time into ``X_packed[M'/2, K'/kb, 2, kb]`` (the copy ``pack_a`` places, before the loops if
+unasked), ``kb`` = 8 (int8) or 4 (bf16), K padded to a multiple of 8 (the kernels' K step)
+and M, N to even: the GEMM computes a ``C[M', N']`` of whole 2x2 blocks and the epilogue
+(or a crop) writes ``Y[M, N]``.  The MMLA kernel keeps its whole C block in registers, so
+its blocks are register tiles (``(bm/2)(bn/2) + bm/2 + bn/2 <= 32``, e.g. 8x8; larger ones
+would run the generic loops) and the defaults choose the largest such even divisors.
+
 Candidates (:func:`candidates`): a few blockings around the default (:func:`blockings`),
 PARLOOPER's loop orders for each (:func:`schedules.space.generate`), ranked within each
 blocking by the cache-trace model (:func:`ranked_configs`).  The model sees loop orders and
@@ -85,17 +97,18 @@ Examples
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from microkernels import amx as _amx
+from microkernels import arm as _arm
 from microkernels import isa as _isa
-from microkernels.brgemm import DTYPES, LAYOUTS, BrgemmShape, dispatch
+from microkernels.brgemm import DTYPES, LAYOUTS, BrgemmShape, dispatch, implementations
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
-from microkernels.pack import Packing, padded
+from microkernels.pack import Packing, mmla_k_block, pack_mmla, padded
 
 from .blocking import divisors, pick_divisor
 from .cost_model import predict
@@ -108,18 +121,50 @@ if TYPE_CHECKING:
     from tvm.s_tir import LoopRV, SBlockRV
     from tvm.tirx import PrimFunc
 
-__all__ = ["OPERANDS", "GemmProblem", "GemmConfig", "workload", "schedule", "default_config",
-           "candidates", "whole_k_config", "long_k_config", "blockings", "ranked_configs",
-           "ranked_blockings", "measuring_order", "pack_weight", "GEMV_ROWS"]
+__all__ = ["OPERANDS", "MMLA", "operand_layout", "GemmProblem", "GemmConfig", "workload",
+           "schedule", "default_config", "candidates", "whole_k_config", "long_k_config",
+           "blockings", "ranked_configs", "ranked_blockings", "measuring_order", "pack_weight",
+           "GEMV_ROWS"]
 
 
-#: dtype of X -> (accumulator dtype, BRGEMM layout of the packed weight); W's dtype follows
-#: (:data:`microkernels.brgemm.DTYPES`: float32, bfloat16, int8).
+#: dtype of X -> (accumulator dtype, BRGEMM layout of the packed weight where the ISA has no
+#: MMLA kernel); W's dtype follows (:data:`microkernels.brgemm.DTYPES`: float32, bfloat16,
+#: int8).  :func:`operand_layout` gives the layout on a given ISA.
 OPERANDS: dict[str, tuple[str, str]] = {
     "float32": ("float32", "flat"),
     "bfloat16": ("float32", "vnni2"),
     "uint8": ("int32", "vnni4"),
 }
+
+#: The layout of both packed operands where the ISA multiplies 2x2 blocks (aarch64 MMLA).
+MMLA = "mmla"
+
+
+def operand_layout(dtype: str, isa: str | _isa.Isa | None = None) -> str:
+    """The BRGEMM layout of a GEMM's packed operands, X in ``dtype``, on ``isa``: the one
+    place the layout is chosen.
+
+    ``"mmla"`` (A and B in 2-row blocks along K: ``smmla``/``usmmla``/``bfmmla``) where
+    ``isa`` or an ISA it extends has an MMLA kernel for ``dtype`` registered; otherwise the
+    dtype's layout in :data:`OPERANDS` (``flat``, ``vnni2``, ``vnni4``), also without an ISA.
+
+    Examples
+    --------
+    >>> [operand_layout("uint8", isa) for isa in (None, "amx", "neon", "neon_i8mm")]
+    ['vnni4', 'vnni4', 'vnni4', 'mmla']
+    >>> operand_layout("bfloat16", "neon_i8mm"), operand_layout("float32", "neon_i8mm")
+    ('mmla', 'flat')
+    """
+    if dtype not in OPERANDS:
+        raise ValueError(f"the GEMM template handles {', '.join(OPERANDS)}, got {dtype!r}")
+    default = OPERANDS[dtype][1]
+    if isa is None:
+        return default
+    chosen = isa if isinstance(isa, _isa.Isa) else _isa.from_name(isa)
+    registered = set(implementations())
+    if any((name, dtype, MMLA) in registered for name in chosen.lineage()):
+        return MMLA
+    return default
 
 
 @dataclass(frozen=True)
@@ -135,6 +180,12 @@ class GemmProblem:
         accumulation) or ``"uint8"`` (s8 W, int32 accumulation).
     epilogue
         Elementwise chain applied to each finished output tile, from :attr:`epilogue_dtype`.
+    isa
+        The ISA whose kernels the operands are laid out for (:func:`operand_layout`), or
+        None: not bound yet, laid out as :data:`OPERANDS` says.  :func:`schedule`,
+        :func:`default_config`, :func:`candidates` and :func:`pack_weight` (``isa=``) bind
+        an unbound problem to their ISA (:meth:`on`); a bound one keeps its layout, so the
+        weight it packs is the one its schedule reads.
 
     Examples
     --------
@@ -145,6 +196,9 @@ class GemmProblem:
     ('int32', 'int8', 'vnni4', 'float32', 'float32')
     >>> GemmProblem(4, 16, 6, "uint8").padded_k      # whole VNNI-4 groups
     8
+    >>> q = p.on("neon_i8mm")                        # usmmla: 2x8 blocks, rows in pairs
+    >>> (q.layout, q.padded_m, q.padded_n, q.padded_k)
+    ('mmla', 38, 48, 72)
     """
 
     m: int
@@ -152,6 +206,7 @@ class GemmProblem:
     k: int
     dtype: str = "float32"
     epilogue: Epilogue = field(default_factory=Epilogue)
+    isa: str | None = None
 
     def __post_init__(self) -> None:
         for dim in ("m", "n", "k"):
@@ -161,7 +216,18 @@ class GemmProblem:
         if self.dtype not in OPERANDS:
             raise ValueError(f"the GEMM template handles {', '.join(OPERANDS)}, "
                              f"got {self.dtype!r}")
+        if isinstance(self.isa, _isa.Isa):
+            object.__setattr__(self, "isa", self.isa.name)
+        elif self.isa is not None:
+            _isa.from_name(self.isa)  # ValueError naming the known ISAs
         self.epilogue.out_dtype(self.epilogue_dtype)  # raises for chains that do not type-check
+
+    def on(self, isa: str | _isa.Isa | None) -> GemmProblem:
+        """This problem bound to ``isa`` (its operands laid out for that ISA's kernels);
+        a problem already bound, or ``isa`` None, is returned as it is."""
+        if self.isa is not None or isa is None:
+            return self
+        return replace(self, isa=isa.name if isinstance(isa, _isa.Isa) else isa)
 
     @property
     def flops(self) -> int:
@@ -174,8 +240,14 @@ class GemmProblem:
 
     @property
     def layout(self) -> str:
-        """The BRGEMM layout of the packed weight: ``flat``, ``vnni2`` or ``vnni4``."""
-        return OPERANDS[self.dtype][1]
+        """The BRGEMM layout of the packed weight: ``flat``, ``vnni2``, ``vnni4`` or ``mmla``
+        (then A is packed so too) (:func:`operand_layout` of the dtype and :attr:`isa`)."""
+        return operand_layout(self.dtype, self.isa)
+
+    @property
+    def mmla(self) -> bool:
+        """Whether both operands are packed in MMLA 2-row blocks (then M, N are even)."""
+        return self.layout == MMLA
 
     @property
     def weight_dtype(self) -> str:
@@ -183,13 +255,24 @@ class GemmProblem:
 
     @property
     def alpha(self) -> int:
-        """K elements per VNNI group of the packed weight (1: not grouped)."""
+        """K elements per VNNI group of the packed weight (1: not grouped; MMLA: 8, the K
+        a kernel call takes a multiple of)."""
         return LAYOUTS[self.layout][0]
 
     @property
     def padded_k(self) -> int:
         """K rounded up to whole VNNI groups: the K the blocks tile."""
         return padded(self.k, self.alpha)
+
+    @property
+    def padded_m(self) -> int:
+        """M rounded up to whole row pairs (MMLA), else M: the M the blocks tile."""
+        return padded(self.m, 2) if self.mmla else self.m
+
+    @property
+    def padded_n(self) -> int:
+        """N rounded up to whole column pairs (MMLA), else N: the N the blocks tile."""
+        return padded(self.n, 2) if self.mmla else self.n
 
     @property
     def element_bytes(self) -> int:
@@ -295,10 +378,14 @@ class GemmConfig:
 
     def check(self, problem: GemmProblem) -> None:
         """ValueError unless the blocks tile ``problem`` exactly."""
-        for block, dim, name in ((self.bm, problem.m, "bm"), (self.bn, problem.n, "bn"),
+        for block, dim, name in ((self.bm, problem.padded_m, "bm"),
+                                 (self.bn, problem.padded_n, "bn"),
                                  (self.bk, problem.padded_k, "bk")):
             if dim % block:
                 raise ValueError(f"{name}={block} does not divide {dim}")
+        if problem.mmla and (self.bm % 2 or self.bn % 2):
+            raise ValueError(f"bm={self.bm} and bn={self.bn} must be even: MMLA multiplies "
+                             f"2x2 blocks of C")
         k_blocks = problem.padded_k // self.bk
         if k_blocks % self.k_step:
             raise ValueError(f"k_step={self.k_step} does not divide K/bk={k_blocks}")
@@ -309,12 +396,15 @@ class GemmConfig:
     def blocked(self, problem: GemmProblem) -> BlockedGemm:
         """The problem in block units, as the space and the cost model see it."""
         self.check(problem)
-        return BlockedGemm(problem.m, problem.n, problem.padded_k, self.bm, self.bn, self.bk,
-                           dtype_bytes=problem.element_bytes)
+        return BlockedGemm(problem.padded_m, problem.padded_n, problem.padded_k, self.bm,
+                           self.bn, self.bk, dtype_bytes=problem.element_bytes)
 
 
-def pack_weight(w: np.ndarray, bn: int, problem: GemmProblem | None = None) -> np.ndarray:
-    """numpy ``W[K, N]`` -> the packed weight of ``problem`` (default: a float32 GEMM).
+def pack_weight(w: np.ndarray, bn: int, problem: GemmProblem | None = None, *,
+                isa: str | _isa.Isa | None = None) -> np.ndarray:
+    """numpy ``W[K, N]`` -> the packed weight of ``problem`` (default: a float32 GEMM) on
+    ``isa`` (default: the problem's own :attr:`~GemmProblem.isa`, binding an unbound
+    problem as :func:`schedule` does; without either, the layouts of :data:`OPERANDS`).
 
     float32: ``Wp[N/bn, K, bn]``, each N block's panel contiguous
     (:meth:`~microkernels.pack.Packing.blocked_b`, the flat BRGEMM's B).  bfloat16 and
@@ -322,7 +412,11 @@ def pack_weight(w: np.ndarray, bn: int, problem: GemmProblem | None = None) -> n
     consecutive K values (:meth:`~microkernels.pack.Packing.vnni_blocked_b`), K zero-padded
     to ``K' = problem.padded_k``.  bfloat16 weights are taken as ``ml_dtypes.bfloat16`` or
     rounded to it from float32 (to nearest even); uint8 problems take integer weights in
-    [-128, 127] (quantizing them is the caller's job) and return int8.
+    [-128, 127] (quantizing them is the caller's job) and return int8.  MMLA problems
+    (:func:`operand_layout`, e.g. ``isa="neon_i8mm"``): ``Wp[N'/2, K'/kb, 2, kb]``, the
+    transposed weight in 2 x ``kb`` blocks (:func:`~microkernels.pack.pack_mmla`, ``kb`` = 8
+    int8 / 4 bf16), N zero-padded to ``N'`` = :attr:`~GemmProblem.padded_n`; any even ``bn``
+    dividing ``N'`` reads it (an N block is a run of whole column pairs).
 
     Examples
     --------
@@ -332,12 +426,23 @@ def pack_weight(w: np.ndarray, bn: int, problem: GemmProblem | None = None) -> n
     >>> w8 = np.arange(8, dtype="int8").reshape(4, 2)             # W[K=4, N=2]
     >>> pack_weight(w8, 2, GemmProblem(1, 2, 4, "uint8"))[0, 0].tolist()   # [bn, 4]
     [[0, 2, 4, 6], [1, 3, 5, 7]]
+    >>> pack_weight(w8, 2, GemmProblem(1, 2, 4, "uint8"), isa="neon_i8mm").shape
+    (1, 1, 2, 8)
     """
     k, n = w.shape
-    if n % bn:
-        raise ValueError(f"bn={bn} does not divide N={n}")
+    if problem is not None:
+        problem = problem.on(isa)
     if problem is not None and (k, n) != (problem.k, problem.n):
         raise ValueError(f"W must be [K, N] = [{problem.k}, {problem.n}], got {list(w.shape)}")
+    if problem is not None and problem.mmla:
+        if bn % 2 or problem.padded_n % bn:
+            raise ValueError(f"bn={bn} must be even and divide N={problem.padded_n} (MMLA)")
+        values = _weight_values(w, problem.weight_dtype)
+        full = np.zeros((problem.padded_k, problem.padded_n), values.dtype)
+        full[:k, :n] = values
+        return pack_mmla(full, mmla_k_block(problem.weight_dtype), "b")
+    if n % bn:
+        raise ValueError(f"bn={bn} does not divide N={n}")
     if problem is None or problem.layout == "flat":
         # A unit bn leaves its axis out of the packing; the template's operand keeps it.
         return Packing.blocked_b(bn).pack(w).reshape(n // bn, k, bn)
@@ -361,50 +466,87 @@ def _weight_values(w: np.ndarray, dtype: str) -> np.ndarray:
     return w.astype(np.int8)
 
 
-def workload(problem: GemmProblem, config_or_bn: GemmConfig | int) -> PrimFunc:
+def workload(problem: GemmProblem, config_or_bn: GemmConfig | int,
+             isa: str | _isa.Isa | None = None) -> PrimFunc:
     """The unscheduled PrimFunc ``(X, Wp, *epilogue operands, Y)``; ``Wp`` is packed with
-    the config's ``bn`` as :func:`pack_weight` packs it."""
+    the config's ``bn`` as :func:`pack_weight` packs it (for ``isa``, binding an unbound
+    problem).
+
+    An MMLA problem reads X through a copy in MMLA blocks (``X_packed[M'/2, K'/kb, 2, kb]``,
+    zero-padded), multiplies into a ``C[M', N']`` of whole row and column pairs and crops it
+    to ``Y[M, N]`` where M or N is odd (the crop is the epilogue's first step, or the
+    epilogue)."""
     from tvm import te, tirx
 
     from microkernels.epilogue import apply_te
 
+    problem = problem.on(isa)
     bn = config_or_bn.bn if isinstance(config_or_bn, GemmConfig) else config_or_bn
     m, n, k, alpha = problem.m, problem.n, problem.padded_k, problem.alpha
+    mp, np_ = problem.padded_m, problem.padded_n
     acc = problem.acc_dtype
     x = te.placeholder((m, problem.k), problem.dtype, name="X")
     a = x  # the GEMM's A
-    if k != problem.k:
+    if problem.mmla:
+        kb = mmla_k_block(problem.dtype)
+
+        def x_block(i2, kq, i, kk):
+            row, col = i2 * 2 + i, kq * kb + kk
+            if (mp, k) == (m, problem.k):
+                return x[row, col]
+            return tirx.if_then_else(tirx.all(row < m, col < problem.k), x[row, col],
+                                     tirx.const(0, problem.dtype))
+
+        a = te.compute((mp // 2, k // kb, 2, kb), x_block, name=_PACKED_X)
+    elif k != problem.k:
         # The kernels read whole VNNI groups: the GEMM reads X through a zero-padded copy.
         a = te.compute((m, k), lambda i, kk: tirx.if_then_else(
             kk < problem.k, x[i, kk], tirx.const(0, problem.dtype)), name=_PADDED_X)
     r = te.reduce_axis((0, k), name="k")
-    packed_shape = (n // bn, k, bn) if alpha == 1 else (n // bn, k // alpha, bn, alpha)
+    if problem.mmla:
+        packed_shape = (np_ // 2, k // kb, 2, kb)
+    elif alpha == 1:
+        packed_shape = (n // bn, k, bn)
+    else:
+        packed_shape = (n // bn, k // alpha, bn, alpha)
     wp = te.placeholder(packed_shape, problem.weight_dtype, name="Wp")
 
     def weight(j):  # W[r, j] in the packed layout
+        if problem.mmla:
+            return wp[j // 2, r // kb, j % 2, r % kb]
         if alpha == 1:
             return wp[j // bn, r, j % bn]
         return wp[j // bn, r // alpha, j % bn, r % alpha]
 
+    def x_at(i):  # X[i, r] as the GEMM reads it
+        return a[i // 2, r // kb, i % 2, r % kb] if problem.mmla else a[i, r]
+
     def product(i, j):
         if problem.dtype == acc:  # float32: no casts in the expression
-            return a[i, r] * weight(j)
-        return a[i, r].astype(acc) * weight(j).astype(acc)
+            return x_at(i) * weight(j)
+        return x_at(i).astype(acc) * weight(j).astype(acc)
 
-    c = te.compute((m, n), lambda i, j: te.sum(product(i, j), axis=r), name="C")
+    c = te.compute((mp, np_), lambda i, j: te.sum(product(i, j), axis=r), name="C")
     start = problem.epilogue_dtype
-    if start != acc:
-        # Dequantization's int32 -> float32, its own stage so the GEMM block stays the
-        # kernel's semantics; the schedule inlines it into the epilogue.
-        c = te.compute((m, n), lambda i, j: c[i, j].astype(start), name="dequantize")
+    cropped = (mp, np_) != (m, n)
+    if start != acc or cropped:
+        # Dequantization's int32 -> float32 and the crop of MMLA's padding, a stage of their
+        # own so the GEMM block stays the kernel's semantics; the schedule inlines it into
+        # the epilogue (without one, the crop is the epilogue).
+        name = "dequantize" if problem.epilogue.ops else _EPILOGUE
+        c = te.compute((m, n), lambda i, j: c[i, j].astype(start), name=name)
     extra = {op.name: te.placeholder(op.shape(m, n), op.dtype, name=op.name)
              for op in problem.epilogue.inputs(start)}
-    y = apply_te(problem.epilogue, c, extra) if problem.epilogue.ops else c
+    y = apply_te(problem.epilogue, c, extra, name=_EPILOGUE) if problem.epilogue.ops else c
     return te.create_prim_func([x, wp, *extra.values(), y])
 
 
 #: The block copying X with K zero-padded to whole VNNI groups.
 _PADDED_X = "X_padded"
+#: The block copying X into MMLA blocks (zero-padded to whole row pairs and K blocks).
+_PACKED_X = "X_packed"
+#: The block finishing each output tile (the epilogue, or the crop of an MMLA GEMM's padding).
+_EPILOGUE = "epilogue"
 
 
 def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "avx2"
@@ -422,10 +564,12 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     from tvm import s_tir
 
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
+    problem = problem.on(isa_name)
     spec = config.candidate.parse(*config.blocked(problem).trips)
     check_exact(spec)
     sch = s_tir.Schedule(workload(problem, config.bn))
-    if problem.epilogue_dtype != problem.acc_dtype:
+    cropped = (problem.padded_m, problem.padded_n) != (problem.m, problem.n)
+    if problem.epilogue.ops and (problem.epilogue_dtype != problem.acc_dtype or cropped):
         sch.compute_inline(sch.get_sblock("dequantize"))
     gemm = sch.get_sblock("C")
     i, j, kk = sch.get_loops(gemm)
@@ -435,15 +579,17 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
 
     order, grid_loops = nest_loops(sch, spec, {"a": k_blocks, "b": i_blocks, "c": j_blocks})
     sch.reorder(*grid_loops, *order, i_body, j_body, k_body)
-    # A padded X is copied anyway: the copy is the packing of A (before the loops if unasked).
-    padded_x = sch.get_sblock(_PADDED_X) if problem.padded_k != problem.k else None
-    pack_depth = 0 if config.pack_a is None and padded_x is not None else config.pack_a
-    pack = (_pack_a(sch, spec, gemm, pack_depth, order, padded_x) if pack_depth is not None
+    # A padded X, or X in MMLA blocks, is copied anyway: the copy is the packing of A
+    # (before the loops if unasked).
+    copy_x = (sch.get_sblock(_PACKED_X) if problem.mmla else
+              sch.get_sblock(_PADDED_X) if problem.padded_k != problem.k else None)
+    pack_depth = 0 if config.pack_a is None and copy_x is not None else config.pack_a
+    pack = (_pack_a(sch, spec, gemm, pack_depth, order, copy_x) if pack_depth is not None
             else None)
-    epilogue = sch.get_sblock("epilogue") if problem.epilogue.ops else None
+    epilogue = sch.get_sblock(_EPILOGUE) if problem.epilogue.ops or cropped else None
     finish_nest(sch, spec, order, grid_loops, gemm, frozenset("a"), epilogue)
     if pack is not None:
-        _parallel_pack(sch, spec, pack, pack_depth, bool(grid_loops))
+        _parallel_pack(sch, spec, pack, gemm, pack_depth, bool(grid_loops))
     # On amx, blocks that are not tile-shaped get the AVX-512 kernel (find_impl's fallback).
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
@@ -475,14 +621,19 @@ def _pack_a(sch: s_tir.Schedule, spec: LoopSpec, gemm: SBlockRV, depth: int,
     return pack
 
 
-def _parallel_pack(sch: s_tir.Schedule, spec: LoopSpec, pack: SBlockRV, depth: int,
-                   grid: bool) -> None:
+def _parallel_pack(sch: s_tir.Schedule, spec: LoopSpec, pack: SBlockRV, gemm: SBlockRV,
+                   depth: int, grid: bool) -> None:
     """Vectorize the copy along K; run its rows in parallel unless a parallel loop encloses it."""
-    rows, cols = sch.get_loops(pack)[-2:]
+    loops = sch.get_loops(pack)
+    shared = sch.get_loops(gemm)
+    own = [loop for n, loop in enumerate(loops)
+           if n >= len(shared) or not sch.get(loop).same_as(sch.get(shared[n]))]
+    # The copy's own loops: X_padded's (row, K), X_packed's (row pair, K block, row, K).
+    rows, cols = own[0], own[-1]
     sch.vectorize(cols)
     groups = spec.parallel_groups()
     enclosed = depth > 0 and (grid or bool(groups) and depth - 1 >= groups[0][0])
-    if not enclosed:
+    if not enclosed and len(own) > 1:
         sch.parallel(rows)
 
 
@@ -502,11 +653,12 @@ def default_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     >>> default_config(GemmProblem(40, 64, 1024), small_l2).pack_a
     1
     """
+    problem = problem.on(machine.isa)
     whole = whole_k_config(problem, machine)
     if whole.k_step > 1 and problem.m > GEMV_ROWS and \
             problem.padded_k * whole.bn * problem.element_bytes > machine.caches.l2 // 2:
-        return long_k_config(problem.m, whole.bn, whole.bk, machine.threads,
-                             max_bm=_max_bm(problem, machine, whole.bn))
+        return long_k_config(problem.padded_m, whole.bn, whole.bk, machine.threads,
+                             max_bm=_max_bm(problem, machine, whole.bn), even=problem.mmla)
     return whole
 
 
@@ -528,7 +680,35 @@ def _tile_rows(bn: int) -> int:
 
 
 def _max_bm(problem: GemmProblem, machine: Machine, bn: int) -> int:
+    if problem.mmla:
+        return _mmla_rows(bn)
     return _tile_rows(bn) if _uses_tiles(problem, machine) else 256
+
+
+def _mmla_rows(bn: int) -> int:
+    """The most (even) rows of an MMLA block ``bn`` columns wide whose C blocks and operands
+    fit the vector registers (:func:`microkernels.arm.mmla_registers`); at least 2.
+
+    >>> [_mmla_rows(bn) for bn in (2, 8, 16, 30)]
+    [30, 10, 4, 2]
+    """
+    rows = 2
+    while _arm.mmla_registers(rows + 2, bn) <= _arm.VECTOR_REGISTERS:
+        rows += 2
+    return rows
+
+
+def _mmla_blocks(m: int, n: int) -> tuple[int, int]:
+    """The even ``(bm, bn)`` dividing the (even) ``(m, n)`` with the most C per kernel call
+    whose accumulators and operands fit the vector registers, then the fewest registers.
+
+    >>> _mmla_blocks(64, 64), _mmla_blocks(6, 6), _mmla_blocks(2, 1000)
+    ((8, 8), (6, 6), (2, 20))
+    """
+    pairs = [(bm, bn) for bn in divisors(n) if bn % 2 == 0
+             for bm in divisors(m) if bm % 2 == 0
+             and _arm.mmla_registers(bm, bn) <= _arm.VECTOR_REGISTERS]
+    return max(pairs, key=lambda p: (p[0] * p[1], -_arm.mmla_registers(*p), p[1]))
 
 
 def _tile_blocks(m: int, n: int) -> tuple[int, int]:
@@ -545,9 +725,14 @@ def _tile_blocks(m: int, n: int) -> tuple[int, int]:
 
 def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     """The whole K in one BRGEMM call, blocks and loop order as the module describes."""
-    m, n, k = problem.m, problem.n, problem.padded_k
+    problem = problem.on(machine.isa)
+    m, n, k = problem.padded_m, problem.padded_n, problem.padded_k
     lanes = machine.isa.lanes("float32")  # = int32 lanes: the accumulators' vectors
-    if _uses_tiles(problem, machine):
+    if problem.mmla:
+        # The kernel keeps its whole C block in registers: blocks are its register tile.
+        bm, bn = _mmla_blocks(m, n)
+        bk = _k_block(k, problem.alpha, problem.alpha)
+    elif _uses_tiles(problem, machine):
         # Tile-shaped blocks, and K blocks of whole tile rows where K allows.
         bm, bn = _tile_blocks(m, n)
         bk = _k_block(k, problem.alpha, _amx.TILE_BYTES // problem.element_bytes)
@@ -575,21 +760,22 @@ def _k_block(k: int, alpha: int, preferred: int) -> int:
     return max([d for d in grouped if d % preferred == 0] or grouped)
 
 
-def long_k_config(m: int, bn: int, bk: int, threads: int, max_bm: int = 256) -> GemmConfig:
+def long_k_config(m: int, bn: int, bk: int, threads: int, max_bm: int = 256,
+                  even: bool = False) -> GemmConfig:
     """BLAS's ``kc`` loop, for a K too long for one BRGEMM call.
 
     K blocks run outermost, one per call, and each K block's columns of ``X`` are packed
     once (``pack_a=1``) and reused by every N block; under them N and M blocks are
     parallel.  A ``bk x bn`` panel of B stays in L2 while the call walks its ``bm`` rows
-    (at most ``max_bm``: AMX tiles take 32).
+    (at most ``max_bm``: AMX tiles take 32; ``even``: whole MMLA row pairs).
 
     Examples
     --------
     >>> long_k_config(2048, 64, 512, threads=2)
     GemmConfig(bm=256, bn=64, bk=512, candidate=Candidate('aCB', {}), pack_a=1)
     """
-    return GemmConfig(pick_divisor(m, max_bm), bn, bk, Candidate("aCB" if threads > 1 else "acb"),
-                      pack_a=1)
+    return GemmConfig(pick_divisor(m, max_bm, 2 if even else 1), bn, bk,
+                      Candidate("aCB" if threads > 1 else "acb"), pack_a=1)
 
 
 def blockings(problem: GemmProblem, machine: Machine) -> list[GemmConfig]:
@@ -597,13 +783,14 @@ def blockings(problem: GemmProblem, machine: Machine) -> list[GemmConfig]:
     K spans several blocks, the whole K per call, one K block per call, and (beyond a GEMV's
     rows) one K block per call with A packed under the outermost K loop
     (:func:`long_k_config`)."""
+    problem = problem.on(machine.isa)
     base = default_config(problem, machine)
     out = [base]
     if problem.padded_k // base.bk > 1:
         whole = whole_k_config(problem, machine)
         split = GemmConfig(whole.bm, whole.bn, whole.bk, Candidate("BCa"))
-        packed = (long_k_config(problem.m, base.bn, base.bk, machine.threads,
-                                max_bm=_max_bm(problem, machine, base.bn))
+        packed = (long_k_config(problem.padded_m, base.bn, base.bk, machine.threads,
+                                max_bm=_max_bm(problem, machine, base.bn), even=problem.mmla)
                   if problem.m > GEMV_ROWS else None)
         out += [c for c in (whole, split, packed) if c is not None and c != base]
     return out
@@ -625,6 +812,7 @@ def ranked_configs(problem: GemmProblem, blocking: GemmConfig, machine: Machine,
     >>> ranked_configs(GemmProblem(1024, 1024, 1024), base, one_core)[0][1].spec
     'bac'
     """
+    problem = problem.on(machine.isa)
     blocked = blocking.blocked(problem)  # the same block sizes for every loop order
     generated = generate(*blocked.trips, steps=(blocking.k_step, 1, 1),
                          require_parallel=machine.threads > 1, max_candidates=max_candidates)
@@ -686,5 +874,6 @@ def candidates(problem: GemmProblem, machine: Machine, max_candidates: int = 400
     >>> found[0] == default_config(p, machine), len(found) == len(set(found))
     (True, True)
     """
+    problem = problem.on(machine.isa)
     families = ranked_blockings(problem, machine, max_candidates)
     return measuring_order(default_config(problem, machine), families)

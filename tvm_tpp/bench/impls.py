@@ -362,7 +362,8 @@ def _tpp_gemm(job: Job, workload: GemmWorkload, config, target, **details: Any) 
                               f"{'/'.join(NATIVE_FEATURES[workload.dtype])})") + f"; {note}"
     details["notes"] = "; ".join(filter(None, (details.get("notes"), note)))
     x, w = workload.operands(job.seed)
-    args = [tvm.runtime.tensor(x), tvm.runtime.tensor(pack_weight(w, config.bn, problem)),
+    args = [tvm.runtime.tensor(x),
+            tvm.runtime.tensor(pack_weight(w, config.bn, problem, isa=isa)),
             tvm.runtime.empty((m, n), problem.out_dtype)]
     return _executable_built(executable, args, target=str(target), **details)
 
