@@ -8,8 +8,13 @@ M or N cropped from a C of whole pairs.  Each GEMM is cross-compiled for aarch64
 (+neon +i8mm +bf16), its assembly checked for the instruction, then run under
 ``qemu-aarch64 -cpu max`` against numpy (u8 x s8 exactly, bf16 within fp32 accumulation of
 bf16 inputs).  The qemu driver has no thread pool, so the runs are scheduled serially (the
-loops' parallel annotations left out).  A bundled model compiled with
-``target="tpp -isa=neon_i8mm", precision="bf16"`` shows ``bfmmla`` in its assembly.
+loops' parallel annotations left out).
+
+Models: the bundled mlp in bf16 and quantized (QDQ, u8 x s8) is cross-compiled for amx,
+avx512_vnni / avx512_bf16 and neon_i8mm, each assembly showing its ISA's multiply; and
+every TPP kernel of its neon_i8mm build runs under qemu, matching the host build's kernel of
+the same name on the same input.  The int8 neon build needs relay_passes.qdq to bind its
+GEMM problems to the target's ISA; the ``qdq_bound_to_neon`` fixture stands in for that.
 """
 
 import ml_dtypes
@@ -210,3 +215,144 @@ def test_bf16_model_cross_compiled_for_neon_i8mm_uses_bfmmla():
     assert "bfmmla" in asm
     routed = [entry for entry in model.report if entry.kernel]
     assert routed and all("bf16" in entry.kernel for entry in routed if "dense" in entry.kernel)
+
+
+# ------------------------------------------------------- a model's kernels, run under qemu
+
+
+def _kernel_calls(mod: tvm.IRModule) -> dict[str, tuple]:
+    """The TPP kernels ``main`` of a lowered module calls: name -> (PrimFunc, arguments),
+    each argument a constant's array or the (shape, dtype) of a tensor made at run time."""
+    from tvm import relax
+
+    calls = {}
+    for block in mod["main"].body.blocks:
+        for binding in block.bindings:
+            call = binding.value
+            if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.GlobalVar)
+                    and call.op.name_hint.startswith("tpp_")):
+                continue
+            args = []
+            for arg in call.args:
+                if isinstance(arg, tvm.ir.expr.Constant):
+                    args.append(arg.value.numpy())
+                else:
+                    info = arg.ty
+                    args.append((tuple(int(d) for d in info.shape), str(info.dtype)))
+            calls[call.op.name_hint] = (mod[call.op], args)
+    return calls
+
+
+def _draw(shape: tuple[int, ...], dtype: str, rng: np.random.Generator) -> np.ndarray:
+    if dtype == "uint8":
+        return rng.integers(0, 255, shape, endpoint=True).astype(np.uint8)
+    if dtype == "bfloat16":
+        return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    return np.zeros(shape, dtype)
+
+
+def _as_main(func) -> tvm.IRModule:
+    return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+
+
+def _model_kernels_match_the_host(runner, model, precision: str, instruction: str) -> None:
+    """Lower ``model`` for neon_i8mm and for this host; every kernel of the aarch64 build has
+    ``instruction`` and, run under qemu, matches the host's kernel of the same name (the
+    same operator with its operands packed the host's way) on the same input."""
+    import tvm_tpp
+    from tvm_tpp.compiler import lower
+
+    arm = _kernel_calls(lower(model, target="tpp -isa=neon_i8mm", precision=precision))
+    host_target = tvm_tpp.target("tpp")
+    host = _kernel_calls(lower(model, target=host_target, precision=precision))
+    assert arm and set(arm) == set(host)
+    rng = np.random.default_rng(11)
+    for name, (func, args) in arm.items():
+        executable = tvm.compile(_as_main(func), target=tvm.target.Target(TARGET))
+        assert instruction in _asm_ops(executable), name
+        x = _draw(*args[0], rng)  # the activation; the output comes last
+        arm_args = [x, *args[1:-1], _draw(*args[-1], rng)]
+        got = runner.run(executable.mod, arm_args)[-1]
+        host_func, host_args = host[name]
+        out = tvm.runtime.tensor(_draw(*host_args[-1], rng))
+        tvm.compile(_as_main(host_func), target=host_target)(
+            *[tvm.runtime.tensor(a) for a in [x, *host_args[1:-1]]], out)
+        want = out.numpy()
+        if want.dtype == np.uint8:  # requantized: equal, or one step apart at a rounding tie
+            assert np.abs(got.astype(np.int32) - want).max() <= 1, name
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(),
+                                       err_msg=name)
+
+
+def test_bf16_model_kernels_run_under_qemu(runner, serial):
+    from tvm_tpp import models
+
+    _model_kernels_match_the_host(runner, models.load("mlp"), "bf16", "bfmmla")
+
+
+@pytest.fixture
+def qdq_bound_to_neon(monkeypatch):
+    """Stands in for ``relay_passes.qdq`` binding its int8 GEMM problems to the target's ISA
+    (``GemmProblem(...).on(machine_of(target).isa)``, as relay_passes.dense does): only the
+    neon_i8mm lowering of this test is patched, and it is a no-op once qdq binds itself."""
+    from relay_passes import qdq
+
+    def bind(on: bool):
+        if on:
+            monkeypatch.setattr(qdq, "GemmProblem",
+                                lambda *a, **kw: GemmProblem(*a, **kw).on("neon_i8mm"))
+        else:
+            monkeypatch.setattr(qdq, "GemmProblem", GemmProblem)
+
+    return bind
+
+
+def test_int8_model_kernels_run_under_qemu(runner, serial, qdq_bound_to_neon, quantized_mlp,
+                                           monkeypatch):
+    from tvm_tpp import compiler
+
+    real_lower = compiler.lower
+
+    def lower(model, target, **kw):  # the qdq stand-in for the aarch64 build only
+        qdq_bound_to_neon("neon_i8mm" in str(target))
+        return real_lower(model, target, **kw)
+
+    monkeypatch.setattr(compiler, "lower", lower)
+    _model_kernels_match_the_host(runner, quantized_mlp, "float32", "usmmla")
+
+
+@pytest.fixture(scope="module")
+def quantized_mlp(tmp_path_factory):
+    import onnx
+
+    from tvm_tpp import models
+    from tvm_tpp.quantized import quantize_static_qdq
+
+    tmp = tmp_path_factory.mktemp("qdq")
+    onnx.save(models.load("mlp"), str(tmp / "mlp.onnx"))
+    return onnx.load(str(quantize_static_qdq(tmp / "mlp.onnx", tmp / "mlp_qdq.onnx", samples=2)))
+
+
+@pytest.mark.parametrize("precision, isa_name, instruction", [
+    ("int8", "amx", "tdpbusd"),
+    ("int8", "avx512_vnni", "vpdpbusd"),
+    ("int8", "neon_i8mm", "usmmla"),
+    ("bf16", "amx", "tdpbf16ps"),
+    ("bf16", "avx512_bf16", "vdpbf16ps"),
+    ("bf16", "neon_i8mm", "bfmmla"),
+])
+def test_models_cross_compiled_have_the_instruction(quantized_mlp, qdq_bound_to_neon,
+                                                    precision, isa_name, instruction):
+    """The same quantized (QDQ) and bf16 mlp cross-compiled for each ISA: its assembly has
+    the ISA's low-precision multiply."""
+    import tvm_tpp
+    from tvm_tpp import models
+
+    qdq_bound_to_neon(isa_name == "neon_i8mm")
+    model = quantized_mlp if precision == "int8" else models.load("mlp")
+    compiled = tvm_tpp.compile(model, target=f"tpp -isa={isa_name}",
+                               precision="float32" if precision == "int8" else "bf16")
+    ops = {line.split()[0] for line in compiled.source("asm").splitlines()
+           if line.startswith("\t") and line.split()}
+    assert instruction in ops
