@@ -356,3 +356,22 @@ def test_models_cross_compiled_have_the_instruction(quantized_mlp, qdq_bound_to_
     ops = {line.split()[0] for line in compiled.source("asm").splitlines()
            if line.startswith("\t") and line.split()}
     assert instruction in ops
+
+
+def test_candidates_run_under_qemu(runner, serial):
+    """Loop orders and A packings of the tuner's candidates (A's MMLA copy under different
+    loops) compute the same GEMM."""
+    problem = GemmProblem(37, 50, 600, "uint8")
+    found = candidates(problem, _machine(), max_candidates=30)
+    picked = {}
+    for config in found:  # one per blocking, packing depth and outermost loop
+        picked.setdefault((config.bm, config.bk, config.k_step, config.pack_a,
+                           config.spec[0].lower()), config)
+    assert len({c.pack_a for c in picked.values()}) >= 2 and len(picked) >= 4
+    x, w = _operands(problem, np.random.default_rng(2))
+    want = _expected(problem, x, w)
+    for config in list(picked.values())[:8]:
+        got = runner.run(_build(problem, config).mod,
+                         [x, pack_weight(w, config.bn, problem, isa="neon_i8mm"),
+                          np.zeros((37, 50), np.int32)])[2]
+        np.testing.assert_array_equal(got, want, err_msg=str(config))
