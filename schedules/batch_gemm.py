@@ -52,10 +52,11 @@ row sums of X under each M block, the column sums of B per task (the panel's), b
 and computed in the PrimFunc; a term whose factor is 0 is left out.  The epilogue then starts
 from the exact int32 (or its float32 value, for a chain starting with ``scale``) and may end
 in ``requantize`` (uint8/int8 Y).  K is padded to whole VNNI groups (:attr:`padded_k`) with
-zeros in the packed B.  On ``amx`` a bf16 batch GEMM runs the AVX-512 BF16 kernel: TVM stores a
-bf16 buffer a function allocates (``Xc``, ``Bp``) as float32, which AMX tile loads would read
-as bf16; the AVX-512 kernels read bf16 through uint16 views.  uint8 tile-shaped blocks run AMX
-tiles (the int8 buffers are stored as they are).
+zeros in the packed B.  On ``amx`` uint8 tile-shaped blocks (the defaults choose them) run
+AMX tiles, others the AVX-512 kernel (:func:`microkernels.brgemm.find_impl`'s fallback); bf16
+runs the AVX-512 BF16 kernel, reading the bf16 buffers the function allocates (``Xc``,
+``Bp``, which TVM stores as float32) through uint16 views (the tile kernel's view of a panel
+compacted to one task's region does not build: see :func:`schedule`).
 
 Examples
 --------
@@ -76,6 +77,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from microkernels import amx as _amx
 from microkernels import isa as _isa
 from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
@@ -319,13 +321,32 @@ def _block(dim: int, limit: int, multiple: int = 1, step: int = 1) -> int:
 
 def default_config(problem: BatchGemmProblem, machine: Machine) -> BatchGemmConfig:
     """Blocks following :func:`schedules.blocking.default_config`'s rules (tiles of at most
-    64 x 64, two vectors wide where possible, K whole in blocks of at most 512), and parallel
-    M blocks when the (batch, panel) tasks number fewer than two per thread."""
+    64 x 64, two vectors wide where possible, K whole in blocks of at most 512; on AMX
+    uint8 blocks are tile-shaped, as :func:`schedules.gemm.whole_k_config` chooses them), and
+    parallel M blocks when the (batch, panel) tasks number fewer than two per thread.
+
+    Examples
+    --------
+    >>> from microkernels.isa import DEFAULT_CACHES, from_name
+    >>> spr = Machine(from_name("amx"), DEFAULT_CACHES, threads=2)
+    >>> c = default_config(BatchGemmProblem(12, 128, 128, 64, True, dtype="uint8"), spr)
+    >>> (c.bm, c.bn, c.bk)
+    (32, 32, 64)
+    """
     lanes = machine.isa.lanes("float32")
     n = problem.n
-    bn = _block(n, max(64, 2 * lanes), 2 * lanes) if n % lanes == 0 else _block(n, 64, lanes)
-    bm = _block(problem.m, 64)
-    bk = _block(problem.padded_k, 512, step=problem.alpha)
+    if problem.dtype == "uint8" and machine.isa.has("amx_tile"):
+        # AMX: tile-shaped blocks and K blocks of whole tile rows, as the GEMM template's
+        # (bf16 runs the AVX-512 kernel on amx: see schedule).
+        from .gemm import _k_block, _tile_blocks
+
+        bm, bn = _tile_blocks(problem.m, n)
+        bk = _k_block(problem.padded_k, problem.alpha, _amx.TILE_BYTES)
+    else:
+        bn = (_block(n, max(64, 2 * lanes), 2 * lanes) if n % lanes == 0
+              else _block(n, 64, lanes))
+        bm = _block(problem.m, 64)
+        bk = _block(problem.padded_k, 512, step=problem.alpha)
     tasks = problem.batch * (n // bn)
     return BatchGemmConfig(bm, bn, bk,
                            parallel_rows=tasks < 2 * machine.threads and problem.m > bm)
@@ -587,8 +608,9 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     if "zero_fold" in stages:  # the update reads no fold: the kernel's reads
         _set_reads(sch, sch.get_sblock("C_update"), keep=("C", "X", "Xc", "Bp"))
     if p.dtype == "bfloat16" and isa_name == "amx":
-        # TVM stores a bf16 buffer the function allocates (Xc, Bp) as float32, which tile loads
-        # would read as bf16: the AVX-512 kernel, which reads them through uint16 views, runs.
+        # The tiles would read the packed panel through a uint16 view whose offset, once TVM
+        # compacts the panel to one task's, FlattenBuffer fails on (divide by zero, with more
+        # than one N panel per batch element): the AVX-512 BF16 kernel runs instead.
         isa_name = _isa.from_name(isa_name).parent
     shape = BrgemmShape(m=bm, n=bn, k=config.bk, batch=p.padded_k // config.bk,
                         dtype_a=p.dtype, dtype_acc=p.acc_dtype, layout=p.b_layout,

@@ -218,24 +218,65 @@ def _ops(problem: BatchGemmProblem, config: BatchGemmConfig, isa_name: str) -> l
     return [line.split()[0] for line in asm.splitlines() if line.startswith("\t") and line.split()]
 
 
-def test_sapphirerapids_bf16_asm():
-    """bf16 reads the buffers the kernel allocates (TVM stores them as float32): on ``amx``
-    the AVX-512 ``vdpbf16ps`` kernel runs, never tiles."""
-    problem = BatchGemmProblem(12, 16, 32, 64, True, SCALE, heads=12, x_interleaved=True,
+def test_sapphirerapids_uint8_asm():
+    """On ``amx`` the default (tile-shaped) uint8 blocks multiply in AMX tiles (``tdpbusd``),
+    wider ones with ``vpdpbusd``.  BERT's scores, cross-compiled for Sapphire Rapids."""
+    problem = BatchGemmProblem(12, 128, 128, 64, True, REQUANT, heads=12, x_interleaved=True,
+                               b_interleaved=True, dtype="uint8", zero_points=(125, 124))
+    config = default_config(problem, _machine("amx"))
+    assert (config.bm, config.bn, config.bk) == (32, 32, 64)
+    tiles = _ops(problem, config, "amx")
+    assert "tdpbusd" in tiles and "ldtilecfg" in tiles and "tilerelease" in tiles
+    wide = _ops(problem, BatchGemmConfig(64, 64, 64), "amx")
+    assert "vpdpbusd" in wide and "tdpbusd" not in wide and "ldtilecfg" not in wide
+    vnni = _ops(problem, config, "avx512_vnni")
+    assert "vpdpbusd" in vnni and "vpmaddwd" not in vnni
+
+
+@pytest.mark.parametrize("config", [BatchGemmConfig(32, 32, 64), BatchGemmConfig(64, 64, 64)])
+def test_sapphirerapids_bf16_asm(config):
+    """bf16 on ``amx`` runs the AVX-512 BF16 kernel (``vdpbf16ps``), tile-shaped blocks too:
+    the tiles' view of a panel compacted per task does not build (see schedule)."""
+    problem = BatchGemmProblem(12, 128, 128, 64, True, SCALE, heads=12, x_interleaved=True,
                                b_interleaved=True, dtype="bfloat16")
-    ops = _ops(problem, BatchGemmConfig(16, 16, 64), "amx")
+    ops = _ops(problem, config, "amx")
     assert "vdpbf16ps" in ops and "tdpbf16ps" not in ops and "ldtilecfg" not in ops
 
 
-def test_sapphirerapids_uint8_asm():
-    """uint8: tile-shaped blocks multiply in AMX tiles (``tdpbusd``), others with
-    ``vpdpbusd``."""
-    problem = BatchGemmProblem(12, 32, 32, 64, True, REQUANT, heads=12, x_interleaved=True,
-                               b_interleaved=True, dtype="uint8", zero_points=(125, 124))
-    tiles = _ops(problem, BatchGemmConfig(32, 32, 64), "amx")
-    assert "tdpbusd" in tiles and "ldtilecfg" in tiles
-    vnni = _ops(problem, BatchGemmConfig(32, 32, 64), "avx512_vnni")
-    assert "vpdpbusd" in vnni and "vpmaddwd" not in vnni
+def _emulated_dispatch(shape):
+    """:func:`~microkernels.brgemm.dispatch`, with AMX kernels calling the C emulator of
+    tests/amx (as test_gemm_lowp.py does)."""
+    from microkernels import amx
+    from microkernels.brgemm import desc_func, dispatch, find_impl
+
+    if find_impl(shape)[0] != "amx":
+        return dispatch(shape)
+    name = shape.name + "_emulated"
+    if tvm.s_tir.TensorIntrin.get(name, allow_missing=True) is None:
+        tvm.s_tir.TensorIntrin.register(name, desc_func(shape),
+                                        amx.impl_func(shape, emulate=True))
+    return name
+
+
+@pytest.mark.parametrize("k, transposed", [(64, True), (66, False)])
+def test_amx_batch_gemm_emulated(amx_emulator, monkeypatch, k, transposed):
+    """The uint8 tile program runs under the AMX emulator on the panel the kernel packs (and
+    X's zero-padded copy when K is not whole VNNI groups), zero points folded, and matches
+    numpy.  One task (the emulator's tile state is global: no two threads may run tiles)."""
+    from schedules import batch_gemm
+
+    problem = BatchGemmProblem(1, 32, 16, k, transposed, SCALE, dtype="uint8",
+                               zero_points=(7, 140))
+    config = default_config(problem, _machine("amx"))
+    assert (config.bm, config.bn, config.parallel_rows) == (32, 16, False)
+    monkeypatch.setattr(batch_gemm, "dispatch", _emulated_dispatch)
+    # The emulated tile program needs no vector ISA; the code around it this host's.
+    host = "avx512_bf16" if isa.from_name("avx512_bf16").requires <= HOST else "avx2"
+    amx_emulator.tpp_amx_emu_reset()
+    func = tvm.compile(schedule(problem, config, "amx").mod, target=_target(host))
+    _run(problem, "amx", config, func=func)
+    assert amx_emulator.tpp_amx_emu_faults() == 0
+    assert amx_emulator.tpp_amx_emu_configs() == 1 == amx_emulator.tpp_amx_emu_releases()
 
 
 # ------------------------------------------------------------------------- the graph pass
