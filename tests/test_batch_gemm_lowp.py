@@ -351,6 +351,35 @@ def test_qdq_attention_runs_on_the_int8_kernel():
         assert len(np.unique(out.numpy())) > 10
 
 
+def test_qdq_matmul_with_float_output():
+    """``dequantize(A) @ dequantize(B) * c + bias`` without a quantize: the epilogue scales by
+    ``sa sb c`` and adds the bias in float32 (float32 output)."""
+    a = relax.Var("a", relax.TensorType((3, 5, 9), "uint8"))
+    b = relax.Var("b", relax.TensorType((3, 9, 7), "uint8"))
+    bias = np.random.default_rng(1).standard_normal(7).astype("float32")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            da = relax.op.dequantize(a, relax.const(0.5, "float32"), relax.const(9, "uint8"))
+            db = relax.op.dequantize(b, relax.const(0.25, "float32"), relax.const(200, "uint8"))
+            y = bb.emit(relax.op.multiply(bb.emit(relax.op.matmul(da, db)),
+                                          relax.const(np.float32(0.1))))
+            out = bb.emit_output(relax.op.add(y, relax.const(bias)))
+        bb.emit_func_output(out)
+    report = []
+    target = tpp_target("tpp")
+    mod = rewrite_batch_matmul(bb.get(), target, report)
+    assert [(r.op, r.shape, r.dtypes) for r in report] == [
+        ("batch_matmul_qdq+scale+bias", (3, 5, 7, 9), "uint8*int8->int32")]
+    rng = np.random.default_rng(0)
+    xa = rng.integers(0, 255, (3, 5, 9), endpoint=True).astype("uint8")
+    xb = rng.integers(0, 255, (3, 9, 7), endpoint=True).astype("uint8")
+    got = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())["main"](
+        tvm.runtime.tensor(xa), tvm.runtime.tensor(xb)).numpy()
+    want = ((xa - 9.0) * 0.5) @ ((xb - 200.0) * 0.25) * 0.1 + bias
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_qdq_int8_operands_stay_float():
     """int8 (not uint8) operands are left to the float32 kernel, which reads them dequantized."""
     report = []
