@@ -16,8 +16,8 @@ bfloat16 accumulating in float32 (``vdpbf16ps`` on AVX-512 BF16, AMX ``tdpbf16ps
 tile-shaped blocks): the weights are rounded to bf16 (to nearest even) and packed in VNNI-2
 groups at compile time, the activations are converted to bf16 right before the kernel, and
 the epilogue (bias, residual, activation) and the output stay float32, so the rest of the
-network does not change.  Only the dense layers take the precision: convolutions and
-attention's batch GEMMs stay float32 kernels.
+network does not change.  Convolutions (:mod:`relay_passes.conv`) and attention's batch
+GEMMs (:mod:`relay_passes.batch_matmul`) take the same precision.
 
 Examples
 --------
@@ -118,7 +118,14 @@ def _unsupported(x: relax.Expr, weight: np.ndarray) -> str | None:
         return f"dtype {x.ty.dtype} x {weight.dtype}: only float32 dense is routed to TPP"
     if weight.ndim != 2 or weight.shape[0] != shape[-1]:
         return f"weight of shape {weight.shape} is not a [K, N] matrix for this input"
+    if weight.shape[1] == 1:
+        return ONE_COLUMN
     return None
+
+
+#: Why a layer with one output column stays with TVM: it is a matrix-vector product, memory
+#: bound, which TVM's GEMV schedule covers (the BRGEMM has no 1-wide register tile).
+ONE_COLUMN = "N = 1: a matrix-vector product, left to TVM's GEMV schedule"
 
 
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],

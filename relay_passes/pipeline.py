@@ -47,8 +47,8 @@ def tpp_rewrites(
     convolution and batch GEMM its tuned configuration (a :class:`~schedules.tuner.Tuner`),
     or records them as tuning tasks (a :class:`~schedules.tuner.TaskCollector`); operators
     without one get their defaults.  ``precision`` (``"float32"`` or ``"bf16"``:
-    :data:`relay_passes.dense.PRECISIONS`) is what the float dense layers and convolutions
-    multiply in; attention stays float32.
+    :data:`relay_passes.dense.PRECISIONS`) is what the float dense layers, convolutions and
+    attention's batch GEMMs multiply in.
     """
 
     @tvm.transform.module_pass(opt_level=0, name="TppRewrites")

@@ -71,6 +71,7 @@ from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import TaskCollector, Tuner, config_for
 
 from .conv import conv_problem, emit_conv, to_matrix, unsupported_geometry
+from .dense import ONE_COLUMN
 from .scaffold import Offload, dispatched_brgemm, is_call_to, rewrite_patterns, static_shape
 
 if TYPE_CHECKING:  # annotations only
@@ -260,6 +261,8 @@ def _weights(wq: np.ndarray, sw: np.ndarray, zw: np.ndarray, axis: int, n_axis: 
     if np.any(zw != 0):
         return "weight zero point is not 0 (only symmetric int8 weights)"
     n = wq.shape[n_axis]
+    if n == 1 and rank == 2:
+        return ONE_COLUMN
     if sw.size != 1 and (sw.size != n or axis % rank != n_axis):
         return "weight scale is not per tensor or per output channel"
     if not np.all(np.isfinite(sw) & (sw > 0)):
@@ -421,7 +424,8 @@ def _emit_dense(xq: relax.Expr, x_shape: tuple[int, ...], _layer: relax.Call,
     w = np.ascontiguousarray(weights.values.T if transposed else weights.values)  # [K, N]
     k, n = w.shape
     m = int(np.prod(x_shape[:-1]))
-    problem = GemmProblem(m, n, k, "uint8", epilogue)
+    # Bound to the ISA: its layout (VNNI-4, or MMLA on neon_i8mm) decides the packing.
+    problem = GemmProblem(m, n, k, "uint8", epilogue).on(machine_of(target).isa)
     config = config_for(problem, target, tuner)
     name = f"tpp_qdq_dense_{m}x{n}x{k}_{problem.epilogue.name}"
     sch = schedule(problem, config, machine_of(target).isa)

@@ -188,7 +188,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
             text=lambda c: (f"{c.spec} bq={c.bq} bc={c.bc} bk={c.bk} c_step={c.c_step}"
                             + _steps_text(c.block_steps))),
     _listed("batch_gemm", batch_gemm, BatchGemmProblem, BatchGemmConfig,
-            key=lambda p: ((p.batch, p.m, p.n, p.k), p.layout, "float32"),
+            key=lambda p: ((p.batch, p.m, p.n, p.k), p.layout, p.dtype),
             text=lambda c: (f"bm={c.bm} bn={c.bn} bk={c.bk}"
                             + (" parallel rows" if c.parallel_rows else ""))),
 )}

@@ -17,6 +17,7 @@ from conftest import make_dense_model
 from onnx import TensorProto, helper, numpy_helper
 
 import tvm_tpp
+from relay_passes.dense import ONE_COLUMN
 from schedules.database import LEGACY_NAME, Database, TuningKey
 from schedules.gemm import GemmProblem
 from tvm_tpp.cli import main
@@ -355,9 +356,6 @@ def test_bad_options(dense_file, capsys, argv, message):
 
 # -- row 15: a model ending in Gemm with N = 1 ---------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="the BRGEMM tensor intrinsic of a 1-wide N block drops its unit loop, "
-                   "so tensorize does not match (microkernels/brgemm.py, schedules/gemm.py)")
 def test_a_gemm_with_one_output_column():
     rng = np.random.default_rng(0)
     graph = helper.make_graph(
@@ -369,6 +367,7 @@ def test_a_gemm_with_one_output_column():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
                               ir_version=8)
     compiled = tvm_tpp.compile(model)
+    assert [r.reason for r in compiled.report] == [ONE_COLUMN]
     x = rng.standard_normal((4, 32)).astype("float32")
     np.testing.assert_allclose(compiled.run(x=x)[0], run_onnxruntime(model, {"x": x})[0],
                                rtol=1e-5, atol=1e-5)

@@ -13,8 +13,7 @@ loops' parallel annotations left out).
 Models: the bundled mlp in bf16 and quantized (QDQ, u8 x s8) is cross-compiled for amx,
 avx512_vnni / avx512_bf16 and neon_i8mm, each assembly showing its ISA's multiply; and
 every TPP kernel of its neon_i8mm build runs under qemu, matching the host build's kernel of
-the same name on the same input.  The int8 neon build needs relay_passes.qdq to bind its
-GEMM problems to the target's ISA; the ``qdq_bound_to_neon`` fixture stands in for that.
+the same name on the same input.
 """
 
 import ml_dtypes
@@ -291,34 +290,7 @@ def test_bf16_model_kernels_run_under_qemu(runner, serial):
     _model_kernels_match_the_host(runner, models.load("mlp"), "bf16", "bfmmla")
 
 
-@pytest.fixture
-def qdq_bound_to_neon(monkeypatch):
-    """Stands in for ``relay_passes.qdq`` binding its int8 GEMM problems to the target's ISA
-    (``GemmProblem(...).on(machine_of(target).isa)``, as relay_passes.dense does): only the
-    neon_i8mm lowering of this test is patched, and it is a no-op once qdq binds itself."""
-    from relay_passes import qdq
-
-    def bind(on: bool):
-        if on:
-            monkeypatch.setattr(qdq, "GemmProblem",
-                                lambda *a, **kw: GemmProblem(*a, **kw).on("neon_i8mm"))
-        else:
-            monkeypatch.setattr(qdq, "GemmProblem", GemmProblem)
-
-    return bind
-
-
-def test_int8_model_kernels_run_under_qemu(runner, serial, qdq_bound_to_neon, quantized_mlp,
-                                           monkeypatch):
-    from tvm_tpp import compiler
-
-    real_lower = compiler.lower
-
-    def lower(model, target, **kw):  # the qdq stand-in for the aarch64 build only
-        qdq_bound_to_neon("neon_i8mm" in str(target))
-        return real_lower(model, target, **kw)
-
-    monkeypatch.setattr(compiler, "lower", lower)
+def test_int8_model_kernels_run_under_qemu(runner, serial, quantized_mlp):
     _model_kernels_match_the_host(runner, quantized_mlp, "float32", "usmmla")
 
 
@@ -342,14 +314,13 @@ def quantized_mlp(tmp_path_factory):
     ("bf16", "avx512_bf16", "vdpbf16ps"),
     ("bf16", "neon_i8mm", "bfmmla"),
 ])
-def test_models_cross_compiled_have_the_instruction(quantized_mlp, qdq_bound_to_neon,
-                                                    precision, isa_name, instruction):
+def test_models_cross_compiled_have_the_instruction(quantized_mlp, precision, isa_name,
+                                                    instruction):
     """The same quantized (QDQ) and bf16 mlp cross-compiled for each ISA: its assembly has
     the ISA's low-precision multiply."""
     import tvm_tpp
     from tvm_tpp import models
 
-    qdq_bound_to_neon(isa_name == "neon_i8mm")
     model = quantized_mlp if precision == "int8" else models.load("mlp")
     compiled = tvm_tpp.compile(model, target=f"tpp -isa={isa_name}",
                                precision="float32" if precision == "int8" else "bf16")

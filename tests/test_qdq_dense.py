@@ -276,7 +276,9 @@ def test_dynamically_quantized_network_runs_int8_kernels(name, tmp_path):
     assert len(int8) == matmuls > 0, compiled.report
     inputs = random_inputs(compiled.inputs, seed=1)
     got, want = compiled.run(**inputs), run_onnxruntime(quantized, inputs)
-    assert max_errors(got, want)[1] <= 1e-3  # float outputs: exact int32 products, rescaled
+    # Float outputs; each layer quantizes its input by a run-time scale, so an ulp (an FMA)
+    # before it may move a value across a rounding boundary: 1e-2 normwise, as for float.
+    assert max_errors(got, want)[1] <= 1e-2
 
 
 def test_tuning_tasks_are_uint8_gemms():

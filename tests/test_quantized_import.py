@@ -457,7 +457,12 @@ def _check_network(model: onnx.ModelProto, how: str, tmp_path, expect_ops: set[s
             assert np.std(w) > 0, "degenerate case: constant output"
             if step is None:
                 assert max_errors([g], [w])[1] <= float_rtol
-                assert np.mean(np.abs(g - w) > 1e-3 * np.max(np.abs(w))) <= 0.01
+                # A dynamic model quantizes each activation by a scale its values set at run
+                # time: an ulp of difference before it (TVM contracts x * s + b into an FMA)
+                # moves a value across a rounding boundary there, and the step spreads to
+                # the logits.  Only the normwise bound applies then.
+                if how != "dynamic":
+                    assert np.mean(np.abs(g - w) > 1e-3 * np.max(np.abs(w))) <= 0.01
             else:
                 # One step, plus float32 rounding of the dequantized values themselves.
                 assert np.max(np.abs(g - w)) <= step * (1 + 1e-5)
@@ -473,13 +478,15 @@ _EXPECTED = {
     ("mlp", "dynamic"): {"DynamicQuantizeLinear", "MatMulInteger"},
     ("resnet_small", "dynamic"): {"DynamicQuantizeLinear", "ConvInteger", "MatMulInteger"},
     ("conv_net", "dynamic"): {"DynamicQuantizeLinear", "ConvInteger", "MatMulInteger"},
+    ("mobilenet_v2", "QOperator"): {"QLinearConv", "QLinearAdd", "QGemm"},
+    ("mobilenet_v2", "dynamic"): {"DynamicQuantizeLinear", "ConvInteger", "MatMulInteger"},
 }
 
 
 @pytest.mark.parametrize("how", ["QDQ", "QOperator", "dynamic"])
 # resnet_small takes 6-9 s a format and adds no operator kind conv_net lacks.
-@pytest.mark.parametrize("name", ["mlp", "conv_net", pytest.param("resnet_small",
-                                                                    marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["mlp", "conv_net", *(pytest.param(n, marks=pytest.mark.slow)
+                                                      for n in ("resnet_small", "mobilenet_v2"))])
 def test_quantized_network_matches_onnxruntime(name, how, tmp_path):
     model = _conv_net() if name == "conv_net" else models.load(name)
     expect = _EXPECTED.get((name, how), {"QuantizeLinear", "DequantizeLinear"})

@@ -340,8 +340,10 @@ def _parser() -> argparse.ArgumentParser:
         # No argparse choices: a bad value is then compiler's one-line UsageError, not a
         # usage dump.
         p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
-                       help="bf16: dense layers multiply in bfloat16, accumulating in float32 "
-                       "(conv, attention and everything else stay float32)")
+                       help="bf16: dense layers, convolutions and attention multiply in "
+                       "bfloat16, accumulating in float32 (everything else stays float32); "
+                       "a quantized (int8) model runs its int8 layers on int8 kernels "
+                       "whatever this says")
 
     p = add("info", cmd_info, "host ISA, caches, target and registered microkernels")
     p.add_argument("-v", "--verbose", action="store_true", help="also print the tpp target")

@@ -333,7 +333,6 @@ def _tpp_gemm(job: Job, workload: GemmWorkload, config, target, **details: Any) 
     constant weights are)."""
     import tvm
 
-    from microkernels import isa as _isa
     from microkernels.brgemm import BrgemmShape, find_impl
     from microkernels.machine import machine_of
     from schedules.gemm import pack_weight, schedule
@@ -342,14 +341,10 @@ def _tpp_gemm(job: Job, workload: GemmWorkload, config, target, **details: Any) 
     problem = gemm_problem(workload)
     isa = machine_of(target).isa
     executable = tvm.compile(schedule(problem, config, isa).mod, target=target)
-    kernel_isa = isa.name
-    if problem.dtype == "bfloat16" and isa.has("amx_tile") and (
-            config.pack_a is not None or problem.padded_k != problem.k):
-        kernel_isa = _isa.from_name(isa.name).parent  # as schedule() does: no tiles on a copy
     kernel, _ = find_impl(BrgemmShape(m=config.bm, n=config.bn, k=config.bk,
                                       batch=config.k_step, dtype_a=problem.dtype,
-                                      dtype_acc=problem.acc_dtype, layout=problem.layout,
-                                      isa=kernel_isa))
+                                      dtype_acc=problem.acc_dtype,
+                                      layout=problem.on(isa).layout, isa=isa.name))
     steps = dict(config.candidate.block_steps)
     note = (f"{kernel} kernel, bm x bn x bk x k_step {config.bm}x{config.bn}x{config.bk}"
             f"x{config.k_step} {config.spec}{' ' + str(steps) if steps else ''}"
