@@ -20,6 +20,7 @@ from tvm_tpp.bench.networks import BenchConfig, Row, judge, run_bench
 from tvm_tpp.bench.plots import plot
 from tvm_tpp.bench.report import print_report
 from tvm_tpp.cli import main
+from tvm_tpp.compiler import DATABASE
 from tvm_tpp.errors import ModelError
 
 ROW_KEYS = {"model", "batch", "threads", "impl", "median_ms", "p10_ms", "p90_ms",
@@ -283,4 +284,4 @@ def test_tpp_tuned_uses_what_tune_wrote_in_the_work_dir(tmp_path):
     assert row.status == "ok", row.error
     assert row.tune_seconds == 0.0  # tuned before: nothing searched in this run
     assert f"0 operators tuned, {len(tuned)} cached" in row.notes
-    assert str(work_dir / "tuning.json") in row.notes
+    assert str(work_dir / DATABASE) in row.notes

@@ -372,14 +372,14 @@ def test_tune(tmp_path):
     shape and epilogue are other keys."""
     host = VNNI if _runs_here(VNNI) else "avx2"
     target = tvm_tpp.target(f"tpp -isa={host} -num-cores=1")
-    database = Database(tmp_path / "tuning.json")
+    database = Database(tmp_path / "tuning.db")
     problem = ConvProblem(1, 5, 9, 9, 32, 3, 3, padding=1, dtype="uint8", epilogue=DEQUANT)
     result = search.tune(problem, target, database=database, top_k=2)
     assert all(m.seconds is not None for m in result.measurements)
-    assert Database(tmp_path / "tuning.json").get(TuningKey.of(problem, target)) == result.best
+    assert Database(tmp_path / "tuning.db").get(TuningKey.of(problem, target)) == result.best
     for dtype in ("float32", "bfloat16"):
         other = TuningKey.of(replace(problem, dtype=dtype), target)
-        assert Database(tmp_path / "tuning.json").get(other) is None
+        assert Database(tmp_path / "tuning.db").get(other) is None
     _check(problem, result.best, host, pad_value=ZX)
 
 

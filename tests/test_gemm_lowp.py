@@ -304,15 +304,15 @@ def test_tune(tmp_path):
     their winner by the dtype; the float32 GEMM of the same shape is another key."""
     host = "avx512_bf16" if _runs_here("avx512_bf16") else "avx2"
     target = tvm_tpp.target(f"tpp -isa={host} -num-cores=1")
-    database = Database(tmp_path / "tuning.json")
+    database = Database(tmp_path / "tuning.db")
     for dtype in ("uint8", "bfloat16"):
         problem = GemmProblem(37, 48, 66, dtype, DEQUANT if dtype == "uint8" else Epilogue())
         result = search.tune(problem, target, database=database, top_k=2)
         assert all(m.seconds is not None for m in result.measurements)
-        assert Database(tmp_path / "tuning.json").get(TuningKey.of(problem, target)) == \
+        assert Database(tmp_path / "tuning.db").get(TuningKey.of(problem, target)) == \
             result.best
         _check(problem, result.best, host)
-    assert Database(tmp_path / "tuning.json").get(
+    assert Database(tmp_path / "tuning.db").get(
         TuningKey.of(GemmProblem(37, 48, 66), target)) is None
 
 

@@ -6,7 +6,7 @@ thread count, by:
 - ``tpp`` — the loop_spec template with the default heuristic configuration
   (:func:`schedules.blocking.default_config`);
 - ``tpp-tuned`` — the configuration :func:`schedules.tuner.tune` picks, with its database at
-  ``work_dir/tuning.json`` (the one ``tvm-tpp tune`` writes; a known GEMM is not tuned again);
+  ``work_dir/tuning.db`` (the one ``tvm-tpp tune`` writes; a known GEMM is not tuned again);
 - ``numpy`` — ``np.matmul`` (the BLAS numpy links, OpenBLAS for the wheels);
 - ``tvm-default`` — the plain TE matmul built by TVM without a schedule (naive loops; shapes
   whose single run would exceed ``--tvm-default-limit`` seconds (default 5), predicted from a

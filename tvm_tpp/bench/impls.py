@@ -1,7 +1,7 @@
 """How each implementation a benchmark compares is built, for a model or a GEMM workload.
 
 ``tpp`` (the TPP kernels with default configurations), ``tpp-tuned`` (configurations the
-TPP tuner measured, in ``work_dir/tuning.json``: the database ``tvm-tpp tune --work-dir`` and
+TPP tuner measured, in ``work_dir/tuning.db``: the database ``tvm-tpp tune --work-dir`` and
 ``tvm_tpp.compile(work_dir=...)`` use), ``tpp-float32`` (``tpp`` on the float32 model or GEMM: the
 reference a low-precision run compares with), ``numpy`` (GEMMs only: ``np.matmul``; on an
 int8 or bfloat16 GEMM, which numpy cannot multiply in those units, PyTorch's CPU matmul

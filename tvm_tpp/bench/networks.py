@@ -17,7 +17,7 @@ The rules that keep the comparison fair:
   the run gets a ``tpp-float32`` row (tpp on the float32 model, checked against ONNX Runtime
   on it with :data:`TOLERANCE`), so each row is also compared with float32 in the same run;
 - compile and tuning seconds are reported apart from latency (tuning seconds by the one rule
-  of :mod:`tvm_tpp.bench.impls`); ``tpp-tuned`` tunes into ``work_dir/tuning.json``, so a
+  of :mod:`tvm_tpp.bench.impls`); ``tpp-tuned`` tunes into ``work_dir/tuning.db``, so a
   model tuned there before (by ``tvm-tpp tune --work-dir``) is not tuned again.
 
 A worker that crashes, fails or times out becomes a row with the reason; the bench goes on.

@@ -73,7 +73,7 @@ class Job:
     threads
         Threads of the implementation (TVM's pool size comes from the environment).
     work_dir
-        Tuning databases: ``tuning.json`` (tpp-tuned) and ``metaschedule/`` (reused by a
+        Tuning databases: ``tuning.db`` (tpp-tuned) and ``metaschedule/`` (reused by a
         later run with the same settings).
     workloads
         What to build, check and time, in order.
