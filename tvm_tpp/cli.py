@@ -413,10 +413,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds one implementation may spend building and tuning")
     # No choices, as for run: a bad value is BenchConfig's one-line error.
     p.add_argument("--precision", default="float32", metavar="{float32,bf16,int8}",
-                   help="bf16: tpp rows on bf16 dense kernels; int8: every row on a QDQ-quantized "
-                   "model (a float one is quantized with seeded random calibration, cached in "
-                   "the work dir); below float32 a tpp-float32 row is added (default tolerance: "
-                   "bf16 1e-2, int8 3e-2 vs ONNX Runtime on the int8 file)")
+                   help="bf16: tpp rows multiply in bf16 (dense, conv, attention); int8: every "
+                   "row on a QDQ-quantized model (a float one is quantized with ONNX Runtime's "
+                   "pre-processing and seeded random calibration, cached in the work dir); "
+                   "below float32 a tpp-float32 row is added (default tolerance: bf16 1e-2 vs "
+                   "ONNX Runtime on the float model, int8 5e-2 vs the int8 file's QDQ graph run "
+                   "unfused by ONNX Runtime)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     return parser
 

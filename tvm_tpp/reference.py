@@ -36,12 +36,17 @@ def random_inputs(specs: Sequence[TensorSpec], seed: int = 0) -> dict[str, np.nd
 
 
 def run_onnxruntime(
-    proto: onnx.ModelProto, inputs: Mapping[str, np.ndarray], threads: int | None = None
+    proto: onnx.ModelProto, inputs: Mapping[str, np.ndarray], threads: int | None = None,
+    optimize: bool = True,
 ) -> list[np.ndarray]:
-    """Outputs of ONNX Runtime's CPU provider."""
+    """Outputs of ONNX Runtime's CPU provider; ``optimize=False`` runs the graph as written
+    (no fusions: a QDQ model's DequantizeLinear, float op and QuantizeLinear each as the ONNX
+    specification defines them, where the optimized run fuses them into integer kernels)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1

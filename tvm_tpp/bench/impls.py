@@ -263,7 +263,10 @@ def _model_reference(job: Job, workload: ModelWorkload, say: Say) -> Built:
 
     proto, specs, inputs = workload.load()
     named = {s.name: a for s, a in zip(specs, inputs, strict=True)}
-    return Built(lambda: run_onnxruntime(proto, named, job.threads), None, 0.0)
+    # An int8 model's reference is its QDQ graph as the ONNX spec computes it: ONNX Runtime
+    # without the fusions into its integer kernels, whose roundings its own row then shows.
+    optimize = job.precision != "int8"
+    return Built(lambda: run_onnxruntime(proto, named, job.threads, optimize), None, 0.0)
 
 
 # ------------------------------------------------------------------------------------------

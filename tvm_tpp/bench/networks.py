@@ -13,7 +13,8 @@ The rules that keep the comparison fair:
 - with a low ``precision`` (:data:`TOLERANCES`), every implementation runs at it — ``bf16``:
   the TPP rows build their dense layers on bf16 kernels; ``int8``: all run one QDQ-quantized
   file (a float model is quantized by :func:`~tvm_tpp.quantized.quantize_static_qdq`, an
-  already quantized one is taken as it is), checked against ONNX Runtime on that file — and
+  already quantized one is taken as it is), checked against that file's graph run by ONNX
+  Runtime without its fusions (the QDQ semantics of the ONNX spec) — and
   the run gets a ``tpp-float32`` row (tpp on the float32 model, checked against ONNX Runtime
   on it with :data:`TOLERANCE`), so each row is also compared with float32 in the same run;
 - compile and tuning seconds are reported apart from latency (tuning seconds by the one rule
@@ -82,10 +83,11 @@ STATUSES = ("ok", "WRONG", "error", "skipped", "unchecked")
 #: Largest normwise relative error against ONNX Runtime that still counts as correct.
 TOLERANCE = 1e-4
 #: The default tolerance by precision: bf16 rounds X and W to 8 significant bits (about 1e-3
-#: normwise over long dot products); an int8 model is checked against ONNX Runtime on the same
-#: file, whose fused int8 execution rounds differently from the QDQ graph TVM computes (1.5 to
-#: 2.4 % on the bundled networks; the TPP int8 kernels equal TVM's own QDQ lowering).
-TOLERANCES = {"float32": TOLERANCE, "bf16": 1e-2, "int8": 3e-2}
+#: normwise over long dot products); an int8 model is checked against its QDQ graph as ONNX
+#: Runtime computes it unfused (the ONNX spec's rounding of every DequantizeLinear, float op
+#: and QuantizeLinear), and ONNX Runtime's own fused int8 run differs from that by up to 3.2 %
+#: (BERT, measured 2026-11-25; tpp 0.8 %).
+TOLERANCES = {"float32": TOLERANCE, "bf16": 1e-2, "int8": 5e-2}
 
 def default_work_dir() -> Path:
     """Where models, logs and tuning databases go unless ``--work-dir`` says otherwise."""
@@ -139,7 +141,7 @@ class BenchConfig:
     (1,)
     >>> cfg = BenchConfig(models=("mlp",), impls=("onnxruntime", "tpp"), precision="int8")
     >>> cfg.compared, cfg.tolerance
-    (('onnxruntime', 'tpp', 'tpp-float32'), 0.03)
+    (('onnxruntime', 'tpp', 'tpp-float32'), 0.05)
     """
 
     models: tuple[str, ...]
