@@ -84,6 +84,7 @@ from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 
 from .blocking import divisors, near_divisors
+from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
     import numpy as np
@@ -95,13 +96,6 @@ __all__ = ["OPERANDS", "BatchGemmProblem", "BatchGemmConfig", "default_config", 
            "workload", "schedule", "reference"]
 
 
-#: dtype of the multiplication -> (accumulator dtype, BRGEMM layout of the packed B), as in
-#: :data:`schedules.gemm.OPERANDS`.
-OPERANDS: dict[str, tuple[str, str]] = {
-    "float32": ("float32", "flat"),
-    "bfloat16": ("float32", "vnni2"),
-    "uint8": ("int32", "vnni4"),
-}
 _SHORT = {"bfloat16": "bf16", "uint8": "u8"}
 #: uint8 B is shifted into the kernel's int8 B by this.
 _B_SHIFT = 128
@@ -113,7 +107,7 @@ def _positive(value: object, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class BatchGemmProblem:
+class BatchGemmProblem(TypedProblem):
     """``Y[b] = epilogue(X[b] @ B[b])`` for ``batch`` pairs of activations.
 
     Parameters
@@ -212,10 +206,6 @@ class BatchGemmProblem:
     def flops(self) -> int:
         return 2 * self.batch * self.m * self.n * self.k
 
-    @property
-    def acc_dtype(self) -> str:
-        """The accumulator's dtype: float32, or int32 for uint8."""
-        return OPERANDS[self.dtype][0]
 
     @property
     def b_layout(self) -> str:
@@ -238,15 +228,7 @@ class BatchGemmProblem:
         """K rounded up to whole VNNI groups: the K the blocks tile."""
         return -(-self.k // self.alpha) * self.alpha
 
-    @property
-    def epilogue_dtype(self) -> str:
-        """The dtype the epilogue starts from (:meth:`Epilogue.start_dtype`)."""
-        return self.epilogue.start_dtype(self.acc_dtype)
 
-    @property
-    def out_dtype(self) -> str:
-        """The dtype of Y."""
-        return self.epilogue.out_dtype(self.epilogue_dtype)
 
     @property
     def layout(self) -> str:

@@ -43,7 +43,7 @@ channels of an input unfolded along the width (:func:`unfold_input`).
 Operand types
 -------------
 ``ConvProblem.dtype`` is X's type, with the GEMM template's kernel families
-(:data:`schedules.gemm.OPERANDS`): ``"float32"``; ``"bfloat16"`` (bf16 W, float32
+(:data:`schedules.operands.OPERANDS`): ``"float32"``; ``"bfloat16"`` (bf16 W, float32
 accumulation, ``vnni2``); ``"uint8"`` (u8 X by s8 W, int32 accumulation, ``vnni4``).  The
 dot-product instructions reduce VNNI groups of ``a`` = 2 or 4 consecutive channels, so the
 channels are padded to whole groups, ``C' = padded_c``: the weight with zeros
@@ -83,15 +83,16 @@ import numpy as np
 
 from microkernels import amx as _amx
 from microkernels import isa as _isa
-from microkernels.brgemm import DTYPES, LAYOUTS, BrgemmShape, dispatch
+from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 from microkernels.pack import Packing, padded
 
 from .blocking import divisors, near_divisors, pick_divisor
-from .gemm import OPERANDS, _k_block, _tile_blocks, _tile_rows, _weight_values
+from .gemm import _k_block, _tile_blocks, _tile_rows, _weight_values
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
 from .nest import check_exact, finish_nest, nest_loops
+from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
     from tvm import s_tir
@@ -138,7 +139,7 @@ def _pair(value, what: str, n: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class ConvProblem:
+class ConvProblem(TypedProblem):
     """``Y = epilogue(conv2d(X, W))``: NCHW input, OIHW weights, groups 1, X in ``dtype``.
 
     Parameters
@@ -152,7 +153,7 @@ class ConvProblem:
     padding
         ``(top, left, bottom, right)`` (Relax's order) or one int for all four.
     dtype
-        X's type (:data:`schedules.gemm.OPERANDS`): ``"float32"``, ``"bfloat16"`` (bf16 W,
+        X's type (:data:`schedules.operands.OPERANDS`): ``"float32"``, ``"bfloat16"`` (bf16 W,
         float32 accumulation) or ``"uint8"`` (s8 W, int32 accumulation).
     epilogue
         Elementwise chain on the ``[N*P*Q, K]`` output, from :attr:`epilogue_dtype`: bias
@@ -212,20 +213,12 @@ class ConvProblem:
             raise ValueError(f"a {self.dtype} conv writes {' or '.join(allowed)}, not {out} "
                              f"(epilogue {self.epilogue.name!r})")
 
-    @property
-    def acc_dtype(self) -> str:
-        """The accumulator's dtype: float32, or int32 for uint8."""
-        return OPERANDS[self.dtype][0]
 
     @property
     def layout(self) -> str:
         """The BRGEMM layout of the packed weight: ``flat``, ``vnni2`` or ``vnni4``."""
         return OPERANDS[self.dtype][1]
 
-    @property
-    def weight_dtype(self) -> str:
-        """W's dtype: float32, bfloat16 or int8."""
-        return DTYPES[(self.dtype, self.acc_dtype)]
 
     @property
     def alpha(self) -> int:
@@ -238,20 +231,8 @@ class ConvProblem:
         which the channel blocks tile."""
         return padded(self.c, self.alpha)
 
-    @property
-    def element_bytes(self) -> int:
-        """Bytes of one element of X (and of W)."""
-        return {"float32": 4, "bfloat16": 2, "uint8": 1}[self.dtype]
 
-    @property
-    def epilogue_dtype(self) -> str:
-        """The dtype the epilogue starts from (:meth:`Epilogue.start_dtype`)."""
-        return self.epilogue.start_dtype(self.acc_dtype)
 
-    @property
-    def out_dtype(self) -> str:
-        """The dtype of Y."""
-        return self.epilogue.out_dtype(self.epilogue_dtype)
 
     @property
     def p(self) -> int:

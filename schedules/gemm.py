@@ -105,7 +105,7 @@ import numpy as np
 from microkernels import amx as _amx
 from microkernels import arm as _arm
 from microkernels import isa as _isa
-from microkernels.brgemm import DTYPES, LAYOUTS, BrgemmShape, dispatch, implementations
+from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, implementations
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 from microkernels.pack import Packing, mmla_k_block, pack_mmla, padded
@@ -114,6 +114,7 @@ from .blocking import divisors, pick_divisor
 from .cost_model import predict
 from .loop_spec import LoopSpec, LoopSpecError, parse
 from .nest import check_exact, finish_nest, nest_loops
+from .operands import OPERANDS, TypedProblem
 from .space import BlockedGemm, Candidate, generate, heuristic
 
 if TYPE_CHECKING:
@@ -127,14 +128,6 @@ __all__ = ["OPERANDS", "MMLA", "operand_layout", "GemmProblem", "GemmConfig", "w
            "GEMV_ROWS"]
 
 
-#: dtype of X -> (accumulator dtype, BRGEMM layout of the packed weight where the ISA has no
-#: MMLA kernel); W's dtype follows (:data:`microkernels.brgemm.DTYPES`: float32, bfloat16,
-#: int8).  :func:`operand_layout` gives the layout on a given ISA.
-OPERANDS: dict[str, tuple[str, str]] = {
-    "float32": ("float32", "flat"),
-    "bfloat16": ("float32", "vnni2"),
-    "uint8": ("int32", "vnni4"),
-}
 
 #: The layout of both packed operands where the ISA multiplies 2x2 blocks (aarch64 MMLA).
 MMLA = "mmla"
@@ -168,7 +161,7 @@ def operand_layout(dtype: str, isa: str | _isa.Isa | None = None) -> str:
 
 
 @dataclass(frozen=True)
-class GemmProblem:
+class GemmProblem(TypedProblem):
     """``Y[m, n] = epilogue(X[m, k] @ W[k, n])``, X in ``dtype``.
 
     Parameters
@@ -233,10 +226,6 @@ class GemmProblem:
     def flops(self) -> int:
         return 2 * self.m * self.n * self.k
 
-    @property
-    def acc_dtype(self) -> str:
-        """The accumulator's dtype: float32, or int32 for uint8."""
-        return OPERANDS[self.dtype][0]
 
     @property
     def layout(self) -> str:
@@ -249,9 +238,6 @@ class GemmProblem:
         """Whether both operands are packed in MMLA 2-row blocks (then M, N are even)."""
         return self.layout == MMLA
 
-    @property
-    def weight_dtype(self) -> str:
-        return DTYPES[(self.dtype, self.acc_dtype)]
 
     @property
     def alpha(self) -> int:
@@ -274,20 +260,8 @@ class GemmProblem:
         """N rounded up to whole column pairs (MMLA), else N: the N the blocks tile."""
         return padded(self.n, 2) if self.mmla else self.n
 
-    @property
-    def element_bytes(self) -> int:
-        """Bytes of one element of X (and of W): what the caches hold of the operands."""
-        return {"float32": 4, "bfloat16": 2, "uint8": 1}[self.dtype]
 
-    @property
-    def epilogue_dtype(self) -> str:
-        """The dtype the epilogue starts from (:meth:`Epilogue.start_dtype`)."""
-        return self.epilogue.start_dtype(self.acc_dtype)
 
-    @property
-    def out_dtype(self) -> str:
-        """The dtype of Y."""
-        return self.epilogue.out_dtype(self.epilogue_dtype)
 
 
 @dataclass(frozen=True)
