@@ -101,3 +101,30 @@ def amx_emulator(tmp_path_factory):
     for name in ("faults", "configs", "releases"):
         getattr(emu, f"tpp_amx_emu_{name}").restype = ctypes.c_int64
     return emu
+
+
+# -- ISAs: which this host runs, skip marks, and cross-compile targets -----------------------
+
+def runs_here(isa_name: str) -> bool:
+    """Whether this host has every CPU flag ``isa_name`` needs."""
+    from microkernels import isa
+
+    return isa.from_name(isa_name).requires <= isa.host_flags()
+
+
+def needs_isa(isa_name: str) -> pytest.MarkDecorator:
+    """Skip unless the host runs ``isa_name``, naming the flags it lacks."""
+    from microkernels import isa
+
+    missing = sorted(isa.from_name(isa_name).requires - isa.host_flags())
+    return pytest.mark.skipif(bool(missing), reason=f"host lacks {' '.join(missing)}")
+
+
+def isa_target(isa_name: str, mcpu: str | None = None):
+    """An x86-64 LLVM target for ``isa_name``'s representative CPU (or ``mcpu``)."""
+    import tvm
+
+    from microkernels import isa
+
+    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-pc-linux-gnu",
+                              "mcpu": mcpu or isa.KNOWN[isa_name].mcpu})

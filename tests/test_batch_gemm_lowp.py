@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from conftest import needs_isa
 from tvm import relax
 
 import tvm_tpp
@@ -44,11 +45,6 @@ REQUANT = Epilogue((EpilogueOp("requantize", value=1 / 512, zero_point=3, dtype=
 DEQUANT_REQUANT = Epilogue((EpilogueOp("scale", value=1 / 64), EpilogueOp("bias"),
                             EpilogueOp("requantize", value=0.5, zero_point=100,
                                        dtype="uint8")))
-
-
-def _needs(isa_name: str):
-    missing = sorted(isa.from_name(isa_name).requires - HOST)
-    return pytest.mark.skipif(bool(missing), reason=f"host lacks {' '.join(missing)}")
 
 
 def _target(isa_name: str) -> tvm.target.Target:
@@ -98,10 +94,10 @@ def _run(problem: BatchGemmProblem, isa_name: str, config: BatchGemmConfig | Non
 
 
 #: The richest ISA of each family this host may run, and the emulations that run anywhere.
-BF16_ISAS = [pytest.param("avx512_bf16", marks=_needs("avx512_bf16")),  # vdpbf16ps
-             pytest.param("avx512", marks=_needs("avx512")), "avx2"]      # shifts + FMA
-U8_ISAS = [pytest.param("avx512_vnni", marks=_needs("avx512_vnni")),     # vpdpbusd
-           pytest.param("avx512", marks=_needs("avx512")), "avx2"]       # exact vpmaddwd
+BF16_ISAS = [pytest.param("avx512_bf16", marks=needs_isa("avx512_bf16")),  # vdpbf16ps
+             pytest.param("avx512", marks=needs_isa("avx512")), "avx2"]      # shifts + FMA
+U8_ISAS = [pytest.param("avx512_vnni", marks=needs_isa("avx512_vnni")),     # vpdpbusd
+           pytest.param("avx512", marks=needs_isa("avx512")), "avx2"]       # exact vpmaddwd
 
 #: (batch, m, n, k, transposed, heads, x, b, y interleaved): odd sizes, K not a multiple of
 #: the VNNI groups (padded), and BERT's two interleaved forms.

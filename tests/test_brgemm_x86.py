@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+from conftest import isa_target, needs_isa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tvm import s_tir, te
@@ -41,11 +42,6 @@ def _shape(m, n, k, batch, isa, dtype="float32", layout=None):
     return BrgemmShape(m, n, k, batch, dtype, acc, layout or default_layout, isa)
 
 
-def _target(isa, mcpu=None):
-    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-pc-linux-gnu",
-                              "mcpu": mcpu or MCPU[isa]})
-
-
 def _intrin(shape, impl):
     """Name of the TensorIntrin of ``shape``: the dispatched one, or one built from ``impl``."""
     if impl is None:
@@ -67,7 +63,7 @@ def _compile(shape, mcpu, impl):
     """Cached: a compile costs ~0.5 s, and execution and assembly tests share kernels."""
     sch = s_tir.Schedule(desc_func(shape, as_workload=True))
     sch.tensorize(sch.get_loops(sch.get_sblock("brgemm"))[0], _intrin(shape, impl))
-    return tvm.compile(sch.mod, target=_target(shape.isa, mcpu))
+    return tvm.compile(sch.mod, target=isa_target(shape.isa, mcpu))
 
 
 def _operands(shape, rng, a_range=None, b_range=None):
@@ -105,12 +101,6 @@ def _run(shape, impl=None, seed=0, **ranges):
 def _check(shape, impl=None, **ranges):
     got, expected = _run(shape, impl, **ranges)
     _assert_close(shape, got, expected)
-
-
-def _needs(isa_name):
-    target = _isa.from_name(isa_name)
-    missing = sorted(target.requires - HOST)
-    return pytest.mark.skipif(bool(missing), reason=f"host lacks {' '.join(missing)}")
 
 
 # Odd sizes on purpose: row tails (7 = 4 + 3), column tails narrower than a vector (37, 9, 3),
@@ -212,7 +202,7 @@ def _gemm_beta0(shape, blocks=(2, 3)):
     sch.reorder(io, jo, ii, ji, kk)
     sch.decompose_reduction(block, ii)
     sch.tensorize(ii, dispatch(shape))
-    ex = tvm.compile(sch.mod, target=_target(shape.isa))
+    ex = tvm.compile(sch.mod, target=isa_target(shape.isa))
     big = BrgemmShape(big_m, big_n, big_k, 1, shape.dtype_a, tc, shape.layout, shape.isa)
     aa, bb, _, ra, rb = _operands(big, np.random.default_rng(1))
     out = tvm.runtime.tensor(np.full((big_m, big_n), 7, tc))  # garbage the init must clear
@@ -235,14 +225,14 @@ def test_fp32_avx2_random_shapes(m, n, k, batch):
 # ------------------------------------------------------------------ AVX-512 family: on host
 
 
-@_needs("avx512")
+@needs_isa("avx512")
 @pytest.mark.parametrize("dtype,layout", [("float32", "flat"), ("float32", "blocked"),
                                           ("uint8", None), ("int8", None), ("bfloat16", None)])
 def test_avx512_kernels(dtype, layout):
     _check(_shape(7, 37, 8, 3, "avx512", dtype, layout))
 
 
-@_needs("avx512_vnni")
+@needs_isa("avx512_vnni")
 @pytest.mark.parametrize("m,n,k,batch", [(7, 37, 8, 3), (6, 64, 16, 2)])
 def test_int8_vpdpbusd_avx512_vnni(m, n, k, batch):
     shape = _shape(m, n, k, batch, "avx512_vnni", "uint8")
@@ -250,17 +240,17 @@ def test_int8_vpdpbusd_avx512_vnni(m, n, k, batch):
     _check(shape)
 
 
-@_needs("avx512_vnni")
+@needs_isa("avx512_vnni")
 def test_beta0_vpdpbusd_avx512_vnni():
     _gemm_beta0(_shape(6, 20, 8, 2, "avx512_vnni", "uint8"))
 
 
-@_needs("avx_vnni")
+@needs_isa("avx_vnni")
 def test_int8_vpdpbusd_avx_vnni():
     _check(_shape(7, 37, 8, 3, "avx_vnni", "uint8"))
 
 
-@_needs("avx512_bf16")
+@needs_isa("avx512_bf16")
 def test_bf16_vdpbf16ps():
     _check(_shape(7, 37, 8, 3, "avx512_bf16", "bfloat16"))
 
@@ -430,7 +420,7 @@ def test_dispatch_registers_once():
 def test_fma_chain_microbenchmark_is_register_only():
     from microkernels.peak import fma_chain_func
 
-    ex = tvm.compile(fma_chain_func(8, 12, 1000), target=_target("avx2"))
+    ex = tvm.compile(fma_chain_func(8, 12, 1000), target=isa_target("avx2"))
     asm = ex.mod.inspect_source("asm")
     loops = re.findall(r"^(\.LBB\d+_\d+):\n(.*?)^\s*j\w+\s+\1$", asm, re.MULTILINE | re.DOTALL)
     body = max((b for _, b in loops), key=lambda b: _count(r"vfmadd", b))

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+from conftest import isa_target, needs_isa, runs_here
 
 import tvm_tpp
 from microkernels import amx, isa
@@ -40,8 +41,8 @@ from schedules.conv import (
 from schedules.database import Database, TuningKey
 from schedules.ops import OPS
 
-HOST = isa.host_flags()
-MCPU = {name: chosen.mcpu for name, chosen in isa.KNOWN.items()}  # each ISA's own CPU
+#: Each ISA's CPU to build for; the AMX emulator tests swap in this host's.
+MCPU = {name: chosen.mcpu for name, chosen in isa.KNOWN.items()}
 ZX = 7  # the activations' zero point: what padded pixels hold
 REQUANT = Epilogue((EpilogueOp("bias"), EpilogueOp("relu"),
                     EpilogueOp("requantize", value=1 / 4096, zero_point=3, dtype="uint8")))
@@ -51,22 +52,8 @@ BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
 BIAS_RES_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("residual"), EpilogueOp("relu")))
 
 
-def _runs_here(isa_name: str) -> bool:
-    return isa.from_name(isa_name).requires <= HOST
-
-
-def _needs(isa_name: str):
-    missing = sorted(isa.from_name(isa_name).requires - HOST)
-    return pytest.mark.skipif(bool(missing), reason=f"host lacks {' '.join(missing)}")
-
-
 #: The richest ISA with vpdpbusd this host runs (avx512_bf16 runs the avx512_vnni kernel).
-VNNI = "avx512_bf16" if _runs_here("avx512_bf16") else "avx512_vnni"
-
-
-def _target(isa_name: str) -> tvm.target.Target:
-    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-pc-linux-gnu",
-                              "mcpu": MCPU[isa_name]})
+VNNI = "avx512_bf16" if runs_here("avx512_bf16") else "avx512_vnni"
 
 
 def _machine(isa_name: str) -> Machine:
@@ -115,7 +102,8 @@ def _run(problem: ConvProblem, config: ConvConfig, isa_name: str, pad_value=0,
     assert packed_x.shape == kernel.input_shape
     assert packed_x.dtype == {"uint8": np.uint8, "bfloat16": ml_dtypes.bfloat16}[problem.dtype]
     packed_w = pack_weight(unfold_weight(w) if unfold else w, config.bk, kernel)
-    func = tvm.compile(schedule(kernel, config, isa_name).mod, target=_target(isa_name))
+    func = tvm.compile(schedule(kernel, config, isa_name).mod,
+                       target=isa_target(isa_name, MCPU[isa_name]))
     y = tvm.runtime.empty((problem.rows, problem.k), problem.out_dtype)
     func(tvm.runtime.tensor(packed_x), tvm.runtime.tensor(packed_w),
          *[tvm.runtime.tensor(v) for v in extra.values()], y)
@@ -156,7 +144,7 @@ U8_PROBLEMS = {
 
 
 @pytest.mark.parametrize("isa_name", [
-    pytest.param(VNNI, marks=_needs(VNNI)),                    # vpdpbusd
+    pytest.param(VNNI, marks=needs_isa(VNNI)),                    # vpdpbusd
     "avx2",                                                    # exact vpmaddwd emulation
 ])
 @pytest.mark.parametrize("name", list(U8_PROBLEMS))
@@ -166,7 +154,7 @@ def test_u8_exact(isa_name, name):
     _check(problem, default_config(problem, _machine(isa_name)), isa_name, pad_value=ZX)
 
 
-@pytest.mark.parametrize("isa_name", [pytest.param(VNNI, marks=_needs(VNNI)), "avx2"])
+@pytest.mark.parametrize("isa_name", [pytest.param(VNNI, marks=needs_isa(VNNI)), "avx2"])
 def test_u8_stem_unfolded(isa_name):
     """The 7x7 stem through unfold_width: S*C = 21 channels, padded to 24."""
     problem = U8_PROBLEMS["7x7-stem-c3"]
@@ -185,7 +173,7 @@ def test_u8_loop_specs(spec, c_step, block_steps):
     problem = ConvProblem(2, 14, 6, 10, 32, 3, 3, padding=1, dtype="uint8", epilogue=DEQUANT)
     assert problem.padded_c == 16
     config = ConvConfig(bq=5, bc=8, bk=16, spec=spec, c_step=c_step, block_steps=block_steps)
-    _check(problem, config, VNNI if _runs_here(VNNI) else "avx2", pad_value=ZX)
+    _check(problem, config, VNNI if runs_here(VNNI) else "avx2", pad_value=ZX)
 
 
 # -------------------------------------------------------------------- bf16 -> float32
@@ -201,7 +189,7 @@ BF16_PROBLEMS = {
 
 
 @pytest.mark.parametrize("isa_name", [
-    pytest.param("avx512_bf16", marks=_needs("avx512_bf16")),  # vdpbf16ps
+    pytest.param("avx512_bf16", marks=needs_isa("avx512_bf16")),  # vdpbf16ps
     "avx2",                                                    # exact emulation
 ])
 @pytest.mark.parametrize("name", list(BF16_PROBLEMS))
@@ -216,7 +204,7 @@ def test_bf16(isa_name, name):
 def test_bf16_stem_unfolded():
     problem = ConvProblem(1, 3, 17, 17, 16, 7, 7, stride=2, padding=3, dtype="bfloat16",
                           epilogue=BIAS_RELU)
-    host = "avx512_bf16" if _runs_here("avx512_bf16") else "avx2"
+    host = "avx512_bf16" if runs_here("avx512_bf16") else "avx2"
     _check(problem, default_config(problem.unfold_width(), _machine(host)), host, unfold=True)
 
 
@@ -370,7 +358,7 @@ def test_tune(tmp_path):
     """The tuner times low-precision conv candidates (arguments in the problem's dtypes) and
     keys their winner by the dtype in the database; the float32 and bf16 convs of the same
     shape and epilogue are other keys."""
-    host = VNNI if _runs_here(VNNI) else "avx2"
+    host = VNNI if runs_here(VNNI) else "avx2"
     target = tvm_tpp.target(f"tpp -isa={host} -num-cores=1")
     database = Database(tmp_path / "tuning.db")
     problem = ConvProblem(1, 5, 9, 9, 32, 3, 3, padding=1, dtype="uint8", epilogue=DEQUANT)
@@ -387,7 +375,8 @@ def test_tune(tmp_path):
 
 
 def _ops(problem: ConvProblem, config: ConvConfig, isa_name: str) -> list[str]:
-    func = tvm.compile(schedule(problem, config, isa_name).mod, target=_target(isa_name))
+    func = tvm.compile(schedule(problem, config, isa_name).mod,
+                       target=isa_target(isa_name, MCPU[isa_name]))
     asm = func.mod.inspect_source("asm")
     return [line.split()[0] for line in asm.splitlines()
             if line.startswith("\t") and line.split()]
@@ -451,7 +440,7 @@ def test_amx_conv_emulated(amx_emulator, monkeypatch, dtype, epilogue):
     config = replace(default, spec=default.spec.lower())
     monkeypatch.setattr(conv, "dispatch", _emulated_dispatch)
     # The emulated program needs no vector ISA.
-    monkeypatch.setitem(MCPU, "amx", "znver4" if _runs_here("avx512_bf16") else "haswell")
+    monkeypatch.setitem(MCPU, "amx", "znver4" if runs_here("avx512_bf16") else "haswell")
     amx_emulator.tpp_amx_emu_reset()
     _check(problem, config, "amx", pad_value=ZX if dtype == "uint8" else 0)
     assert amx_emulator.tpp_amx_emu_faults() == 0

@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+from conftest import isa_target, needs_isa, runs_here
 
 import tvm_tpp
 from microkernels import amx, isa
@@ -37,25 +38,11 @@ from schedules.gemm import (
 from schedules.ops import OPS
 from schedules.space import Candidate
 
-HOST = isa.host_flags()
-MCPU = {name: chosen.mcpu for name, chosen in isa.KNOWN.items()}  # each ISA's own CPU
+#: Each ISA's CPU to build for; the AMX emulator tests swap in this host's.
+MCPU = {name: chosen.mcpu for name, chosen in isa.KNOWN.items()}
 DEQUANT = Epilogue((EpilogueOp("scale", broadcast="row"), EpilogueOp("bias")))
 REQUANT = Epilogue((EpilogueOp("bias"), EpilogueOp("relu"),
                     EpilogueOp("requantize", value=1 / 4096, zero_point=3, dtype="uint8")))
-
-
-def _runs_here(isa_name: str) -> bool:
-    return isa.from_name(isa_name).requires <= HOST
-
-
-def _needs(isa_name: str):
-    missing = sorted(isa.from_name(isa_name).requires - HOST)
-    return pytest.mark.skipif(bool(missing), reason=f"host lacks {' '.join(missing)}")
-
-
-def _target(isa_name: str) -> tvm.target.Target:
-    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-pc-linux-gnu",
-                              "mcpu": MCPU[isa_name]})
 
 
 def _machine(isa_name: str) -> Machine:
@@ -63,7 +50,8 @@ def _machine(isa_name: str) -> Machine:
 
 
 def _build(problem: GemmProblem, config: GemmConfig, isa_name: str):
-    return tvm.compile(schedule(problem, config, isa_name).mod, target=_target(isa_name))
+    return tvm.compile(schedule(problem, config, isa_name).mod,
+                       target=isa_target(isa_name, MCPU[isa_name]))
 
 
 def _operands(problem: GemmProblem, rng: np.random.Generator):
@@ -130,13 +118,13 @@ def _check(problem: GemmProblem, config: GemmConfig, isa_name: str):
 
 
 #: The richest ISA with vpdpbusd this host runs (avx512_bf16 runs the avx512_vnni kernel).
-VNNI = "avx512_bf16" if _runs_here("avx512_bf16") else "avx512_vnni"
+VNNI = "avx512_bf16" if runs_here("avx512_bf16") else "avx512_vnni"
 U8_SHAPES = [(37, 48, 68), (1, 48, 68), (13, 40, 36), (6, 20, 8), (37, 48, 66), (1, 24, 5)]
 
 
 @pytest.mark.parametrize("isa_name", [
-    pytest.param(VNNI, marks=_needs(VNNI)),                   # vpdpbusd
-    pytest.param("avx512", marks=_needs("avx512")),            # exact vpmaddwd emulation
+    pytest.param(VNNI, marks=needs_isa(VNNI)),                   # vpdpbusd
+    pytest.param("avx512", marks=needs_isa("avx512")),            # exact vpmaddwd emulation
     "avx2",
 ])
 @pytest.mark.parametrize("m, n, k", U8_SHAPES)
@@ -149,7 +137,7 @@ def test_u8_exact(isa_name, m, n, k):
 @pytest.mark.parametrize("m", [37, 1])
 def test_u8_epilogues(epilogue, m):
     problem = GemmProblem(m, 48, 68, "uint8", epilogue)
-    host = "avx512_bf16" if _runs_here("avx512_bf16") else "avx2"
+    host = "avx512_bf16" if runs_here("avx512_bf16") else "avx2"
     _check(problem, default_config(problem, _machine(host)), host)
 
 
@@ -165,14 +153,14 @@ def test_u8_loop_specs(spec, block_steps, k_step, pack_a, k):
     problem = GemmProblem(48, 64, k, "uint8", DEQUANT)
     config = GemmConfig.of(spec, 6, 16, 24, k_step=k_step, block_steps=block_steps,
                            pack_a=pack_a)
-    _check(problem, config, "avx512_bf16" if _runs_here("avx512_bf16") else "avx2")
+    _check(problem, config, "avx512_bf16" if runs_here("avx512_bf16") else "avx2")
 
 
 # -------------------------------------------------------------------- bf16 -> float32
 
 
 @pytest.mark.parametrize("isa_name", [
-    pytest.param("avx512_bf16", marks=_needs("avx512_bf16")),  # vdpbf16ps
+    pytest.param("avx512_bf16", marks=needs_isa("avx512_bf16")),  # vdpbf16ps
     "avx2",                                                    # exact emulation
 ])
 @pytest.mark.parametrize("m, n, k", [(37, 48, 68), (1, 48, 68), (13, 40, 36), (37, 48, 67)])
@@ -189,7 +177,7 @@ def test_bf16(isa_name, m, n, k):
 ], ids=["bias_gelu", "bias_to_bf16"])
 def test_bf16_epilogues(epilogue):
     problem = GemmProblem(37, 48, 68, "bfloat16", epilogue)
-    host = "avx512_bf16" if _runs_here("avx512_bf16") else "avx2"
+    host = "avx512_bf16" if runs_here("avx512_bf16") else "avx2"
     _check(problem, GemmConfig.of("BCa", 37, 16, 34, k_step=2), host)
 
 
@@ -302,7 +290,7 @@ def test_pack_weight_errors(dtype, w, message):
 def test_tune(tmp_path):
     """The tuner times low-precision candidates (arguments in the problem's dtypes) and keys
     their winner by the dtype; the float32 GEMM of the same shape is another key."""
-    host = "avx512_bf16" if _runs_here("avx512_bf16") else "avx2"
+    host = "avx512_bf16" if runs_here("avx512_bf16") else "avx2"
     target = tvm_tpp.target(f"tpp -isa={host} -num-cores=1")
     database = Database(tmp_path / "tuning.db")
     for dtype in ("uint8", "bfloat16"):
@@ -404,7 +392,7 @@ def test_amx_gemm_emulated(amx_emulator, monkeypatch, dtype, m, n, k, epilogue, 
     config = replace(default.with_candidate(serial), pack_a=pack_a)
     monkeypatch.setattr(gemm, "dispatch", _emulated_dispatch)
     # The emulated program needs no vector ISA; the AVX-512 fallback needs this host's.
-    monkeypatch.setitem(MCPU, "amx", "znver4" if _runs_here("avx512_bf16") else "haswell")
+    monkeypatch.setitem(MCPU, "amx", "znver4" if runs_here("avx512_bf16") else "haswell")
     amx_emulator.tpp_amx_emu_reset()
     _check(problem, config, "amx")
     assert amx_emulator.tpp_amx_emu_faults() == 0
