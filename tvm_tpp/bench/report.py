@@ -248,8 +248,9 @@ def _table(rows: Sequence[Row], cfg: BenchConfig) -> tuple[list[str], list[list[
         "median/p10-p90 over `samples` timed samples, each the mean of `x` back-to-back runs "
         "after one warm-up run (runs over "
         f"{cfg.slow_seconds:g} s: fewer samples, no warm-up).",
-        "x B = median of B / median of this row (> 1: faster than B); rows with normwise "
-        f"relative error vs ONNX Runtime over {cfg.tolerance:g} are WRONG and unranked.",
+        "x B = median of B / median of this row (> 1: faster than B); rows whose relative "
+        f"error (max |error| / max |reference|) exceeds {cfg.tolerance:g} are WRONG and "
+        "unranked.",
         "compile s = ONNX import + build; tune s = search time in this run (0: found in the "
         "work dir's database), apart from latency.",
         *_precision_notes(cfg),
@@ -262,9 +263,11 @@ def _precision_notes(cfg: BenchConfig) -> list[str]:
     """What a low-precision run compared (nothing for float32)."""
     if cfg.precision == "float32":
         return []
-    what = ("tpp rows: dense layers on bf16 kernels, others as for float32" if cfg.precision
-            == "bf16" else "every row but tpp-float32 runs the QDQ-quantized model, checked "
-            "against ONNX Runtime on that file")
+    what = ("tpp rows: dense, conv and attention on bf16 kernels (float32 accumulation), "
+            "checked against ONNX Runtime float32" if cfg.precision == "bf16" else
+            "every row but tpp-float32 runs the QDQ-quantized model, checked against that "
+            "file's QDQ graph as ONNX Runtime runs it without its fusions (the ONNX spec's "
+            "roundings; the onnxruntime row is its fused int8 execution)")
     return [f"precision {cfg.precision}: {what}; tpp-float32 = tpp on the float32 model "
             f"(tolerance {TOLERANCE:g} vs ONNX Runtime on it)."]
 
