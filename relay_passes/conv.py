@@ -5,6 +5,9 @@ Matches ``relax.nn.conv2d`` with a constant weight (NCHW data, OIHW weights, flo
 a constant per-channel bias (``[1, K, 1, 1]``, what BatchNorm folding leaves), a residual add
 of another tensor of the output's shape, and ReLU / GELU / sigmoid.  The chain becomes one
 scheduled PrimFunc (:mod:`schedules.conv`) whose weights are packed at compile time.
+Depthwise convs (``groups = C = K``, weight ``[C, 1, R, S]``) take the same chains to the
+depthwise template (:mod:`schedules.depthwise`: padded NHWC in, ``[N*P*Q, C]`` out, the same
+layout conversions).
 
 The kernel works channels-last, so each rewritten conv reads
 ``reshape(pad(permute_dims(x, NHWC)))`` and is read through ``permute_dims(reshape(y), NCHW)``;
@@ -12,7 +15,7 @@ The kernel works channels-last, so each rewritten conv reads
 ONNX ``Sum`` of two tensors is first turned back into ``add`` so that a ResNet's residual add
 is found (:func:`relay_passes.prepare.sum_to_add`).
 
-Convolutions that do not fit (grouped/depthwise, dilated, non-float32, non-constant weights,
+Convolutions that do not fit (grouped but not depthwise, dilated, non-float32, non-constant weights,
 symbolic shapes, other layouts) stay with TVM and are reported with the reason.
 
 Examples
@@ -47,7 +50,9 @@ from tvm.target import Target
 from microkernels.brgemm import BrgemmShape
 from microkernels.epilogue import Epilogue
 from microkernels.machine import machine_of
+from schedules import depthwise
 from schedules.conv import ConvConfig, ConvProblem, pack_weight, schedule, unfold_weight
+from schedules.depthwise import DepthwiseConfig, DepthwiseProblem
 from schedules.tuner import TaskCollector, Tuner, config_for
 
 from .dense import PRECISIONS
@@ -64,7 +69,8 @@ from .scaffold import (
 if TYPE_CHECKING:  # annotations only
     from .scaffold import EpiloguePattern, KernelAdder
 
-__all__ = ["rewrite_conv", "conv_problem", "emit_conv", "to_matrix", "unsupported_geometry"]
+__all__ = ["rewrite_conv", "conv_problem", "emit_conv", "to_matrix", "unsupported_geometry",
+           "is_depthwise", "offload"]
 
 #: Convs with fewer input channels than this get their width taps unfolded into channels.
 _UNFOLD_BELOW = 16
@@ -119,8 +125,8 @@ def unsupported_geometry(call: relax.Call) -> str | None:
     can): groups, dilation, layouts, symbolic shapes."""
     attrs = call.attrs
     x = call.args[0]
-    if int(attrs.groups) != 1:
-        return f"groups={int(attrs.groups)} (grouped/depthwise conv) is not routed to TPP"
+    if int(attrs.groups) != 1 and not is_depthwise(call):
+        return f"groups={int(attrs.groups)} (grouped conv) is not routed to TPP"
     if any(int(d) != 1 for d in attrs.dilation):
         return f"dilation {[int(d) for d in attrs.dilation]} is not routed to TPP"
     layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
@@ -130,6 +136,18 @@ def unsupported_geometry(call: relax.Call) -> str | None:
     if shape is None or len(shape) != 4:
         return "input shape is symbolic or not 4-D"
     return None
+
+
+def is_depthwise(call: relax.Call) -> bool:
+    """Whether this conv2d is depthwise: ``groups == C == K``, one ``R x S`` filter per
+    channel (weight ``[C, 1, R, S]``), which :mod:`schedules.depthwise` computes."""
+    groups = int(call.attrs.groups)
+    x, w = call.args
+    if groups == 1 or not all(isinstance(a.ty, relax.TensorType) for a in (x, w)):
+        return False
+    x_shape, w_shape = static_shape(x.ty.shape), static_shape(w.ty.shape)
+    return (x_shape is not None and w_shape is not None and len(x_shape) == 4
+            and len(w_shape) == 4 and x_shape[1] == groups == w_shape[0] and w_shape[1] == 1)
 
 
 def _channel_vector(bias: np.ndarray, k: int) -> np.ndarray | None:
@@ -163,15 +181,34 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     x = call.args[0] if dtype == "float32" else relax.op.astype(call.args[0], dtype)
     out, kernel, brgemm = emit_conv(x, problem, call.args[1].value.numpy(), operands,
                                     add_kernel, target, tuner)
-    report.append(Offload.routed(pattern.name("conv2d"), problem.output_shape, kernel, brgemm))
+    report.append(offload(pattern.name("conv2d"), problem, kernel, brgemm, target))
     return out
 
 
-def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue) -> ConvProblem:
-    """The :class:`~schedules.conv.ConvProblem` of a (supported) ``conv2d`` call."""
+def offload(op: str, problem: ConvProblem | DepthwiseProblem, kernel: str,
+            brgemm: BrgemmShape | None, target: Target) -> Offload:
+    """The report's record of a conv that became ``kernel``: a depthwise kernel calls no
+    BRGEMM, its record names its elementwise operand types (``A*W->accumulator``) and its
+    weight layout ``rsc`` itself."""
+    if not isinstance(problem, DepthwiseProblem):
+        return Offload.routed(op, problem.output_shape, kernel, brgemm)
+    return Offload(op, problem.output_shape, kernel, isa=machine_of(target).isa.name,
+                   dtypes=f"{problem.dtype}*{problem.weight_dtype}->{problem.acc_dtype}",
+                   layout="rsc")
+
+
+def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue
+                 ) -> ConvProblem | DepthwiseProblem:
+    """The :class:`~schedules.conv.ConvProblem` of a (supported) ``conv2d`` call, or the
+    :class:`~schedules.depthwise.DepthwiseProblem` of a depthwise one."""
     n, c, h, w = static_shape(call.args[0].ty.shape)
     k, _, r, s = static_shape(call.args[1].ty.shape)
     attrs = call.attrs
+    if is_depthwise(call):
+        return DepthwiseProblem(n=n, c=c, h=h, w=w, r=r, s=s,
+                                stride=tuple(int(v) for v in attrs.strides),
+                                padding=tuple(int(v) for v in attrs.padding), dtype=dtype,
+                                epilogue=epilogue)
     return ConvProblem(n=n, c=c, h=h, w=w, k=k, r=r, s=s,
                        stride=tuple(int(v) for v in attrs.strides),
                        padding=tuple(int(v) for v in attrs.padding), dtype=dtype,
@@ -194,8 +231,13 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     ``weight`` is the OIHW filter in values :func:`schedules.conv.pack_weight` takes for the
     dtype; ``operands`` are the epilogue's, in its order (``[K]`` vectors, ``[N*P*Q, K]``
     matrices: :func:`to_matrix`).  Borders and padded channels of the input hold
-    ``pad_value`` (a quantized input's zero point: real zeros).
+    ``pad_value`` (a quantized input's zero point: real zeros).  A
+    :class:`~schedules.depthwise.DepthwiseProblem` (``weight`` ``[C, 1, R, S]``) becomes the
+    depthwise kernel, which calls no BRGEMM (None).
     """
+    if isinstance(problem, DepthwiseProblem):
+        return _emit_depthwise(x, problem, weight, operands, add_kernel, target, tuner,
+                               pad_value)
     # Few input channels (an RGB stem): unfold the S taps into the channels, so that each
     # BRGEMM call reduces S*C values instead of C.
     unfold = problem.c < _UNFOLD_BELOW and problem.s > 1
@@ -216,6 +258,33 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
                                                     problem.out_dtype))
     nhwc = relax.op.reshape(out, (problem.n, problem.p, problem.q, problem.k))
     return relax.op.permute_dims(nhwc, TO_NCHW), f"{name} [{config.spec}]", brgemm
+
+
+def _emit_depthwise(x: relax.Expr, problem: DepthwiseProblem, weight: np.ndarray,
+                    operands: Sequence[relax.Expr], add_kernel: KernelAdder, target: Target,
+                    tuner: Tuner | TaskCollector | None, pad_value: float | int
+                    ) -> tuple[relax.Expr, str, None]:
+    """:func:`emit_conv` of a depthwise conv: padded NHWC in, ``[N*P*Q, C]`` out."""
+    config = config_for(problem, target, tuner)
+    sh, sw = problem.stride
+    name = (f"tpp_dwconv2d_{problem.n}x{problem.c}x{problem.h}x{problem.w}_"
+            f"{problem.r}x{problem.s}_s{sh}x{sw}"
+            + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
+            + _DTYPE_TAGS[problem.dtype])
+    gv = add_kernel(_depthwise_kernel(problem, config, machine_of(target).isa.name), name)
+    args = [_padded_nhwc(x, problem, pad_value),
+            relax.const(depthwise.pack_weight(weight, problem)), *operands]
+    out = relax.call_tir(gv, args, relax.TensorType((problem.rows, problem.c),
+                                                    problem.out_dtype))
+    nhwc = relax.op.reshape(out, (problem.n, problem.p, problem.q, problem.c))
+    kind = f"bq={config.bq} bc={config.bc}" + (" C" if config.parallel_channels else "")
+    return relax.op.permute_dims(nhwc, TO_NCHW), f"{name} [{kind}]", None
+
+
+@functools.lru_cache(maxsize=256)
+def _depthwise_kernel(problem: DepthwiseProblem, config: DepthwiseConfig, isa: str
+                      ) -> tvm.tirx.PrimFunc:
+    return depthwise.schedule(problem, config, isa).mod["main"]
 
 
 #: Kernel name suffix of a conv's operand type.

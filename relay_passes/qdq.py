@@ -70,7 +70,7 @@ from microkernels.machine import machine_of
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import TaskCollector, Tuner, config_for
 
-from .conv import conv_problem, emit_conv, to_matrix, unsupported_geometry
+from .conv import conv_problem, emit_conv, offload, to_matrix, unsupported_geometry
 from .dense import ONE_COLUMN
 from .scaffold import Offload, dispatched_brgemm, is_call_to, rewrite_patterns, static_shape
 
@@ -322,7 +322,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
                                                                                  transposed))
     channel_axis = -1 if chain.anchor == "matmul" else 1
     if isinstance(weights, str) or _activation_problem(
-            matches[chain.x_dequantized], _reduced(chain, weights), channel_axis):
+            matches[chain.x_dequantized], _reduced(chain, weights, layer), channel_axis):
         return orig
     n = weights.scale.size
     bias = _constant(matches[chain.bias]) if chain.bias is not None else np.zeros(n)
@@ -385,8 +385,10 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     out, shape, kernel, brgemm = emit(xq, x_shape, layer, weights, transposed, epilogue,
                                       operands, residual and residual.tensor, int(zx),
                                       add_kernel, target, tuner)
-    report.append(Offload.routed(chain.name(output.dtype if output else "float32"), shape,
-                                 kernel, brgemm))
+    name = chain.name(output.dtype if output else "float32")
+    report.append(Offload.routed(name, shape, kernel, brgemm) if chain.anchor == "matmul"
+                  else offload(name, conv_problem(layer, "uint8", epilogue), kernel, brgemm,
+                               target))
     want = static_shape(orig.ty.shape)  # a residual add may have reshaped the layer's output
     return out if want == _emitted_shape(chain, x_shape, weights, layer) else \
         relax.op.reshape(out, want)
@@ -407,11 +409,12 @@ def _weight_axes(chain: _Chain, transposed: bool) -> tuple[int, int]:
     return (0 if transposed else 1), 2
 
 
-def _reduced(chain: _Chain, weights: _Weights) -> int:
-    """The activation's channels the weight reduces: matmul's K, conv2d's C."""
+def _reduced(chain: _Chain, weights: _Weights, layer: relax.Call) -> int:
+    """The activation's channels the weight reads: matmul's K, conv2d's C (a grouped conv's
+    weight holds C / groups of them: a depthwise one's ``[C, 1, R, S]`` one)."""
     if chain.anchor == "matmul":
         return weights.values.shape[1 - weights.n_axis]
-    return weights.values.shape[1]
+    return weights.values.shape[1] * int(layer.attrs.groups)
 
 
 def _emit_dense(xq: relax.Expr, x_shape: tuple[int, ...], _layer: relax.Call,
@@ -448,7 +451,9 @@ def _emit_conv(xq: relax.Expr, _x_shape: tuple[int, ...], layer: relax.Call,
                residual: relax.Expr | None, zx: int,
                add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None
                ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None]:
-    """The int8 conv kernel of a QDQ conv2d: borders pad with the zero point (real zeros)."""
+    """The int8 conv kernel of a QDQ conv2d: borders pad with the zero point (real zeros).
+    A depthwise conv gets the u8 x s8 -> s32 depthwise kernel (its ``[C, 1, R, S]`` weight's
+    ``colsum`` is each channel's filter sum), with the same epilogues."""
     problem = conv_problem(layer, "uint8", epilogue)
     out, kernel, brgemm = emit_conv(xq, problem, weights.values,
                                     [*operands, *([] if residual is None
@@ -670,7 +675,8 @@ def _report_left(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr],
     if not isinstance(why, str):
         why = unsupported_geometry(expr) if name == "conv2d" else None
     if why is None:
-        reduced = wq.shape[1] if name == "conv2d" else wq.shape[1 - n_axis]
+        reduced = (wq.shape[1] * int(expr.attrs.groups) if name == "conv2d"
+                   else wq.shape[1 - n_axis])
         why = (_activation_problem(x, reduced, channel_axis)
                if is_call_to(x, "relax.dequantize")
                else "activation is not dequantized from uint8 or int8")

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from microkernels.machine import Machine
 
-from . import batch_gemm, conv, gemm
+from . import batch_gemm, conv, depthwise, gemm
 from .batch_gemm import BatchGemmConfig, BatchGemmProblem
 from .conv import ConvConfig, ConvProblem
+from .depthwise import DepthwiseConfig, DepthwiseProblem
 from .gemm import GemmConfig, GemmProblem
 from .space import Candidate
 
@@ -37,8 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["Problem", "Config", "Choice", "Op", "OPS", "op_of", "problem_text", "config_text",
            "shape_text", "MODEL_RESOLUTION"]
 
-Problem = GemmProblem | ConvProblem | BatchGemmProblem
-Config = GemmConfig | ConvConfig | BatchGemmConfig
+Problem = GemmProblem | ConvProblem | BatchGemmProblem | DepthwiseProblem
+Config = GemmConfig | ConvConfig | BatchGemmConfig | DepthwiseConfig
 
 #: Predictions closer than this are one class: the model works at slice granularity, and its
 #: two engines (exact replay, analytic) typically differ by about this much.
@@ -157,6 +158,11 @@ def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:
     return (p.n, p.c, p.h, p.w, p.k, p.r, p.s), f"s{sh}x{sw}p{pads}", p.dtype
 
 
+def _depthwise_key(p: DepthwiseProblem) -> tuple[tuple[int, ...], str, str]:
+    (sh, sw), pads = p.stride, "x".join(map(str, p.padding))
+    return (p.n, p.c, p.h, p.w, p.r, p.s), f"s{sh}x{sw}p{pads}", p.dtype
+
+
 def _listed(name: str, template: ModuleType, problem: type, config: type,
             key: Callable[[Any], tuple[tuple[int, ...], str, str]],
             text: Callable[[Any], str]) -> Op:
@@ -187,6 +193,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
     _listed("conv2d", conv, ConvProblem, ConvConfig, key=_conv_key,
             text=lambda c: (f"{c.spec} bq={c.bq} bc={c.bc} bk={c.bk} c_step={c.c_step}"
                             + _steps_text(c.block_steps))),
+    _listed("depthwise_conv2d", depthwise, DepthwiseProblem, DepthwiseConfig,
+            key=_depthwise_key,
+            text=lambda c: (f"bq={c.bq} bc={c.bc}"
+                            + (" parallel channels" if c.parallel_channels else ""))),
     _listed("batch_gemm", batch_gemm, BatchGemmProblem, BatchGemmConfig,
             key=lambda p: ((p.batch, p.m, p.n, p.k), p.layout, p.dtype),
             text=lambda c: (f"bm={c.bm} bn={c.bn} bk={c.bk}"
@@ -205,7 +215,7 @@ def op_of(obj: Problem | Config) -> Op:
     for op in OPS.values():
         if isinstance(obj, (op.problem, op.config)):
             return op
-    raise TypeError(f"the tuner handles GEMM, conv and batch GEMM problems, not "
+    raise TypeError(f"the tuner handles GEMM, conv, depthwise conv and batch GEMM problems, not "
                     f"{type(obj).__name__}")
 
 

@@ -5,11 +5,19 @@ import numpy as np
 import pytest
 import tvm
 from conftest import isa_target
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.quantization import QuantType
+from test_qdq_conv import _Conv, _int8_report, _output_step, _quantized
+from tvm import relax
 
+import tvm_tpp
 from microkernels import isa
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.epilogue import reference as epilogue_reference
 from microkernels.machine import Machine
+from relay_passes.conv import rewrite_conv
+from relay_passes.prepare import prepare
+from relay_passes.scaffold import is_call_to
 from schedules.depthwise import (
     DepthwiseConfig,
     DepthwiseProblem,
@@ -20,6 +28,10 @@ from schedules.depthwise import (
     reference,
     schedule,
 )
+from tvm_tpp import models
+from tvm_tpp.compiler import import_model
+from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
+from tvm_tpp.tpp_target import target as tpp_target
 
 BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
 BIAS_RELU6 = Epilogue((EpilogueOp("bias"), EpilogueOp("clamp", lo=0.0, hi=6.0)))
@@ -134,3 +146,122 @@ def test_problem_and_config_are_checked():
         DepthwiseProblem(1, 8, 7, 7, 3, 3, epilogue=REQUANT)  # a float conv writes float32
     with pytest.raises(ValueError, match="handles"):
         DepthwiseProblem(1, 8, 7, 7, 3, 3, dtype="int8")
+
+
+# --------------------------------------------------------------------------------------------
+# the graph passes
+
+
+def _depthwise_model(c=24, size=(9, 7), stride=1, seed=0):
+    """A float ``Clip(Conv(x, W, b, group=C), 0, 6)`` (MobileNetV2's ReLU6)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((c, 1, 3, 3)) * 0.5).astype("float32")
+    b = (0.1 * rng.standard_normal(c)).astype("float32")
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv"], group=c, kernel_shape=[3, 3],
+                              pads=[1, 1, 1, 1], strides=[stride, stride]),
+             helper.make_node("Clip", ["conv", "lo", "hi"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "depthwise", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                           [1, c, *size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                       [1, c, *((d - 1) // stride + 1 for d in size)])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b"),
+         numpy_helper.from_array(np.array(0, "float32"), "lo"),
+         numpy_helper.from_array(np.array(6, "float32"), "hi")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _calls(mod, op_name):
+    found = []
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(
+                func, lambda e: found.append(e) if is_call_to(e, op_name) else None)
+    return found
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_float_pass_routes_depthwise_conv_bias_clip(stride):
+    model = _depthwise_model(stride=stride)
+    tgt = tpp_target("tpp")
+    mod, specs = import_model(model)
+    before = prepare()(mod)
+    assert [int(c.attrs.groups) for c in _calls(before, "relax.nn.conv2d")] == [24]
+    report = []
+    after = rewrite_conv(before, tgt, report)
+    assert not _calls(after, "relax.nn.conv2d")  # it became a call_tir of the kernel
+    assert [(r.op, r.dtypes, r.layout) for r in report] == [
+        ("conv2d+bias", "float32*float32->float32", "rsc")]
+    assert report[0].kernel.startswith("tpp_dwconv2d_1x24x9x7_3x3")
+    kernels = [gv.name_hint for gv, f in after.functions.items()
+               if isinstance(f, tvm.tirx.PrimFunc)]
+    assert any(name.startswith("tpp_dwconv2d") for name in kernels)
+    compiled = tvm_tpp.compile(model, target="tpp")
+    for seed in range(2):
+        inputs = random_inputs(specs, seed=seed)
+        _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
+        assert rel <= 1e-5
+
+
+def test_bf16_pass_routes_depthwise_conv():
+    model = _depthwise_model(c=40, size=(7, 9), stride=2)
+    compiled = tvm_tpp.compile(model, target="tpp", precision="bf16")
+    [record] = [r for r in compiled.report if r.op.startswith("conv2d")]
+    assert record.dtypes == "bfloat16*bfloat16->float32", record
+    inputs = random_inputs(compiled.inputs, seed=0)
+    _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
+    assert rel <= 1e-2
+
+
+def test_grouped_conv_stays_with_tvm_and_says_why():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 2, 3, 3)).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], group=4, pads=[1] * 4)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 7, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 7, 7])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    compiled = tvm_tpp.compile(model, target="tpp")
+    assert [(r.op, r.reason) for r in compiled.report] == [
+        ("conv2d", "groups=4 (grouped conv) is not routed to TPP")]
+
+
+_QDQ_CASES = {
+    "c24_s1_relu_per_channel": _Conv(24, 24, (9, 7), 3, pad=1, relu=True, group=24),
+    "c40_s2_per_channel": _Conv(40, 40, (7, 9), 3, stride=2, pad=1, group=40),
+    "c5_s2_per_tensor": _Conv(5, 5, (9, 9), 3, stride=2, pad=1, per_channel=False, group=5),
+    "c16_int8_activations": _Conv(16, 16, (7, 7), 3, pad=1, group=16,
+                                  activations=QuantType.QInt8),
+    "c8_zero_point_255": _Conv(8, 8, (7, 7), 3, pad=1, sign=-1, group=8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_QDQ_CASES))
+def test_qdq_depthwise_conv_matches_onnxruntime(name, tmp_path):
+    layer = _QDQ_CASES[name]
+    model = _quantized(layer, tmp_path)
+    _, report = _int8_report(model)
+    assert [(r.op.split("+")[0], r.dtypes, r.layout) for r in report] == [
+        ("conv2d_qdq", "uint8*int8->int32", "rsc")], report
+    assert "tpp_dwconv2d" in report[0].kernel
+    compiled = tvm_tpp.compile(model, target="tpp")
+    step = _output_step(model)
+    for seed in range(2):
+        x = layer.inputs(seed)
+        got, want = compiled.run(x=x)[0], run_onnxruntime(model, {"x": x})[0]
+        assert np.std(want) > 0
+        assert np.max(np.abs(got - want)) <= step * (1 + 1e-5)
+        assert np.mean(got != want) <= 0.01
+
+
+def test_float_mobilenet_v2_matches_onnxruntime():
+    model = models.load("mobilenet_v2")
+    compiled = tvm_tpp.compile(model, target="tpp")
+    convs = [r for r in compiled.report if r.op.startswith("conv2d")]
+    assert convs and all(r.kernel is not None for r in convs), [
+        r for r in convs if r.kernel is None]
+    assert any("tpp_dwconv2d" in r.kernel for r in convs)
+    inputs = models.random_inputs(model, seed=1)
+    _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
+    assert rel <= 1e-4
