@@ -215,8 +215,8 @@ def op_of(obj: Problem | Config) -> Op:
     for op in OPS.values():
         if isinstance(obj, (op.problem, op.config)):
             return op
-    raise TypeError(f"the tuner handles GEMM, conv, depthwise conv and batch GEMM problems, not "
-                    f"{type(obj).__name__}")
+    raise TypeError(f"the tuner handles GEMM, conv and batch GEMM problems and depthwise "
+                    f"convs, not {type(obj).__name__}")
 
 
 def shape_text(shape: tuple[int, ...], layout: str) -> str:
