@@ -287,3 +287,13 @@ def test_tuning_tasks_are_uint8_gemms():
     rewrite_qdq(_relax_layer(relax.const(0.1), [x]), tpp_target("tpp"), [], tasks)
     assert [(key.op, key.shape, key.dtype) for key in tasks.tasks] == [
         ("dense", (4, 32, 24), "uint8")]
+
+
+def test_cli_checks_a_quantized_model_against_its_unfused_qdq_graph(tmp_path, capsys):
+    from tvm_tpp.cli import main
+    from tvm_tpp.quantized import quantize_static_qdq
+
+    path = quantize_static_qdq(models.load("mlp"), tmp_path / "mlp.int8.onnx", samples=2)
+    assert main(["run", str(path), "--check", "onnxruntime", "--repeat", "1"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("vs ORT unfused : ") and line.endswith("[OK]"), line

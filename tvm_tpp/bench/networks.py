@@ -50,6 +50,7 @@ from .. import models
 from ..errors import ModelError
 from ..onnx_import import input_specs, load_onnx
 from ..quantized import RECIPE, is_quantized, quantize_static_qdq
+from ..reference import TOLERANCES as _TOLERANCES
 from ..reference import max_errors, random_inputs
 from . import impls as _impls
 from .progress import Progress
@@ -80,14 +81,9 @@ BASELINES = (FLOAT32, "tvm-default", "metaschedule", "onnxruntime")
 #: ``ok``; ``WRONG`` (over tolerance); ``error`` (crash, failure, time-out); ``skipped``
 #: (not available here); ``unchecked`` (ONNX Runtime could not produce a reference).
 STATUSES = ("ok", "WRONG", "error", "skipped", "unchecked")
-#: Largest normwise relative error against ONNX Runtime that still counts as correct.
-TOLERANCE = 1e-4
-#: The default tolerance by precision: bf16 rounds X and W to 8 significant bits (about 1e-3
-#: normwise over long dot products); an int8 model is checked against its QDQ graph as ONNX
-#: Runtime computes it unfused (the ONNX spec's rounding of every DequantizeLinear, float op
-#: and QuantizeLinear), and ONNX Runtime's own fused int8 run differs from that by up to 3.2 %
-#: (BERT, measured 2026-11-25; tpp 0.8 %).
-TOLERANCES = {"float32": TOLERANCE, "bf16": 1e-2, "int8": 5e-2}
+#: The default tolerance by precision (:data:`tvm_tpp.reference.TOLERANCES`), and float32's.
+TOLERANCES = _TOLERANCES
+TOLERANCE = TOLERANCES["float32"]
 
 def default_work_dir() -> Path:
     """Where models, logs and tuning databases go unless ``--work-dir`` says otherwise."""
