@@ -399,13 +399,17 @@ def _parser() -> argparse.ArgumentParser:
                    "the AMX peak, where this process may run AMX")
     p.add_argument("--json", help="write the result as JSON")
 
-    p = add("bench", cmd_bench, "compare with TVM, MetaSchedule and ONNX Runtime (fair timing)")
+    p = add("bench", cmd_bench, "compare with TVM, MetaSchedule, ONNX Runtime and OpenVINO (fair "
+            "timing)")
     p.add_argument("model", nargs="+", help="bundled model names or ONNX files")
     p.add_argument("--batch", default="1", help="batch sizes of bundled models, e.g. 1,8")
     p.add_argument("--threads", type=int, help="threads of every implementation (default: all)")
     p.add_argument("--repeat", type=int, default=10, help="timed samples per implementation")
     p.add_argument("--impls", default="tpp,tpp-tuned,tvm-default,metaschedule,onnxruntime",
-                   help="comma-separated implementations to compare")
+                   help="comma-separated implementations to compare, of tpp, tpp-tuned, "
+                   "tvm-default, metaschedule, onnxruntime, openvino (OpenVINO's defaults: bf16 "
+                   "on CPUs with AVX512-BF16 or AMX), openvino-f32 (its f32 precision hint); "
+                   "the openvino rows need pip install 'tvm-tpp[openvino]'")
     p.add_argument("--ms-trials", type=int, default=64, help="MetaSchedule's total trials")
     p.add_argument("--work-dir", help="models, logs and tuning databases "
                    "(default: ~/.cache/tvm-tpp/bench; reused by later runs)")

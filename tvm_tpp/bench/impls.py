@@ -7,7 +7,10 @@ reference a low-precision run compares with), ``numpy`` (GEMMs only: ``np.matmul
 int8 or bfloat16 GEMM, which numpy cannot multiply in those units, PyTorch's CPU matmul
 (oneDNN) if ``torch`` imports: ``bench-gemm``'s ``torch`` row),
 ``tvm-default`` (TVM's own build without schedules), ``metaschedule`` (TVM's default search
-space, :mod:`tvm_tpp.bench.metaschedule`), ``onnxruntime`` (models only) and the untimed
+space, :mod:`tvm_tpp.bench.metaschedule`), ``onnxruntime`` (models only), ``openvino`` and
+``openvino-f32`` (models only, the optional ``openvino`` extra: OpenVINO's CPU plugin with its
+defaults, which run bf16 on CPUs with AVX512-BF16 or AMX, and with ``INFERENCE_PRECISION_HINT``
+f32; each row's notes begin with the precision it ran in) and the untimed
 ``reference`` (ONNX Runtime's outputs).  :func:`build` gives a :class:`Built`: a function
 that runs it once, its :data:`~tvm_tpp.bench.timing.Timer` and what building cost.
 
@@ -21,8 +24,8 @@ Examples
 >>> from tvm_tpp.bench.workloads import GemmWorkload, ModelWorkload
 >>> supports("numpy", GemmWorkload(8, 8, 8)), supports("onnxruntime", GemmWorkload(8, 8, 8))
 (True, False)
->>> [i for i in IMPLS if supports(i, ModelWorkload("m.onnx", "i.npz", "o.npz", "m_1"))]
-['tpp', 'tpp-tuned', 'tpp-float32', 'tvm-default', 'metaschedule', 'onnxruntime']
+>>> print(*[i for i in IMPLS if supports(i, ModelWorkload("m.onnx", "i.npz", "o.npz", "m_1"))])
+tpp tpp-tuned tpp-float32 tvm-default metaschedule onnxruntime openvino openvino-f32
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ __all__ = ["IMPLS", "NATIVE_FEATURES", "Built", "Unavailable", "build", "gemm_pr
 
 #: Every implementation, in table order (each benchmark shows those its workload supports).
 IMPLS = ("tpp", "tpp-tuned", "tpp-float32", "numpy", "torch", "tvm-default", "metaschedule",
-         "onnxruntime")
+         "onnxruntime", "openvino", "openvino-f32")
 
 #: ``say(text)``: progress of a long build, shown by the harness.
 Say = Callable[[str], None]
@@ -256,6 +259,65 @@ def _model_onnxruntime(job: Job, workload: ModelWorkload, say: Say) -> Built:
 
     return Built(run, loop_timer(lambda: session.run_with_iobinding(binding)), seconds,
                  target=f"onnxruntime {ort.__version__} CPU", notes="run_with_iobinding")
+
+
+#: OpenVINO's names of its inference precisions, as the bench's precisions (a row's notes
+#: begin with the one it ran in: what its tolerance is chosen by).
+_OPENVINO_PRECISIONS = {"f32": "float32", "bf16": "bf16", "f16": "f16"}
+
+
+def _model_openvino(job: Job, workload: ModelWorkload, say: Say) -> Built:
+    """OpenVINO's CPU plugin on the workload's model (an int8 run's QDQ file, which OpenVINO
+    runs on its int8 kernels) with ``INFERENCE_NUM_THREADS`` = the job's threads; otherwise
+    its defaults (``openvino``: what a user gets, bf16 where the CPU has AVX512-BF16 or AMX)
+    or ``INFERENCE_PRECISION_HINT`` f32 (``openvino-f32``).  Inputs are bound once, as the
+    onnxruntime row's are.
+
+    Raises
+    ------
+    Unavailable
+        ``openvino`` does not import (``pip install 'tvm-tpp[openvino]'``).
+    """
+    try:
+        import openvino as ov
+    except ImportError:
+        raise Unavailable("openvino not installed: pip install 'tvm-tpp[openvino]'") from None
+    import openvino.properties as props
+    import openvino.properties.hint as hints
+
+    proto, specs, inputs = workload.load()
+    start = time.perf_counter()
+    core = ov.Core()
+    model = core.read_model(proto.SerializeToString())
+    model.reshape({spec.name: list(spec.shape) for spec in specs})
+    config: dict[Any, Any] = {props.inference_num_threads: job.threads}
+    if job.impl == "openvino-f32":
+        config[hints.inference_precision] = ov.Type.f32
+    compiled = core.compile_model(model, "CPU", config)
+    request = compiled.create_infer_request()
+    by_name = {spec.name: array for spec, array in zip(specs, inputs, strict=True)}
+    for index, port in enumerate(compiled.inputs):
+        # A copy the tensor owns: a shared one would not keep the array alive.
+        request.set_input_tensor(index, ov.Tensor(by_name[port.get_any_name()]))
+    seconds = time.perf_counter() - start
+    hint = compiled.get_property(hints.inference_precision).get_type_name()
+    ran = _OPENVINO_PRECISIONS.get(hint, hint)
+    threads = compiled.get_property(props.inference_num_threads)
+    how = ("INFERENCE_PRECISION_HINT f32" if job.impl == "openvino-f32" else
+           f"OpenVINO's defaults (its inference precision here: {hint})")
+    # The first word is the precision it ran in (the harness picks the row's tolerance by it).
+    notes = (f"{ran}: {how}; {threads} threads, "
+             f"{compiled.get_property(hints.performance_mode)} hint"
+             + ("; the int8 file (QDQ) on OpenVINO's int8 kernels" if job.precision == "int8"
+                else ""))
+    outputs = range(len(compiled.outputs))
+
+    def run() -> list[np.ndarray]:
+        request.infer()
+        return [np.array(request.get_output_tensor(i).data) for i in outputs]
+
+    return Built(run, loop_timer(request.infer), seconds,
+                 target=f"openvino {ov.__version__.split('-')[0]} CPU", notes=notes)
 
 
 def _model_reference(job: Job, workload: ModelWorkload, say: Say) -> Built:
@@ -545,6 +607,8 @@ _BUILDERS: dict[str, dict[type, Callable[..., Built]]] = {
     "tvm-default": {ModelWorkload: _model_tvm_default, GemmWorkload: _gemm_tvm_default},
     "metaschedule": {ModelWorkload: _model_metaschedule, GemmWorkload: _gemm_metaschedule},
     "onnxruntime": {ModelWorkload: _model_onnxruntime},
+    "openvino": {ModelWorkload: _model_openvino},
+    "openvino-f32": {ModelWorkload: _model_openvino},
     "reference": {ModelWorkload: _model_reference},
 }
 

@@ -68,8 +68,8 @@ from .timing import PAUSE_SECONDS, Plan, SamplingPolicy, turn_order
 from .workers import Worker, WorkerError
 from .workloads import ModelWorkload
 
-__all__ = ["BASELINES", "FLOAT32", "IMPLS", "STATUSES", "TOLERANCE", "TOLERANCES", "BenchConfig",
-           "Row", "default_work_dir", "judge", "run_bench"]
+__all__ = ["BASELINES", "FLOAT32", "IMPLS", "SELF_CHOSEN", "STATUSES", "TOLERANCE", "TOLERANCES",
+           "BenchConfig", "Row", "default_work_dir", "judge", "run_bench"]
 
 #: The implementations ``tvm-tpp bench`` compares, in table order.
 IMPLS = tuple(i for i in _impls.IMPLS
@@ -77,7 +77,11 @@ IMPLS = tuple(i for i in _impls.IMPLS
 #: The row a low-precision run adds: tpp on the float32 model (not chosen with ``impls``).
 FLOAT32 = "tpp-float32"
 #: Implementations every other row's speedup is given against, when they were benchmarked.
-BASELINES = (FLOAT32, "tvm-default", "metaschedule", "onnxruntime")
+BASELINES = (FLOAT32, "tvm-default", "metaschedule", "onnxruntime", "openvino", "openvino-f32")
+#: Rows whose precision is the library's own choice (OpenVINO's default is bf16 on CPUs with
+#: AVX512-BF16 or AMX): their notes begin with ``"<precision>:"``, and a row that ran in a
+#: lower precision than the run's gets that precision's tolerance.
+SELF_CHOSEN = ("openvino", "openvino-f32")
 #: ``ok``; ``WRONG`` (over tolerance); ``error`` (crash, failure, time-out); ``skipped``
 #: (not available here); ``unchecked`` (ONNX Runtime could not produce a reference).
 STATUSES = ("ok", "WRONG", "error", "skipped", "unchecked")
@@ -107,7 +111,8 @@ class BenchConfig:
     repeat
         Timed samples per implementation (fewer for runs over ``slow_seconds``).
     impls
-        Implementations, a subset of :data:`IMPLS`.
+        Implementations, a subset of :data:`IMPLS` (default: all but :data:`FLOAT32` and the
+        optional OpenVINO rows, :data:`SELF_CHOSEN`).
     ms_trials
         MetaSchedule's total trial budget, split evenly over the model's tasks.
     work_dir
@@ -144,7 +149,7 @@ class BenchConfig:
     batches: tuple[int, ...] = (1,)
     threads: int = field(default_factory=_isa.num_cores)
     repeat: int = 10
-    impls: tuple[str, ...] = tuple(i for i in IMPLS if i != FLOAT32)
+    impls: tuple[str, ...] = tuple(i for i in IMPLS if i != FLOAT32 and i not in SELF_CHOSEN)
     ms_trials: int = 64
     work_dir: Path = field(default_factory=default_work_dir)
     seed: int = 0
@@ -541,12 +546,32 @@ def _timed_row(base: Mapping[str, Any], timed: _Timed) -> Row:
     return Row(**common, **stats)
 
 
+def _limit(row: Row, tolerance: float) -> float:
+    """``row``'s tolerance: :data:`TOLERANCE` for the :data:`FLOAT32` row; for a
+    :data:`SELF_CHOSEN` row whose notes say it ran in a lower precision, the larger of
+    ``tolerance`` and that precision's; else ``tolerance``.
+
+    Examples
+    --------
+    >>> _limit(Row("m", 1, 2, "openvino", notes="bf16: OpenVINO's defaults"), 1e-4)
+    0.01
+    >>> _limit(Row("m", 1, 2, "openvino-f32", notes="float32: f32 hint"), 1e-4)
+    0.0001
+    """
+    if row.impl == FLOAT32:
+        return TOLERANCE
+    ran = (row.notes or "").partition(":")[0]
+    if row.impl in SELF_CHOSEN and ran in TOLERANCES:
+        return max(tolerance, TOLERANCES[ran])
+    return tolerance
+
+
 def judge(rows: Sequence[Row], tolerance: float = TOLERANCE) -> list[Row]:
     """Flag rows over ``tolerance`` as WRONG, then rank the correct ones against the baselines.
 
     Only ``ok`` rows get speedups, and only against baselines that are ``ok`` themselves.
     The :data:`FLOAT32` row is a float32 build whatever the run's precision: its tolerance is
-    :data:`TOLERANCE`.
+    :data:`TOLERANCE`; an OpenVINO row that chose bf16 itself gets bf16's (:func:`_limit`).
 
     Examples
     --------
@@ -559,8 +584,7 @@ def judge(rows: Sequence[Row], tolerance: float = TOLERANCE) -> list[Row]:
     for row in rows:
         if row.status == "ok" and row.max_rel_err is None:
             row = replace(row, status="unchecked", error=row.error or "no error measured")
-        elif row.status == "ok" and not row.max_rel_err <= (
-                limit := TOLERANCE if row.impl == FLOAT32 else tolerance):
+        elif row.status == "ok" and not row.max_rel_err <= (limit := _limit(row, tolerance)):
             row = replace(row, status="WRONG",
                           error=f"max rel err {row.max_rel_err:.2e} > tolerance {limit:g}")
         flagged.append(row)

@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from microkernels import isa as _isa
 
-from .networks import BASELINES, TOLERANCE, BenchConfig, Row
+from .networks import BASELINES, TOLERANCE, TOLERANCES, BenchConfig, Row
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -45,7 +45,7 @@ __all__ = ["explanation", "format_bench_kernel", "host_info", "print_gemm_report
 _SIMD_PREFIXES = ("avx", "fma", "amx", "f16c", "asimd", "sve", "sme", "bf16", "i8mm", "fphp")
 _NOT_SIMD = frozenset({"smep"})
 # Implementations whose worker notes (offload counts, tuning budget, database) are footnoted.
-_NOTED = ("tpp", "tpp-tuned", "metaschedule")
+_NOTED = ("tpp", "tpp-tuned", "metaschedule", "openvino", "openvino-f32")
 
 
 def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
@@ -254,6 +254,7 @@ def _table(rows: Sequence[Row], cfg: BenchConfig) -> tuple[list[str], list[list[
         "compile s = ONNX import + build; tune s = search time in this run (0: found in the "
         "work dir's database), apart from latency.",
         *_precision_notes(cfg),
+        *_openvino_notes(cfg),
         *notes,
     ]
     return header, cells, footnotes
@@ -270,6 +271,18 @@ def _precision_notes(cfg: BenchConfig) -> list[str]:
             "roundings; the onnxruntime row is its fused int8 execution)")
     return [f"precision {cfg.precision}: {what}; tpp-float32 = tpp on the float32 model "
             f"(tolerance {TOLERANCE:g} vs ONNX Runtime on it)."]
+
+
+def _openvino_notes(cfg: BenchConfig) -> list[str]:
+    """What the OpenVINO rows are (nothing without them)."""
+    if not any(i.startswith("openvino") for i in cfg.compared):
+        return []
+    return ["openvino = OpenVINO's CPU plugin with its defaults (what a user gets: bf16 "
+            "inference precision on CPUs with AVX512-BF16 or AMX, then checked with the bf16 "
+            f"tolerance {TOLERANCES['bf16']:g} if the run's is lower); openvino-f32 = the same "
+            "with INFERENCE_PRECISION_HINT f32; both with INFERENCE_NUM_THREADS = the threads "
+            "above" + (" and on the int8 (QDQ) file" if cfg.precision == "int8" else "")
+            + "; each row's note begins with the precision it ran in."]
 
 
 def print_report(rows: Sequence[Row], cfg: BenchConfig, wall_seconds: float | None = None,
