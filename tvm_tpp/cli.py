@@ -12,6 +12,7 @@ $ tvm-tpp info
 $ tvm-tpp tune mlp --budget 2           # writes ./tvm_tpp_work/tuning.db
 $ tvm-tpp run mlp --check onnxruntime   # built with the configs tuned in ./tvm_tpp_work
 $ tvm-tpp run resnet50 --work-dir resnet_work --report
+$ tvm-tpp profile mobilenet_v2          # time per operator: TPP kernels, layouts, fallback
 $ tvm-tpp run bert --precision bf16 --check onnxruntime   # dense layers in bf16
 $ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
 $ tvm-tpp bench mlp bert --impls tpp,tvm-default,onnxruntime --json bench.json
@@ -223,6 +224,53 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import compiler
+    from .profiling import KIND_NAMES, KINDS
+    from .reference import random_inputs
+
+    model = _model(args.model, args.batch)
+    compiled = compiler.compile(model, args.target, _shapes(args.shape), work_dir=args.work_dir,
+                                precision=args.precision)
+    prof = compiled.profile(random_inputs(compiled.inputs, seed=args.seed), repeat=args.repeat)
+    console = Console()
+    if not console.is_terminal:  # a file or pipe: never fold the operator names
+        console = Console(width=max(100, 60 + max((len(o.name) for o in prof.operators),
+                                                  default=0)))
+    console.print(f"compiled in {compiled.compile_seconds:.1f} s for "
+                  f"{compiled.target.attrs['model']}", highlight=False)
+    _print_kernels(compiled, args.report)
+    ms = 1e3
+    table = Table(title=f"slowest operators ({len(prof.operators)} called, {args.repeat} "
+                  "profiled runs)")
+    for name in ("operator", "kind", "calls", "ms/run", "share"):
+        table.add_column(name, justify="left" if name in ("operator", "kind") else "right")
+    for o in prof.top(args.top):
+        table.add_row(o.name, KIND_NAMES[o.kind], str(o.calls), f"{o.seconds * ms:.3f}",
+                      f"{o.share:.1%}")
+    console.print(table)
+    kinds = Table(title="by kind")
+    for name in ("kind", "operators", "calls", "ms/run", "share"):
+        kinds.add_column(name, justify="left" if name == "kind" else "right")
+    for kind in KINDS:
+        count = sum(o.kind == kind for o in prof.operators)
+        kinds.add_row(KIND_NAMES[kind], str(count), str(prof.calls[kind]),
+                      f"{prof.seconds[kind] * ms:.3f}", f"{prof.shares[kind]:.1%}")
+    kinds.add_section()
+    kinds.add_row("total in calls", str(len(prof.operators)), str(sum(prof.calls.values())),
+                  f"{prof.measured_seconds * ms:.3f}", "100.0%")
+    console.print(kinds)
+    console.print(f"a profiled run: {prof.run_seconds * ms:.3f} ms (each call timed from "
+                  f"Python); unprofiled: {prof.latency_seconds * ms:.3f} ms", highlight=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(prof.to_json(), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -365,6 +413,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=_at_least(1, int), default=10, help="timed samples")
     p.add_argument("--number", type=_at_least(1, int), default=1, help="runs per timed sample")
     p.add_argument("--seed", type=int, default=0)
+
+    p = add("profile", cmd_profile, "time per operator of the built model, grouped by kind "
+            "(TPP kernel, layout conversion, TVM fallback, VM builtin) with each one's share")
+    model_options(p)
+    p.add_argument("--repeat", type=_at_least(1, int), default=10, help="profiled runs")
+    p.add_argument("--top", type=_at_least(1, int), default=20,
+                   help="slowest operators listed (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--json", help="write every operator's time and the totals as JSON")
 
     p = add("tune", cmd_tune, "tune every GEMM, conv and batch GEMM of the models over their "
             "loop_spec spaces")
