@@ -304,7 +304,8 @@ def _model_openvino(job: Job, workload: ModelWorkload, say: Say) -> Built:
     ran = _OPENVINO_PRECISIONS.get(hint, hint)
     threads = compiled.get_property(props.inference_num_threads)
     how = ("INFERENCE_PRECISION_HINT f32" if job.impl == "openvino-f32" else
-           f"OpenVINO's defaults (its inference precision here: {hint})")
+           f"OpenVINO's defaults (its inference precision here: {hint}"
+           + (", so the same build as openvino-f32)" if hint == "f32" else ")"))
     # The first word is the precision it ran in (the harness picks the row's tolerance by it).
     notes = (f"{ran}: {how}; {threads} threads, "
              f"{compiled.get_property(hints.performance_mode)} hint"
