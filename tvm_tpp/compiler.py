@@ -665,10 +665,11 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         Build every operator with its untuned default, whatever a work directory holds (the
         baseline the tuner is measured against).
     precision
-        ``"float32"``, or ``"bf16"``: the dense layers multiply in bfloat16 with float32
-        accumulation (weights rounded and packed at compile time, activations converted
-        before each kernel; inputs, outputs, epilogues, convolutions and attention stay
-        float32).  Expect a normwise error vs float32 of a few 1e-3 instead of 1e-6.
+        ``"float32"``, or ``"bf16"``: dense layers, convolutions and attention multiply in
+        bfloat16 with float32 accumulation (weights rounded and packed at compile time,
+        activations converted as each kernel reads them; inputs, outputs and epilogues stay
+        float32).  Expect a normwise error vs float32 of a few 1e-3 instead of 1e-6.  A
+        quantized (int8) model runs its quantized layers on int8 kernels whatever this is.
 
     Raises
     ------

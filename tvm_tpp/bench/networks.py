@@ -11,7 +11,8 @@ The rules that keep the comparison fair:
 - every output is checked against ONNX Runtime; a row whose normwise relative error exceeds
   the tolerance is ``WRONG`` and is not ranked;
 - with a low ``precision`` (:data:`TOLERANCES`), every implementation runs at it — ``bf16``:
-  the TPP rows build their dense layers on bf16 kernels; ``int8``: all run one QDQ-quantized
+  the TPP rows build their dense, conv and attention kernels in bf16 (OpenVINO's default row
+  runs its own bf16 where the CPU has it); ``int8``: all run one QDQ-quantized
   file (a float model is quantized by :func:`~tvm_tpp.quantized.quantize_static_qdq`, an
   already quantized one is taken as it is), checked against that file's graph run by ONNX
   Runtime without its fusions (the QDQ semantics of the ONNX spec) — and
