@@ -66,7 +66,9 @@ def test_operator_kinds(name, kind):
 
 def test_cli_prints_the_tables(capsys, tmp_path):
     out_json = tmp_path / "p.json"
-    assert main(["profile", "mlp", "--repeat", "2", "--top", "2", "--json", str(out_json)]) == 0
+    # --top large enough for every operator: which ones are slowest depends on the timing.
+    assert main(["profile", "mlp", "--repeat", "2", "--top", "100", "--json",
+                 str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "slowest operators" in out and "by kind" in out
     assert "tpp_dense_1x1024x512_bias_relu" in out
