@@ -38,7 +38,8 @@ conversions stay at these borders.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,7 +49,7 @@ from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
 from microkernels.brgemm import BrgemmShape
-from microkernels.epilogue import Epilogue
+from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules import depthwise
 from schedules.conv import ConvConfig, ConvProblem, pack_weight, schedule, unfold_weight
@@ -62,7 +63,9 @@ from .scaffold import (
     Offload,
     dispatched_brgemm,
     epilogue_patterns,
+    is_call_to,
     offload_patterns,
+    readers,
     static_shape,
 )
 
@@ -98,9 +101,10 @@ def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     dtype = PRECISIONS[precision]
 
-    def make_rewriter(add_kernel, pattern, _func):
+    def make_rewriter(add_kernel, pattern, func):
+        read_by = readers(func)
         return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
-                                              report, dtype)
+                                              report, dtype, read_by)
 
     return offload_patterns(sum_to_add(mod), epilogue_patterns(_conv), make_rewriter, report,
                             "relax.nn.conv2d", _why_left, then=simplify_layouts)
@@ -159,8 +163,8 @@ def _channel_vector(bias: np.ndarray, k: int) -> np.ndarray | None:
 
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
              pattern: EpiloguePattern[DFPattern], add_kernel: KernelAdder,
-             target: Target, tuner: Tuner | None, report: list[Offload], dtype: str
-             ) -> relax.Expr:
+             target: Target, tuner: Tuner | None, report: list[Offload], dtype: str,
+             read_by: Callable[[relax.Expr], list[relax.Expr] | None]) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, with _why_left().
     call = matches[pattern.anchor]
@@ -178,11 +182,46 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
             return orig
         operands.append(to_matrix(matches[pattern.residual]))
     problem = conv_problem(call, dtype, pattern.epilogue())
+    # A bf16 conv read only by bf16 convs writes bf16 itself (its epilogue converts): they
+    # read it through a float32 view that simplify_layouts cancels against their own cast.
+    handoff = (dtype == "bfloat16" and isinstance(problem, ConvProblem)
+               and _read_by_convs_only(orig, read_by))
+    if handoff:
+        problem = replace(problem, epilogue=Epilogue(
+            (*problem.epilogue.ops, EpilogueOp("convert", dtype="bfloat16"))))
     x = call.args[0] if dtype == "float32" else relax.op.astype(call.args[0], dtype)
     out, kernel, brgemm = emit_conv(x, problem, call.args[1].value.numpy(), operands,
                                     add_kernel, target, tuner)
     report.append(offload(pattern.name("conv2d"), problem, kernel, brgemm, target))
-    return out
+    return relax.op.astype(out, "float32") if handoff else out
+
+
+def _read_by_convs_only(value: relax.Expr,
+                        read_by: Callable[[relax.Expr], list[relax.Expr] | None]) -> bool:
+    """Whether every reader of ``value`` is a conv this pass routes (reading it as its data)
+    or one it has routed in bf16 already (reading it only through ``astype(., bfloat16)``)."""
+    found = read_by(value)
+    return bool(found) and all(_reads_as_bf16_conv(r) for r in found)
+
+
+def _reads_as_bf16_conv(reader: relax.Expr) -> bool:
+    if is_call_to(reader, "relax.nn.conv2d"):
+        return isinstance(reader.args[0], relax.Var) and _unsupported(reader) is None
+    if not is_call_to(reader, "relax.call_tir"):
+        return False
+    uses: list[relax.Var] = []
+    casts: list[relax.Var] = []
+
+    def visit(e: relax.Expr) -> None:
+        if isinstance(e, relax.Var):
+            uses.append(e)
+        elif is_call_to(e, "relax.astype") and str(e.attrs.dtype) == "bfloat16" and \
+                isinstance(e.args[0], relax.Var):
+            casts.append(e.args[0])
+
+    relax.analysis.post_order_visit(reader, visit)
+    # Every variable the kernel call reads, it reads cast to bf16 (the conv's input).
+    return bool(casts) and sorted(map(id, uses)) == sorted(map(id, casts))
 
 
 def offload(op: str, problem: ConvProblem | DepthwiseProblem, kernel: str,

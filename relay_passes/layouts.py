@@ -62,7 +62,9 @@ class _Layouts(relax.PyExprMutator):
     * pooling and spatial ``mean`` of ``permute_dims(a, NCHW)`` run on ``a`` in NHWC, with
       the permute after them, where the next conv's permute cancels it;
     * so do elementwise ops whose tensor operands are all such permutes (or scalars): a
-      quantized residual block's dequantize / add / relu / quantize between int8 convs.
+      quantized residual block's dequantize / add / relu / quantize between int8 convs;
+    * ``astype(astype(x, float32), bfloat16)`` of a bf16 ``x`` is ``x`` (a bf16 producer's
+      output handed to a bf16 consumer).
     """
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -71,6 +73,10 @@ class _Layouts(relax.PyExprMutator):
             return call
         name = call.op.name
         inner = self._bound(call.args[0])
+        if name == "relax.astype":
+            cancelled = _undo_widening(inner, str(call.attrs.dtype))
+            if cancelled is not None:
+                return cancelled
         if name == "relax.permute_dims" and is_call_to(inner, "relax.permute_dims"):
             outer_axes, inner_axes = _axes(call), _axes(inner)
             if outer_axes is None or inner_axes is None:
@@ -119,6 +125,9 @@ class _Layouts(relax.PyExprMutator):
             make = getattr(relax.op, call.op.name.split(".")[1])
             axis = _NCHW_TO_NHWC_AXIS[int(attrs.axis) % 4]
             out = make(*args, axis=axis, out_dtype=str(attrs.out_dtype))
+        elif call.op.name == "relax.astype":
+            out = _undo_widening(self._bound(args[0]), str(attrs.dtype))
+            out = relax.Call(call.op, args, attrs) if out is None else out
         else:
             out = relax.Call(call.op, args, attrs)
         return relax.op.permute_dims(out, TO_NCHW)
@@ -131,6 +140,23 @@ class _Layouts(relax.PyExprMutator):
                 return expr
             expr = value
         return expr
+
+
+#: Casts whose round trip is exact: (narrow, wide) -- a bf16 producer handing its output to
+#: a bf16 consumer through a float32 view of it (:mod:`relay_passes.conv`).
+_WIDENINGS = {("bfloat16", "float32")}
+
+
+def _undo_widening(inner: relax.Expr, dtype: str) -> relax.Expr | None:
+    """``x`` for ``astype(astype(x, wide), dtype)`` when ``x`` is ``dtype`` and the inner
+    cast only widened it (exact both ways), else None."""
+    if not is_call_to(inner, "relax.astype"):
+        return None
+    source = inner.args[0]
+    if not isinstance(source.ty, relax.TensorType):
+        return None
+    narrow, wide = str(source.ty.dtype), str(inner.attrs.dtype)
+    return source if narrow == dtype and (narrow, wide) in _WIDENINGS else None
 
 
 def simplify_layouts(mod: tvm.IRModule) -> tvm.IRModule:

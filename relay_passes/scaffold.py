@@ -176,6 +176,41 @@ def static_shape(shape: Any) -> tuple[int, ...] | None:
         return None
 
 
+def readers(func: relax.Function) -> Callable[[relax.Expr], list[relax.Expr] | None]:
+    """For a value bound in ``func``: the bound values that read it (one entry per read), or
+    None when the function returns it or it is not bound (a reader no pass can see).
+
+    Examples
+    --------
+    >>> x = relax.Var("x", relax.TensorType((2,), "float32"))
+    >>> bb = relax.BlockBuilder()
+    >>> with bb.function("main", [x]):
+    ...     with bb.dataflow():
+    ...         a = bb.emit(relax.op.add(x, x))
+    ...         b = bb.emit_output(relax.op.multiply(a, a))
+    ...     _ = bb.emit_func_output(b)
+    >>> func = bb.get()["main"]
+    >>> bound = relax.analysis.get_var2val(func)
+    >>> [r.op.name for r in readers(func)(bound[a])], readers(func)(bound[b])
+    (['relax.multiply', 'relax.multiply'], None)
+    """
+    bound = relax.analysis.get_var2val(func)
+    reads: dict[relax.Var, list[relax.Expr]] = {var: [] for var in bound}
+    for value in bound.values():
+        relax.analysis.post_order_visit(
+            value, lambda e, v=value: reads[e].append(v) if e in reads else None)
+    returned: set[relax.Var] = set()
+    relax.analysis.post_order_visit(func.body.body, lambda e: returned.add(e)
+                                    if isinstance(e, relax.Var) else None)
+    var_of = {value: var for var, value in bound.items()}
+
+    def of(value: relax.Expr) -> list[relax.Expr] | None:
+        var = var_of.get(value)
+        return None if var is None or var in returned else reads[var]
+
+    return of
+
+
 def is_call_to(expr: relax.Expr, name: str) -> bool:
     """Whether ``expr`` calls the Relax operator ``name`` (e.g. ``"relax.matmul"``).
 

@@ -122,7 +122,7 @@ _REDUCTIONS = frozenset("bfg")
 #: X's dtype -> the dtypes a conv may write (a chain's last op decides).
 _OUT_DTYPES: dict[str, tuple[str, ...]] = {
     "float32": ("float32",),
-    "bfloat16": ("float32",),
+    "bfloat16": ("float32", "bfloat16"),
     "uint8": ("int32", "float32", "uint8", "int8"),
 }
 

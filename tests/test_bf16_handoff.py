@@ -1,0 +1,95 @@
+"""bf16 convs hand bf16 to bf16 convs: the producer's epilogue converts (relay_passes.conv).
+
+A bf16 conv whose every reader is a conv routed in bf16 writes bfloat16 itself, read through a
+float32 view that ``simplify_layouts`` cancels against the reader's own cast; a conv read by
+anything else (an add, the graph's output) keeps float32.  Checked on the rewritten IR, on the
+layout rule alone (Before/Expected), and numerically against ONNX Runtime float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+import tvm_tpp
+from relay_passes.layouts import simplify_layouts
+from relay_passes.pipeline import tpp_rewrites
+from relay_passes.scaffold import is_call_to
+from tvm_tpp.compiler import import_model
+from tvm_tpp.reference import max_errors, run_onnxruntime
+from tvm_tpp.tpp_target import target as tpp_target
+
+
+def _convs(extra_reader: bool):
+    """x -> conv1 -> relu -> conv2 -> y, and with ``extra_reader`` also y2 = relu1 + x."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 8, 3, 3)) * 0.2)
+                                     .astype("float32"), f"w{i}") for i in (1, 2)]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["y"], pads=[1] * 4)]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 9, 9])]
+    if extra_reader:
+        nodes.append(helper.make_node("Add", ["r1", "x"], ["y2"]))
+        outputs.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, [1, 8, 9, 9]))
+    graph = helper.make_graph(
+        nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 9, 9])],
+        outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _kernel_outputs(model) -> list[str]:
+    """The output dtypes of the TPP kernel calls, in graph order."""
+    mod, _ = import_model(model)
+    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
+    found = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(str(e.ty.dtype))
+                                    if is_call_to(e, "relax.call_tir")
+                                    and e.args[0].name_hint.startswith("tpp_") else None)
+    return found
+
+
+def test_a_conv_read_only_by_a_bf16_conv_writes_bf16():
+    assert _kernel_outputs(_convs(extra_reader=False)) == ["bfloat16", "float32"]
+
+
+def test_a_conv_read_by_anything_else_writes_float32():
+    assert _kernel_outputs(_convs(extra_reader=True)) == ["float32", "float32"]
+
+
+def test_handoff_matches_onnxruntime_float32():
+    model = _convs(extra_reader=False)
+    x = np.random.default_rng(1).standard_normal((1, 8, 9, 9)).astype("float32")
+    got = tvm_tpp.compile(model, target="tpp", precision="bf16").run(x=x)
+    assert max_errors(got, run_onnxruntime(model, {"x": x}))[1] <= 1e-2
+
+
+def _casts(first: str, second: str) -> tvm.IRModule:
+    x = relax.Var("x", relax.TensorType((4,), "bfloat16" if first == "float32" else "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.astype(x, first))
+            y = bb.emit_output(relax.op.astype(y, second))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def _astypes(mod: tvm.IRModule) -> int:
+    found = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
+                                    if is_call_to(e, "relax.astype") else None)
+    return len(found)
+
+
+def test_a_widening_round_trip_cancels():
+    before = _casts("float32", "bfloat16")  # bf16 -> float32 -> bf16: exact both ways
+    assert _astypes(before) == 2
+    assert _astypes(relax.transform.DeadCodeElimination()(simplify_layouts(before))) == 0
+
+
+def test_a_narrowing_round_trip_stays():
+    before = _casts("bfloat16", "float32")  # float32 -> bf16 -> float32 rounds: not identity
+    tvm.ir.assert_structural_equal(simplify_layouts(before), before)
