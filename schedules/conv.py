@@ -53,8 +53,8 @@ same ``pad_value``: a quantized input pads with its zero point, so that padded p
 zeros, and the caller folds the zero point out (the bias absorbs ``-zx * sum W``).  The
 epilogue starts from the accumulator, except that an int32 one meets a chain that takes floats
 only (``scale`` first: dequantization) converted to float32.  A uint8 conv writes int32,
-float32 (dequantized) or uint8/int8 (``requantize``); float32 convs write float32, bf16 ones float32 or
-bf16 (a ``convert`` epilogue: a bf16 producer of bf16 convs).
+float32 (dequantized) or uint8/int8 (``requantize``); float32 convs write float32, bf16
+ones float32 or bf16 (a ``convert`` epilogue: a bf16 producer of bf16 convs).
 On ``amx`` tile-shaped blocks run AMX tiles (the defaults choose such blocks), others the
 AVX-512 kernel (:func:`microkernels.brgemm.find_impl`'s fallback).  The tiles read X in place:
 a function parameter, whose bf16 TVM keeps as bf16 (only buffers a function allocates become
