@@ -66,6 +66,7 @@ from .scaffold import (
     is_call_to,
     offload_patterns,
     readers,
+    reads_through_bf16_cast,
     static_shape,
 )
 
@@ -207,21 +208,7 @@ def _read_by_convs_only(value: relax.Expr,
 def _reads_as_bf16_conv(reader: relax.Expr) -> bool:
     if is_call_to(reader, "relax.nn.conv2d"):
         return isinstance(reader.args[0], relax.Var) and _unsupported(reader) is None
-    if not is_call_to(reader, "relax.call_tir"):
-        return False
-    uses: list[relax.Var] = []
-    casts: list[relax.Var] = []
-
-    def visit(e: relax.Expr) -> None:
-        if isinstance(e, relax.Var):
-            uses.append(e)
-        elif is_call_to(e, "relax.astype") and str(e.attrs.dtype) == "bfloat16" and \
-                isinstance(e.args[0], relax.Var):
-            casts.append(e.args[0])
-
-    relax.analysis.post_order_visit(reader, visit)
-    # Every variable the kernel call reads, it reads cast to bf16 (the conv's input).
-    return bool(casts) and sorted(map(id, uses)) == sorted(map(id, casts))
+    return is_call_to(reader, "relax.call_tir") and reads_through_bf16_cast(reader)
 
 
 def offload(op: str, problem: ConvProblem | DepthwiseProblem, kernel: str,

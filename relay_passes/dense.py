@@ -40,7 +40,7 @@ Examples
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,7 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
+from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules.gemm import GemmProblem, pack_weight, schedule
 from schedules.tuner import Tuner, config_for
@@ -58,7 +59,10 @@ from .scaffold import (
     Offload,
     dispatched_brgemm,
     epilogue_patterns,
+    is_call_to,
     offload_patterns,
+    readers,
+    reads_through_bf16_cast,
     static_shape,
 )
 
@@ -101,9 +105,10 @@ def rewrite_dense(
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     dtype = PRECISIONS[precision]
 
-    def make_rewriter(add_kernel, pattern, _func):
+    def make_rewriter(add_kernel, pattern, func):
+        read_by = readers(func)
         return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
-                                              report, dtype)
+                                              report, dtype, read_by)
 
     chains = epilogue_patterns(_matmul, spelled_out_gelu=True, root_of=lambda a: a.matmul)
     return offload_patterns(mod, chains, make_rewriter, report, "relax.matmul", _why_left)
@@ -130,8 +135,8 @@ ONE_COLUMN = "N = 1: a matrix-vector product, left to TVM's GEMV schedule"
 
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
              pattern: EpiloguePattern[_Matmul], add_kernel: KernelAdder,
-             target: Target, tuner: Tuner | None, report: list[Offload], dtype: str
-             ) -> relax.Expr:
+             target: Target, tuner: Tuner | None, report: list[Offload], dtype: str,
+             read_by: Callable[[relax.Expr], list[relax.Expr] | None]) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, with _why_left().
     mm = pattern.anchor
@@ -154,7 +159,14 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     m = int(np.prod(x_shape[:-1]))
     isa = machine_of(target).isa
     # Bound to the ISA: the operands' layout (VNNI, MMLA) is that of the ISA's kernels.
-    problem = GemmProblem(m, n, k, dtype, pattern.epilogue()).on(isa)
+    epilogue = pattern.epilogue()
+    # A bf16 layer read only by bf16 layers writes bf16 itself (its epilogue converts); they
+    # read it through a float32 view that simplify_layouts cancels against their own cast.
+    found = read_by(orig) if dtype == "bfloat16" else None
+    handoff = bool(found) and all(_reads_as_bf16_dense(r) for r in found)
+    if handoff:
+        epilogue = Epilogue((*epilogue.ops, EpilogueOp("convert", dtype="bfloat16")))
+    problem = GemmProblem(m, n, k, dtype, epilogue).on(isa)
     config = config_for(problem, target, tuner)
     name = (f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if pattern.ops() else "")
             + ("_bf16" if dtype == "bfloat16" else ""))
@@ -163,19 +175,29 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
 
     x_matrix = _as_matrix(x, m, k)
     if dtype != "float32":
-        # A kernel of its own converts X; the next step is converting in the epilogue of
-        # X's producer (a bf16 convert TPP), which saves writing and re-reading X in float32.
+        # Cancelled against a bf16 producer's float32 view of its bf16 output (see above).
         x_matrix = relax.op.astype(x_matrix, dtype)
     args = [x_matrix, relax.const(pack_weight(weight.astype(np.float32), config.bn, problem))]
     if bias is not None:
         args.append(relax.const(bias.reshape(n).astype(np.float32)))
     if residual is not None:
         args.append(_as_matrix(residual, m, n))
-    out = relax.call_tir(gv, args, relax.TensorType((m, n), "float32"))
+    out = relax.call_tir(gv, args, relax.TensorType((m, n), problem.out_dtype))
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
     report.append(Offload.routed(pattern.name("matmul"), (m, n, k),  # e.g. matmul+bias+relu
                                  f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch)))
-    return out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
+    out = out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
+    return relax.op.astype(out, "float32") if handoff else out
+
+
+def _reads_as_bf16_dense(reader: relax.Expr) -> bool:
+    """Whether ``reader`` is a dense layer this pass routes in bf16 (reading the value as its
+    X), or one it has routed already (reading it only through its bf16 cast)."""
+    if is_call_to(reader, "relax.matmul"):
+        x, w = reader.args
+        return (isinstance(x, relax.Var) and isinstance(w, tvm.ir.expr.Constant)
+                and w.ty.ndim == 2 and _unsupported(x, w.value.numpy()) is None)
+    return is_call_to(reader, "relax.call_tir") and reads_through_bf16_cast(reader)
 
 
 def _why_left(call: relax.Call) -> str | None:

@@ -24,6 +24,8 @@ Examples
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tvm
 from tvm import relax
 
@@ -74,7 +76,7 @@ class _Layouts(relax.PyExprMutator):
         name = call.op.name
         inner = self._bound(call.args[0])
         if name == "relax.astype":
-            cancelled = _undo_widening(inner, str(call.attrs.dtype))
+            cancelled = _undo_widening(inner, str(call.attrs.dtype), self._bound)
             if cancelled is not None:
                 return cancelled
         if name == "relax.permute_dims" and is_call_to(inner, "relax.permute_dims"):
@@ -126,7 +128,7 @@ class _Layouts(relax.PyExprMutator):
             axis = _NCHW_TO_NHWC_AXIS[int(attrs.axis) % 4]
             out = make(*args, axis=axis, out_dtype=str(attrs.out_dtype))
         elif call.op.name == "relax.astype":
-            out = _undo_widening(self._bound(args[0]), str(attrs.dtype))
+            out = _undo_widening(self._bound(args[0]), str(attrs.dtype), self._bound)
             out = relax.Call(call.op, args, attrs) if out is None else out
         else:
             out = relax.Call(call.op, args, attrs)
@@ -147,9 +149,14 @@ class _Layouts(relax.PyExprMutator):
 _WIDENINGS = {("bfloat16", "float32")}
 
 
-def _undo_widening(inner: relax.Expr, dtype: str) -> relax.Expr | None:
+def _undo_widening(inner: relax.Expr, dtype: str,
+                   bound: Callable[[relax.Expr], relax.Expr]) -> relax.Expr | None:
     """``x`` for ``astype(astype(x, wide), dtype)`` when ``x`` is ``dtype`` and the inner
-    cast only widened it (exact both ways), else None."""
+    cast only widened it (exact both ways), else None; through a reshape between them,
+    ``reshape(x)`` (``bound`` resolves variables to their values)."""
+    if is_call_to(inner, "relax.reshape"):
+        source = _undo_widening(bound(inner.args[0]), dtype, bound)
+        return None if source is None else relax.op.reshape(source, inner.args[1])
     if not is_call_to(inner, "relax.astype"):
         return None
     source = inner.args[0]

@@ -211,6 +211,27 @@ def readers(func: relax.Function) -> Callable[[relax.Expr], list[relax.Expr] | N
     return of
 
 
+def reads_through_bf16_cast(reader: relax.Expr) -> bool:
+    """Whether ``reader`` (a kernel call a pass emitted) reads every variable it reads only
+    cast to bfloat16, ``astype(v, "bfloat16")`` or ``astype(reshape(v), "bfloat16")``: a bf16
+    kernel's input, which a producer may hand over in bf16 already."""
+    uses: list[relax.Var] = []
+    casts: list[relax.Var] = []
+
+    def visit(e: relax.Expr) -> None:
+        if isinstance(e, relax.Var):
+            uses.append(e)
+        elif is_call_to(e, "relax.astype") and str(e.attrs.dtype) == "bfloat16":
+            source = e.args[0]
+            if is_call_to(source, "relax.reshape"):
+                source = source.args[0]
+            if isinstance(source, relax.Var):
+                casts.append(source)
+
+    relax.analysis.post_order_visit(reader, visit)
+    return bool(casts) and sorted(map(id, uses)) == sorted(map(id, casts))
+
+
 def is_call_to(expr: relax.Expr, name: str) -> bool:
     """Whether ``expr`` calls the Relax operator ``name`` (e.g. ``"relax.matmul"``).
 

@@ -1,4 +1,5 @@
-"""bf16 convs hand bf16 to bf16 convs: the producer's epilogue converts (relay_passes.conv).
+"""bf16 layers hand bf16 to bf16 layers: the producer's epilogue converts (relay_passes.conv,
+relay_passes.dense).
 
 A bf16 conv whose every reader is a conv routed in bf16 writes bfloat16 itself, read through a
 float32 view that ``simplify_layouts`` cancels against the reader's own cast; a conv read by
@@ -93,3 +94,23 @@ def test_a_widening_round_trip_cancels():
 def test_a_narrowing_round_trip_stays():
     before = _casts("bfloat16", "float32")  # float32 -> bf16 -> float32 rounds: not identity
     tvm.ir.assert_structural_equal(simplify_layouts(before), before)
+
+
+def test_dense_layers_hand_bf16_to_dense_layers():
+    from tvm_tpp import models
+
+    mod, _ = import_model(models.load("mlp"))
+    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
+    kernels, casts = [], []
+
+    def visit(e):
+        if is_call_to(e, "relax.call_tir") and e.args[0].name_hint.startswith("tpp_"):
+            kernels.append(str(e.ty.dtype))
+        elif is_call_to(e, "relax.astype"):
+            casts.append((str(e.args[0].ty.dtype), str(e.attrs.dtype)))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    # Layers 1 and 2 write bf16 for the next; the last writes the float32 output; only the
+    # graph's input is cast (no bf16 -> float32 -> bf16 round trip is left).
+    assert kernels == ["bfloat16", "bfloat16", "float32"]
+    assert casts == [("float32", "bfloat16")]
