@@ -27,6 +27,7 @@ from schedules.tuner import TaskCollector, Tuner
 from .batch_matmul import rewrite_batch_matmul
 from .conv import rewrite_conv
 from .dense import rewrite_dense
+from .guards import guard_gathers
 from .keep_int8 import keep_int8
 from .prepare import prepare, sum_to_add
 from .qdq import rewrite_qdq
@@ -53,6 +54,8 @@ def tpp_rewrites(
 
     @tvm.transform.module_pass(opt_level=0, name="TppRewrites")
     def _rewrites(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        # ONNX's bounds where TVM's take would read past its tensor (any target).
+        mod = guard_gathers(mod)
         if not is_tpp(target):
             return prepare()(mod)
         found = report if report is not None else []

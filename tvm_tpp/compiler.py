@@ -164,8 +164,24 @@ class CompiledModel:
         return args
 
     def run(self, **inputs: np.ndarray) -> list[np.ndarray]:
-        """Run on numpy inputs given by name; returns the outputs as numpy arrays."""
-        result = self._machine()["main"](*self._arguments(inputs))
+        """Run on numpy inputs given by name; returns the outputs as numpy arrays.
+
+        Raises
+        ------
+        UsageError
+            The inputs hold a value the model refuses, e.g. an index out of a Gather's range
+            (:data:`relay_passes.guards.OUT_OF_RANGE`).
+        """
+        from relay_passes.guards import OUT_OF_RANGE
+
+        try:
+            result = self._machine()["main"](*self._arguments(inputs))
+        except Exception as err:  # TVM raises the kernels' run-time checks as its own types
+            message = str(err)
+            if OUT_OF_RANGE not in message:
+                raise
+            detail = message[message.index(OUT_OF_RANGE):].splitlines()[0]
+            raise UsageError(f"the inputs are out of the model's range: {detail}") from None
         return [o.numpy() for o in _flatten(result)]
 
     def time(
