@@ -125,12 +125,16 @@ def _unsupported(x: relax.Expr, weight: np.ndarray) -> str | None:
         return f"weight of shape {weight.shape} is not a [K, N] matrix for this input"
     if weight.shape[1] == 1:
         return ONE_COLUMN
+    if weight.shape[0] == 1:
+        return ONE_TERM
     return None
 
 
 #: Why a layer with one output column stays with TVM: it is a matrix-vector product, memory
 #: bound, which TVM's GEMV schedule covers (the BRGEMM has no 1-wide register tile).
 ONE_COLUMN = "N = 1: a matrix-vector product, left to TVM's GEMV schedule"
+#: Why a layer with K = 1 stays with TVM: an outer product, no reduction for a BRGEMM.
+ONE_TERM = "K = 1: an outer product (nothing to reduce), left to TVM's elementwise schedule"
 
 
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
