@@ -139,8 +139,72 @@ def _pair(value, what: str, n: int) -> tuple[int, ...]:
     return values
 
 
+class ConvGeometry(TypedProblem):
+    """What a 2-D convolution problem's fields give, and their validation: ``n, h, w, r, s``,
+    ``k`` (output channels), ``stride``, ``padding``, ``dtype`` and ``epilogue`` (the conv and
+    depthwise templates' problems mix it in)."""
+
+    def _validate(self, dims: tuple[str, ...], template: str, writer: str) -> None:
+        """Check the fields (``dims`` positive ints) and normalize stride and padding;
+        ``template`` and ``writer`` name the template and the conv in the messages."""
+        for dim in dims:
+            value = getattr(self, dim)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{type(self).__name__}.{dim} must be a positive int, "
+                                 f"got {value!r}")
+        object.__setattr__(self, "stride", _pair(self.stride, "stride", 2))
+        object.__setattr__(self, "padding", _pair(self.padding, "padding", 4))
+        if min(self.stride) < 1:
+            raise ValueError(f"strides must be >= 1, got {self.stride}")
+        if min(self.padding) < 0:
+            raise ValueError(f"padding must be >= 0, got {self.padding}")
+        if self.hp < self.r or self.wp < self.s:
+            raise ValueError(f"a {self.r}x{self.s} filter does not fit the {self.h}x{self.w} "
+                             f"input padded by {self.padding}")
+        if self.dtype not in OPERANDS:
+            raise ValueError(f"the {template} template handles {', '.join(OPERANDS)}, "
+                             f"got {self.dtype!r}")
+        if not isinstance(self.epilogue, Epilogue):
+            raise TypeError(f"epilogue must be an Epilogue, got {type(self.epilogue).__name__}")
+        out = self.out_dtype  # raises for chains that do not type-check
+        allowed = _OUT_DTYPES[self.dtype]
+        if out not in allowed:
+            raise ValueError(f"a {self.dtype} {writer} writes {' or '.join(allowed)}, not "
+                             f"{out} (epilogue {self.epilogue.name!r})")
+
+    @property
+    def hp(self) -> int:
+        """Padded input height."""
+        return self.h + self.padding[0] + self.padding[2]
+
+    @property
+    def wp(self) -> int:
+        """Padded input width."""
+        return self.w + self.padding[1] + self.padding[3]
+
+    @property
+    def p(self) -> int:
+        """Output height."""
+        return (self.hp - self.r) // self.stride[0] + 1
+
+    @property
+    def q(self) -> int:
+        """Output width."""
+        return (self.wp - self.s) // self.stride[1] + 1
+
+    @property
+    def output_shape(self) -> tuple[int, int, int, int]:
+        """NCHW shape of the result."""
+        return (self.n, self.k, self.p, self.q)
+
+    @property
+    def rows(self) -> int:
+        """Output pixels ``N*P*Q``: the rows of the ``[rows, K]`` output matrix."""
+        return self.n * self.p * self.q
+
+
 @dataclass(frozen=True)
-class ConvProblem(TypedProblem):
+class ConvProblem(ConvGeometry):
     """``Y = epilogue(conv2d(X, W))``: NCHW input, OIHW weights, groups 1, X in ``dtype``.
 
     Parameters
@@ -190,29 +254,7 @@ class ConvProblem(TypedProblem):
     epilogue: Epilogue = field(default_factory=Epilogue)
 
     def __post_init__(self) -> None:
-        for dim in ("n", "c", "h", "w", "k", "r", "s"):
-            value = getattr(self, dim)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"ConvProblem.{dim} must be a positive int, got {value!r}")
-        object.__setattr__(self, "stride", _pair(self.stride, "stride", 2))
-        object.__setattr__(self, "padding", _pair(self.padding, "padding", 4))
-        if min(self.stride) < 1:
-            raise ValueError(f"strides must be >= 1, got {self.stride}")
-        if min(self.padding) < 0:
-            raise ValueError(f"padding must be >= 0, got {self.padding}")
-        if self.hp < self.r or self.w + self.padding[1] + self.padding[3] < self.s:
-            raise ValueError(f"a {self.r}x{self.s} filter does not fit the {self.h}x{self.w} "
-                             f"input padded by {self.padding}")
-        if self.dtype not in OPERANDS:
-            raise ValueError(f"the conv template handles {', '.join(OPERANDS)}, "
-                             f"got {self.dtype!r}")
-        if not isinstance(self.epilogue, Epilogue):
-            raise TypeError(f"epilogue must be an Epilogue, got {type(self.epilogue).__name__}")
-        out = self.out_dtype  # raises for chains that do not type-check
-        allowed = _OUT_DTYPES[self.dtype]
-        if out not in allowed:
-            raise ValueError(f"a {self.dtype} conv writes {' or '.join(allowed)}, not {out} "
-                             f"(epilogue {self.epilogue.name!r})")
+        self._validate(("n", "c", "h", "w", "k", "r", "s"), "conv", "conv")
 
 
     @property
@@ -236,39 +278,14 @@ class ConvProblem(TypedProblem):
 
 
     @property
-    def p(self) -> int:
-        """Output height."""
-        return (self.hp - self.r) // self.stride[0] + 1
-
-    @property
-    def q(self) -> int:
-        """Output width."""
-        return (self.w + self.padding[1] + self.padding[3] - self.s) // self.stride[1] + 1
-
-    @property
-    def hp(self) -> int:
-        """Padded input height."""
-        return self.h + self.padding[0] + self.padding[2]
-
-    @property
     def wq(self) -> int:
         """Input column groups of ``sw``: the padded width is ``wq * sw`` (rounded up)."""
-        return -(-(self.w + self.padding[1] + self.padding[3]) // self.stride[1])
+        return -(-self.wp // self.stride[1])
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
         """Shape of the packed input ``X[N][Hp][Wq][sw*C']`` (``C' = padded_c``)."""
         return (self.n, self.hp, self.wq, self.stride[1] * self.padded_c)
-
-    @property
-    def output_shape(self) -> tuple[int, int, int, int]:
-        """NCHW shape of the result."""
-        return (self.n, self.k, self.p, self.q)
-
-    @property
-    def rows(self) -> int:
-        """Output pixels ``N*P*Q``: the rows of the ``[rows, K]`` output matrix."""
-        return self.n * self.p * self.q
 
     @property
     def flops(self) -> int:

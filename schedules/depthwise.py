@@ -58,9 +58,8 @@ from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 
 from .blocking import divisors, near_divisors
-from .conv import _OUT_DTYPES, _input_values, _pad_scalar, _pair
+from .conv import ConvGeometry, _input_values, _pad_scalar
 from .gemm import _weight_values
-from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
     from tvm import s_tir
@@ -75,7 +74,7 @@ _MAX_TILE_VECTORS = 14
 
 
 @dataclass(frozen=True)
-class DepthwiseProblem(TypedProblem):
+class DepthwiseProblem(ConvGeometry):
     """``Y = epilogue(depthwise_conv2d(X, W))``: NCHW input of C channels, ``[C, 1, R, S]``
     weights (``groups = C``, one output channel per input channel), X in ``dtype``.
 
@@ -105,54 +104,12 @@ class DepthwiseProblem(TypedProblem):
     epilogue: Epilogue = field(default_factory=Epilogue)
 
     def __post_init__(self) -> None:
-        for dim in ("n", "c", "h", "w", "r", "s"):
-            value = getattr(self, dim)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"DepthwiseProblem.{dim} must be a positive int, got {value!r}")
-        object.__setattr__(self, "stride", _pair(self.stride, "stride", 2))
-        object.__setattr__(self, "padding", _pair(self.padding, "padding", 4))
-        if min(self.stride) < 1:
-            raise ValueError(f"strides must be >= 1, got {self.stride}")
-        if min(self.padding) < 0:
-            raise ValueError(f"padding must be >= 0, got {self.padding}")
-        if self.hp < self.r or self.wp < self.s:
-            raise ValueError(f"a {self.r}x{self.s} filter does not fit the {self.h}x{self.w} "
-                             f"input padded by {self.padding}")
-        if self.dtype not in OPERANDS:
-            raise ValueError(f"the depthwise template handles {', '.join(OPERANDS)}, "
-                             f"got {self.dtype!r}")
-        if not isinstance(self.epilogue, Epilogue):
-            raise TypeError(f"epilogue must be an Epilogue, got {type(self.epilogue).__name__}")
-        out = self.out_dtype  # raises for chains that do not type-check
-        allowed = _OUT_DTYPES[self.dtype]
-        if out not in allowed:
-            raise ValueError(f"a {self.dtype} depthwise conv writes {' or '.join(allowed)}, "
-                             f"not {out} (epilogue {self.epilogue.name!r})")
+        self._validate(("n", "c", "h", "w", "r", "s"), "depthwise", "depthwise conv")
 
     @property
     def k(self) -> int:
         """Output channels: C."""
         return self.c
-
-    @property
-    def hp(self) -> int:
-        """Padded input height."""
-        return self.h + self.padding[0] + self.padding[2]
-
-    @property
-    def wp(self) -> int:
-        """Padded input width."""
-        return self.w + self.padding[1] + self.padding[3]
-
-    @property
-    def p(self) -> int:
-        """Output height."""
-        return (self.hp - self.r) // self.stride[0] + 1
-
-    @property
-    def q(self) -> int:
-        """Output width."""
-        return (self.wp - self.s) // self.stride[1] + 1
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
@@ -163,16 +120,6 @@ class DepthwiseProblem(TypedProblem):
     def weight_shape(self) -> tuple[int, int, int]:
         """Shape of the packed weight ``W[R][S][C]``."""
         return (self.r, self.s, self.c)
-
-    @property
-    def output_shape(self) -> tuple[int, int, int, int]:
-        """NCHW shape of the result."""
-        return (self.n, self.c, self.p, self.q)
-
-    @property
-    def rows(self) -> int:
-        """Output pixels ``N*P*Q``: the rows of the ``[rows, C]`` output matrix."""
-        return self.n * self.p * self.q
 
     @property
     def flops(self) -> int:
