@@ -1,13 +1,15 @@
 """Convolutions to TPP kernels: ``act(conv2d(x, W) + b [+ r])``, constant W, as one call_tir.
 
-Matches ``relax.nn.conv2d`` with a constant weight (NCHW data, OIHW weights, float32,
-``groups = 1``, dilation 1, any stride and padding) together with the epilogue that follows it:
+Matches ``relax.nn.conv2d`` with a constant weight (NCHW data, OIHW weights, float32, any
+groups, stride, padding and dilation) together with the epilogue that follows it:
 a constant per-channel bias (``[1, K, 1, 1]``, what BatchNorm folding leaves), a residual add
 of another tensor of the output's shape, and ReLU / GELU / sigmoid.  The chain becomes one
 scheduled PrimFunc (:mod:`schedules.conv`) whose weights are packed at compile time.
-Depthwise convs (``groups = C = K``, weight ``[C, 1, R, S]``) take the same chains to the
-depthwise template (:mod:`schedules.depthwise`: padded NHWC in, ``[N*P*Q, C]`` out, the same
-layout conversions).
+Grouped convs run the conv template with its K blocks within one group each (every block
+reduces its own group's channels); depthwise convs (``groups = C = K``, weight
+``[C, 1, R, S]``) take the same chains to the depthwise template (:mod:`schedules.depthwise`:
+padded NHWC in, ``[N*P*Q, C]`` out, the same layout conversions).  A dilation spreads the
+taps in the padded input: the kernels' tap offsets take it.
 
 The kernel works channels-last, so each rewritten conv reads
 ``reshape(pad(permute_dims(x, NHWC)))`` and is read through ``permute_dims(reshape(y), NCHW)``;
@@ -15,8 +17,9 @@ The kernel works channels-last, so each rewritten conv reads
 ONNX ``Sum`` of two tensors is first turned back into ``add`` so that a ResNet's residual add
 is found (:func:`relay_passes.prepare.sum_to_add`).
 
-Convolutions that do not fit (grouped but not depthwise, dilated, non-float32, non-constant weights,
-symbolic shapes, other layouts) stay with TVM and are reported with the reason.
+Convolutions that do not fit (non-float32, non-constant weights, symbolic shapes, other
+layouts; in low precision, groups of channels that are not whole VNNI groups, which then
+multiply in float32) stay with TVM and are reported with the reason.
 
 Examples
 --------
@@ -48,12 +51,13 @@ from tvm import relax
 from tvm.relax.dpl import DFPattern, is_const, is_op, wildcard
 from tvm.target import Target
 
-from microkernels.brgemm import BrgemmShape
+from microkernels.brgemm import LAYOUTS, BrgemmShape
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules import depthwise
 from schedules.conv import ConvConfig, ConvProblem, pack_weight, schedule, unfold_weight
 from schedules.depthwise import DepthwiseConfig, DepthwiseProblem
+from schedules.operands import OPERANDS
 from schedules.tuner import TaskCollector, Tuner, config_for
 
 from .dense import PRECISIONS
@@ -125,21 +129,23 @@ def _unsupported(call: relax.Call) -> str | None:
     return None
 
 
-def unsupported_geometry(call: relax.Call) -> str | None:
-    """Why the template cannot compute this conv2d's shape, whatever its types (None if it
-    can): groups, dilation, layouts, symbolic shapes."""
+def unsupported_geometry(call: relax.Call, dtype: str = "float32") -> str | None:
+    """Why the templates cannot compute this conv2d's shape multiplying in ``dtype`` (None if
+    they can): layouts, symbolic shapes, and a grouped conv's channels per group in low
+    precision (whole VNNI groups each)."""
     attrs = call.attrs
     x = call.args[0]
-    if int(attrs.groups) != 1 and not is_depthwise(call):
-        return f"groups={int(attrs.groups)} (grouped conv) is not routed to TPP"
-    if any(int(d) != 1 for d in attrs.dilation):
-        return f"dilation {[int(d) for d in attrs.dilation]} is not routed to TPP"
     layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
     if layouts != ("NCHW", "OIHW", "NCHW"):
         return f"layouts {'/'.join(layouts)}: only NCHW/OIHW/NCHW is routed to TPP"
     shape = static_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
     if shape is None or len(shape) != 4:
         return "input shape is symbolic or not 4-D"
+    groups = int(attrs.groups)
+    alpha = LAYOUTS[OPERANDS[dtype][1]][0]
+    if groups > 1 and not is_depthwise(call) and (shape[1] // groups) % alpha:
+        return (f"groups={groups}: {shape[1] // groups} channels per group are not whole "
+                f"VNNI groups of {alpha} for {dtype}")
     return None
 
 
@@ -171,6 +177,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     call = matches[pattern.anchor]
     if _unsupported(call) is not None:
         return orig
+    if unsupported_geometry(call, dtype) is not None:
+        dtype = "float32"  # a grouped conv whose groups are no whole VNNI groups
     k = int(call.args[1].ty.shape[0])
     operands = []
     if pattern.bias is not None:
@@ -207,7 +215,8 @@ def _read_by_convs_only(value: relax.Expr,
 
 def _reads_as_bf16_conv(reader: relax.Expr) -> bool:
     if is_call_to(reader, "relax.nn.conv2d"):
-        return isinstance(reader.args[0], relax.Var) and _unsupported(reader) is None
+        return (isinstance(reader.args[0], relax.Var) and _unsupported(reader) is None
+                and unsupported_geometry(reader, "bfloat16") is None)
     return is_call_to(reader, "relax.call_tir") and reads_through_bf16_cast(reader)
 
 
@@ -230,15 +239,14 @@ def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue
     n, c, h, w = static_shape(call.args[0].ty.shape)
     k, _, r, s = static_shape(call.args[1].ty.shape)
     attrs = call.attrs
+    geometry = {"stride": tuple(int(v) for v in attrs.strides),
+                "padding": tuple(int(v) for v in attrs.padding),
+                "dilation": tuple(int(v) for v in attrs.dilation)}
     if is_depthwise(call):
-        return DepthwiseProblem(n=n, c=c, h=h, w=w, r=r, s=s,
-                                stride=tuple(int(v) for v in attrs.strides),
-                                padding=tuple(int(v) for v in attrs.padding), dtype=dtype,
-                                epilogue=epilogue)
-    return ConvProblem(n=n, c=c, h=h, w=w, k=k, r=r, s=s,
-                       stride=tuple(int(v) for v in attrs.strides),
-                       padding=tuple(int(v) for v in attrs.padding), dtype=dtype,
-                       epilogue=epilogue)
+        return DepthwiseProblem(n=n, c=c, h=h, w=w, r=r, s=s, dtype=dtype, epilogue=epilogue,
+                                **geometry)
+    return ConvProblem(n=n, c=c, h=h, w=w, k=k, r=r, s=s, dtype=dtype, epilogue=epilogue,
+                       groups=int(attrs.groups), **geometry)
 
 
 def to_matrix(y: relax.Expr) -> relax.Expr:
@@ -266,12 +274,12 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
                                pad_value)
     # Few input channels (an RGB stem): unfold the S taps into the channels, so that each
     # BRGEMM call reduces S*C values instead of C.
-    unfold = problem.c < _UNFOLD_BELOW and problem.s > 1
+    unfold = problem.c < _UNFOLD_BELOW and problem.s > 1 and problem.groups == 1
     kernel_problem = problem.unfold_width() if unfold else problem
     config = config_for(kernel_problem, target, tuner)  # the problem the kernel computes
     sh, sw = problem.stride
     name = (f"tpp_conv2d_{problem.n}x{problem.c}x{problem.h}x{problem.w}_"
-            f"{problem.k}x{problem.r}x{problem.s}_s{sh}x{sw}"
+            f"{problem.k}x{problem.r}x{problem.s}_s{sh}x{sw}" + _geometry_tag(problem)
             + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
             + _DTYPE_TAGS[problem.dtype])
     func, brgemm = _kernel(kernel_problem, config, machine_of(target).isa.name)
@@ -294,7 +302,7 @@ def _emit_depthwise(x: relax.Expr, problem: DepthwiseProblem, weight: np.ndarray
     config = config_for(problem, target, tuner)
     sh, sw = problem.stride
     name = (f"tpp_dwconv2d_{problem.n}x{problem.c}x{problem.h}x{problem.w}_"
-            f"{problem.r}x{problem.s}_s{sh}x{sw}"
+            f"{problem.r}x{problem.s}_s{sh}x{sw}" + _geometry_tag(problem)
             + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
             + _DTYPE_TAGS[problem.dtype])
     gv = add_kernel(_depthwise_kernel(problem, config, machine_of(target).isa.name), name)
@@ -311,6 +319,13 @@ def _emit_depthwise(x: relax.Expr, problem: DepthwiseProblem, weight: np.ndarray
 def _depthwise_kernel(problem: DepthwiseProblem, config: DepthwiseConfig, isa: str
                       ) -> tvm.tirx.PrimFunc:
     return depthwise.schedule(problem, config, isa).mod["main"]
+
+
+def _geometry_tag(problem: ConvProblem | DepthwiseProblem) -> str:
+    """The kernel name's dilation and groups, where they are not 1."""
+    dh, dw = problem.dilation
+    groups = getattr(problem, "groups", 1)
+    return ("" if (dh, dw) == (1, 1) else f"_d{dh}x{dw}") + ("" if groups == 1 else f"_g{groups}")
 
 
 #: Kernel name suffix of a conv's operand type.
@@ -345,9 +360,10 @@ def _padded_channels(y, have: int, channels: int, pad_value: float | int):
 def _unfold_input(x, problem: ConvProblem, pad_value: float | int):
     """NCHW ``x`` -> the input of ``problem.unfold_width()`` (see :mod:`schedules.conv`)."""
     padded = _padded_nhwc(x, problem, pad_value)
-    sw, q = problem.stride[1], problem.q
-    taps = [relax.op.strided_slice(padded, axes=[2], begin=[s], end=[s + (q - 1) * sw + 1],
-                                   strides=[sw]) for s in range(problem.s)]
+    sw, dw, q = problem.stride[1], problem.dilation[1], problem.q
+    taps = [relax.op.strided_slice(padded, axes=[2], begin=[s * dw],
+                                   end=[s * dw + (q - 1) * sw + 1], strides=[sw])
+            for s in range(problem.s)]
     return _padded_channels(relax.op.concat(taps, axis=3), problem.s * problem.c,
                             problem.unfold_width().padded_c, pad_value)
 

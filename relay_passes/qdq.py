@@ -315,7 +315,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     transposed = chain.w_transposed is not None and chain.w_transposed in matches
     if transposed and not _is_transpose(matches[chain.w_transposed]):
         return orig
-    if chain.anchor == "conv2d" and unsupported_geometry(layer) is not None:
+    if chain.anchor == "conv2d" and unsupported_geometry(layer, "uint8") is not None:
         return orig
     weights = _weights(const(chain.wq), const(chain.sw), const(chain.zw),
                        int(matches[chain.w_dequantized].attrs.axis), *_weight_axes(chain,
@@ -673,7 +673,7 @@ def _report_left(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr],
     n_axis, rank = (0, 4) if name == "conv2d" else ((0 if transposed else 1), 2)
     why = _weights(wq, sw, zw, int(w.attrs.axis), n_axis, rank)
     if not isinstance(why, str):
-        why = unsupported_geometry(expr) if name == "conv2d" else None
+        why = unsupported_geometry(expr, "uint8") if name == "conv2d" else None
     if why is None:
         reduced = (wq.shape[1] * int(expr.attrs.groups) if name == "conv2d"
                    else wq.shape[1 - n_axis])

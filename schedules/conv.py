@@ -141,8 +141,9 @@ def _pair(value, what: str, n: int) -> tuple[int, ...]:
 
 class ConvGeometry(TypedProblem):
     """What a 2-D convolution problem's fields give, and their validation: ``n, h, w, r, s``,
-    ``k`` (output channels), ``stride``, ``padding``, ``dtype`` and ``epilogue`` (the conv and
-    depthwise templates' problems mix it in)."""
+    ``k`` (output channels), ``stride``, ``padding``, ``dilation``, ``dtype`` and ``epilogue``
+    (the conv and depthwise templates' problems mix it in).  A dilated filter's taps are
+    ``dilation`` input pixels apart: it spans :attr:`span` pixels."""
 
     def _validate(self, dims: tuple[str, ...], template: str, writer: str) -> None:
         """Check the fields (``dims`` positive ints) and normalize stride and padding;
@@ -154,13 +155,18 @@ class ConvGeometry(TypedProblem):
                                  f"got {value!r}")
         object.__setattr__(self, "stride", _pair(self.stride, "stride", 2))
         object.__setattr__(self, "padding", _pair(self.padding, "padding", 4))
+        object.__setattr__(self, "dilation", _pair(self.dilation, "dilation", 2))
         if min(self.stride) < 1:
             raise ValueError(f"strides must be >= 1, got {self.stride}")
         if min(self.padding) < 0:
             raise ValueError(f"padding must be >= 0, got {self.padding}")
-        if self.hp < self.r or self.wp < self.s:
-            raise ValueError(f"a {self.r}x{self.s} filter does not fit the {self.h}x{self.w} "
-                             f"input padded by {self.padding}")
+        if min(self.dilation) < 1:
+            raise ValueError(f"dilations must be >= 1, got {self.dilation}")
+        span_h, span_w = self.span
+        if self.hp < span_h or self.wp < span_w:
+            dilated = "" if self.dilation == (1, 1) else f" dilated by {self.dilation}"
+            raise ValueError(f"a {self.r}x{self.s} filter{dilated} does not fit the "
+                             f"{self.h}x{self.w} input padded by {self.padding}")
         if self.dtype not in OPERANDS:
             raise ValueError(f"the {template} template handles {', '.join(OPERANDS)}, "
                              f"got {self.dtype!r}")
@@ -183,14 +189,20 @@ class ConvGeometry(TypedProblem):
         return self.w + self.padding[1] + self.padding[3]
 
     @property
+    def span(self) -> tuple[int, int]:
+        """Input rows and columns one output pixel's filter covers: ``(R-1)*dh+1, (S-1)*dw+1``."""
+        dh, dw = self.dilation
+        return (self.r - 1) * dh + 1, (self.s - 1) * dw + 1
+
+    @property
     def p(self) -> int:
         """Output height."""
-        return (self.hp - self.r) // self.stride[0] + 1
+        return (self.hp - self.span[0]) // self.stride[0] + 1
 
     @property
     def q(self) -> int:
         """Output width."""
-        return (self.wp - self.s) // self.stride[1] + 1
+        return (self.wp - self.span[1]) // self.stride[1] + 1
 
     @property
     def output_shape(self) -> tuple[int, int, int, int]:
@@ -205,7 +217,7 @@ class ConvGeometry(TypedProblem):
 
 @dataclass(frozen=True)
 class ConvProblem(ConvGeometry):
-    """``Y = epilogue(conv2d(X, W))``: NCHW input, OIHW weights, groups 1, X in ``dtype``.
+    """``Y = epilogue(conv2d(X, W))``: NCHW input, OIHW weights, X in ``dtype``.
 
     Parameters
     ----------
@@ -225,6 +237,12 @@ class ConvProblem(ConvGeometry):
         and scale are per output channel (``"row"``), a residual is a full NHWC tensor.
         float32 and bfloat16 convs write float32; uint8 ones int32, float32 (dequantized:
         ``scale`` first) or uint8/int8 (``requantize`` last).
+    dilation
+        ``(dh, dw)`` or one int for both: the filter's taps are that many input pixels apart.
+    groups
+        Channel groups: output channel ``o`` reduces the ``C/groups`` input channels of group
+        ``o // (K/groups)`` (weights ``[K, C/groups, R, S]``).  In low precision each group's
+        channels are whole VNNI groups.
 
     Examples
     --------
@@ -239,6 +257,9 @@ class ConvProblem(ConvGeometry):
     Traceback (most recent call last):
     ...
     ValueError: a 5x5 filter does not fit the 4x4 input padded by (0, 0, 0, 0)
+    >>> g = ConvProblem(1, 12, 9, 9, 6, 3, 3, padding=2, dilation=2, groups=3)
+    >>> (g.output_shape, g.span, g.group_c, g.group_k, g.flops)
+    ((1, 6, 9, 9), (5, 5), 4, 2, 34992)
     """
 
     n: int
@@ -252,10 +273,16 @@ class ConvProblem(ConvGeometry):
     padding: tuple[int, int, int, int] | int = (0, 0, 0, 0)
     dtype: str = "float32"
     epilogue: Epilogue = field(default_factory=Epilogue)
+    dilation: tuple[int, int] | int = (1, 1)
+    groups: int = 1
 
     def __post_init__(self) -> None:
-        self._validate(("n", "c", "h", "w", "k", "r", "s"), "conv", "conv")
-
+        self._validate(("n", "c", "h", "w", "k", "r", "s", "groups"), "conv", "conv")
+        if self.c % self.groups or self.k % self.groups:
+            raise ValueError(f"groups={self.groups} must divide C={self.c} and K={self.k}")
+        if self.groups > 1 and (self.c // self.groups) % self.alpha:
+            raise ValueError(f"a grouped {self.dtype} conv needs whole VNNI groups of "
+                             f"{self.alpha} channels per group, got {self.c // self.groups}")
 
     @property
     def layout(self) -> str:
@@ -270,12 +297,19 @@ class ConvProblem(ConvGeometry):
 
     @property
     def padded_c(self) -> int:
-        """C rounded up to whole VNNI groups: the channels of the packed input and weight,
-        which the channel blocks tile."""
+        """C rounded up to whole VNNI groups: the channels of the packed input."""
         return padded(self.c, self.alpha)
 
+    @property
+    def group_c(self) -> int:
+        """The channels one output channel reduces, which the channel blocks tile: the
+        padded C, or a group's C/groups channels (whole VNNI groups already)."""
+        return self.padded_c if self.groups == 1 else self.c // self.groups
 
-
+    @property
+    def group_k(self) -> int:
+        """Output channels per group: K/groups (the K blocks stay within one group)."""
+        return self.k // self.groups
 
     @property
     def wq(self) -> int:
@@ -289,17 +323,18 @@ class ConvProblem(ConvGeometry):
 
     @property
     def flops(self) -> int:
-        return 2 * self.rows * self.k * self.c * self.r * self.s
+        return 2 * self.rows * self.k * (self.c // self.groups) * self.r * self.s
 
     def unfold_width(self) -> ConvProblem:
         """The same convolution on its input unfolded along the width (im2col of the S taps).
 
         Input column ``q`` of the unfolded tensor holds the ``S*C`` values output column ``q``
-        reads in one filter row: ``X'[n, h, q, s*C + c] = Xpad[n, h, q*sw + s, c]``.  The
-        filter becomes ``R x 1`` over ``S*C`` channels.  Worth it when C is small (an RGB
-        stem): each BRGEMM call then reduces ``S*C`` channels instead of ``C``, at the price
-        of an S-fold copy of a small input.  dtype and epilogue stay; in low precision the
-        ``S*C`` channels are padded to whole VNNI groups as a whole (:attr:`padded_c`).
+        reads in one filter row: ``X'[n, h, q, s*C + c] = Xpad[n, h, q*sw + s*dw, c]``.  The
+        filter becomes ``R x 1`` over ``S*C`` channels (a height dilation stays; groups 1).
+        Worth it when C is small (an RGB stem): each BRGEMM call then reduces ``S*C``
+        channels instead of ``C``, at the price of an S-fold copy of a small input.  dtype
+        and epilogue stay; in low precision the ``S*C`` channels are padded to whole VNNI
+        groups as a whole (:attr:`padded_c`).
 
         Examples
         --------
@@ -309,10 +344,13 @@ class ConvProblem(ConvGeometry):
         >>> ConvProblem(1, 3, 16, 16, 8, 7, 7, padding=3, dtype="uint8").unfold_width().padded_c
         24
         """
+        if self.groups != 1:
+            raise ValueError("only an ungrouped conv unfolds its width")
         top, _, bottom, _ = self.padding
         return ConvProblem(self.n, self.s * self.c, self.h, self.q, self.k, self.r, 1,
                            stride=(self.stride[0], 1), padding=(top, 0, bottom, 0),
-                           dtype=self.dtype, epilogue=self.epilogue)
+                           dtype=self.dtype, epilogue=self.epilogue,
+                           dilation=(self.dilation[0], 1))
 
 
 @dataclass(frozen=True)
@@ -325,9 +363,10 @@ class ConvConfig:
         Output columns per BRGEMM (its ``m``); divides Q.
     bc
         Input channels per BRGEMM batch element (its ``k``); divides the problem's
-        ``padded_c`` and takes whole VNNI groups (a multiple of its ``alpha``).
+        ``group_c`` and takes whole VNNI groups (a multiple of its ``alpha``).
     bk
-        Output channels per tile (the BRGEMM's ``n``, the vector dimension); divides K.
+        Output channels per tile (the BRGEMM's ``n``, the vector dimension); divides K
+        (a grouped conv's K/groups: a tile stays within one group).
     spec
         loop_spec over :data:`LETTERS`; upper-case loops run in parallel.  Reductions
         (``b``, ``f``, ``g``) cannot be parallel.
@@ -368,23 +407,25 @@ class ConvConfig:
 
     def check(self, problem: ConvProblem) -> None:
         """ValueError unless the blocks tile ``problem`` exactly."""
-        channels = "C" if problem.padded_c == problem.c else "padded C"
+        channels = ("C/groups" if problem.groups > 1
+                    else "C" if problem.padded_c == problem.c else "padded C")
+        outputs = "K/groups" if problem.groups > 1 else "K"
         for block, dim, name, what in ((self.bq, problem.q, "bq", "Q"),
-                                       (self.bc, problem.padded_c, "bc", channels),
-                                       (self.bk, problem.k, "bk", "K")):
+                                       (self.bc, problem.group_c, "bc", channels),
+                                       (self.bk, problem.group_k, "bk", outputs)):
             if dim % block:
                 raise ValueError(f"{name}={block} does not divide {what}={dim}")
         if self.bc % problem.alpha:
             raise ValueError(f"bc={self.bc} is not a multiple of {problem.alpha}, the VNNI "
                              f"group of {problem.dtype} convs")
-        if (problem.padded_c // self.bc) % self.c_step:
+        if (problem.group_c // self.bc) % self.c_step:
             raise ValueError(f"c_step={self.c_step} does not divide "
-                             f"{channels}/bc={problem.padded_c // self.bc}")
+                             f"{channels}/bc={problem.group_c // self.bc}")
 
     def loops(self, problem: ConvProblem) -> tuple[LoopDecl, ...]:
         """The seven logical loops of ``problem``, in block units."""
         self.check(problem)
-        extents = (("N", problem.n), ("Cb", problem.padded_c // self.bc),
+        extents = (("N", problem.n), ("Cb", problem.group_c // self.bc),
                    ("Kb", problem.k // self.bk),
                    ("P", problem.p), ("Qb", problem.q // self.bq), ("R", problem.r),
                    ("S", problem.s))
@@ -407,9 +448,10 @@ def weight_shape(problem: ConvProblem, bk: int) -> tuple[int, ...]:
     >>> weight_shape(ConvProblem(1, 3, 8, 8, 32, 3, 3, dtype="uint8"), 16)
     (2, 3, 3, 1, 16, 4)
     """
-    k, r, s, c, alpha = problem.k, problem.r, problem.s, problem.padded_c, problem.alpha
-    if k % bk:
-        raise ValueError(f"bk={bk} does not divide K={k}")
+    k, r, s, c, alpha = problem.k, problem.r, problem.s, problem.group_c, problem.alpha
+    if problem.group_k % bk:
+        raise ValueError(f"bk={bk} does not divide K={k}"
+                         + (f"/{problem.groups}" if problem.groups > 1 else ""))
     if alpha == 1:
         return (k // bk, r, s, c, bk)
     return (k // bk, r, s, c // alpha, bk, alpha)
@@ -427,12 +469,13 @@ def workload(problem: ConvProblem, bk: int) -> PrimFunc:
 
     p, q, c, k, alpha = problem.p, problem.q, problem.padded_c, problem.k, problem.alpha
     sh, sw = problem.stride
+    dh, dw = problem.dilation
     acc = problem.acc_dtype
     x = te.placeholder(problem.input_shape, problem.dtype, name="X")
     w = te.placeholder(weight_shape(problem, bk), problem.weight_dtype, name="W")
     rr = te.reduce_axis((0, problem.r), name="r")
     rs = te.reduce_axis((0, problem.s), name="s")
-    rc = te.reduce_axis((0, c), name="c")
+    rc = te.reduce_axis((0, problem.group_c), name="c")
 
     def weight(o):  # W[o, rc, rr, rs] in the packed layout
         if alpha == 1:
@@ -440,7 +483,11 @@ def workload(problem: ConvProblem, bk: int) -> PrimFunc:
         return w[o // bk, rr, rs, rc // alpha, o % bk, rc % alpha]
 
     def product(n, i, j, o):
-        value = x[n, i * sh + rr, j + rs // sw, rs % sw * c + rc]
+        row = rr * dh if dh > 1 else rr  # the tap's offset in the padded input
+        col = rs * dw if dw > 1 else rs
+        # A group's channels: output channel o reads those of its group only.
+        channel = rc if problem.groups == 1 else o // problem.group_k * problem.group_c + rc
+        value = x[n, i * sh + row, j + col // sw, col % sw * c + channel]
         if problem.dtype == acc:  # float32: no casts in the expression
             return value * weight(o)
         return value.astype(acc) * weight(o).astype(acc)
@@ -553,13 +600,14 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     """
     lanes = machine.isa.lanes("float32")  # = int32 lanes: the accumulators' vectors
     alpha = problem.alpha
-    tiles = _tile_blocks(problem.q, problem.k) if _uses_tiles(problem, machine) else None
+    tiles = (_tile_blocks(problem.q, problem.group_k) if _uses_tiles(problem, machine)
+             else None)
     if tiles is not None and tiles[0] >= min(7, problem.q):  # else: a Q without tile rows
         bq, bk = tiles
-        bc = _k_block(problem.padded_c, alpha, _amx.TILE_BYTES // problem.element_bytes)
+        bc = _k_block(problem.group_c, alpha, _amx.TILE_BYTES // problem.element_bytes)
     else:
-        bk = pick_divisor(problem.k, 64, lanes)
-        bc = _k_block(problem.padded_c, alpha, alpha)
+        bk = pick_divisor(problem.group_k, 64, lanes)
+        bc = _k_block(problem.group_c, alpha, alpha)
         bq = _default_bq(problem.q)
     plane = problem.p * problem.q * bk * 4
     tasks = problem.n * (problem.k // bk)
@@ -618,14 +666,14 @@ def candidates(problem: ConvProblem, machine: Machine) -> list[ConvConfig]:
     base = default_config(problem, machine)
     tiles = _uses_tiles(problem, machine)
     lanes = machine.isa.lanes("float32")
-    bks = near_divisors(problem.k, base.bk, 1, hi=48 if tiles else 64,
+    bks = near_divisors(problem.group_k, base.bk, 1, hi=48 if tiles else 64,
                         multiple=_amx.TILE_ROWS if tiles else lanes)
     blocks = [replace(base, bk=bk) for bk in bks
               if not tiles or base.bq <= _tile_rows(bk)]
     blocks += [replace(base, bq=bq) for bq in near_divisors(
         problem.q, base.bq, 2, lo=min(7, problem.q),
         hi=_tile_rows(base.bk) if tiles else 64)]
-    channel_blocks = problem.padded_c // base.bc
+    channel_blocks = problem.group_c // base.bc
     if channel_blocks > 1:
         blocks.append(replace(base, c_step=channel_blocks))
     other = ORDERS[1] if base.spec == ORDERS[0] else ORDERS[0]
@@ -734,7 +782,9 @@ def pack_weight(w: np.ndarray, bk: int, problem: ConvProblem | None = None) -> n
     tap's ``[C'/a, bk, a]`` panel contiguous.  bfloat16 weights are taken as
     ``ml_dtypes.bfloat16`` or rounded to it from float32 (to nearest even); uint8 problems
     take integer weights in [-128, 127] and return int8.  For :meth:`ConvProblem.unfold_width`
-    pass the unfolded problem and :func:`unfold_weight`'s filter.
+    pass the unfolded problem and :func:`unfold_weight`'s filter.  A grouped conv's
+    ``[K, C/groups, R, S]`` filter packs the same way: each K block's panels hold its own
+    group's channels.
 
     Examples
     --------
@@ -746,15 +796,17 @@ def pack_weight(w: np.ndarray, bk: int, problem: ConvProblem | None = None) -> n
     [[0, 1, 2, 0], [3, 4, 5, 0]]
     """
     k, c, r, s = w.shape
-    if k % bk:
-        raise ValueError(f"bk={bk} does not divide K={k}")
-    if problem is not None and (k, c, r, s) != (problem.k, problem.c, problem.r, problem.s):
-        raise ValueError(f"W must be OIHW {[problem.k, problem.c, problem.r, problem.s]}, "
-                         f"got {list(w.shape)}")
+    if k % bk or problem is not None and problem.group_k % bk:
+        raise ValueError(f"bk={bk} does not divide K={k}"
+                         + (f"/{problem.groups}" if problem and problem.groups > 1 else ""))
+    want = (None if problem is None
+            else (problem.k, problem.c // problem.groups, problem.r, problem.s))
+    if want is not None and (k, c, r, s) != want:
+        raise ValueError(f"W must be OIHW {list(want)}, got {list(w.shape)}")
     if problem is None or problem.layout == "flat":
         b = np.asarray(w, np.float32).transpose(2, 3, 1, 0).reshape(r * s * c, k)
         return Packing.blocked_b(bk).pack(b).reshape(k // bk, r, s, c, bk)
-    alpha, cp = problem.alpha, problem.padded_c
+    alpha, cp = problem.alpha, problem.group_c
     values = _weight_values(np.asarray(w), problem.weight_dtype)
     values = np.pad(values, ((0, 0), (0, cp - c), (0, 0), (0, 0)))  # zeros: padded channels
     b = values.transpose(2, 3, 1, 0).reshape(r * s * cp, k)
@@ -775,9 +827,10 @@ def unfold_input(x: np.ndarray, problem: ConvProblem, pad_value: float | int = 0
     [[7, 7, 7, 1, 1, 1, 1, 1, 1, 7, 7, 7], [1, 1, 1, 1, 1, 1, 7, 7, 7, 7, 7, 7]]
     """
     _, _, _, right = problem.padding
-    sw = problem.stride[1]
+    sw, dw = problem.stride[1], problem.dilation[1]
     padded = _padded_nhwc(x, problem, pad_value, right)
-    taps = [padded[:, :, s:s + (problem.q - 1) * sw + 1:sw] for s in range(problem.s)]
+    taps = [padded[:, :, s * dw:s * dw + (problem.q - 1) * sw + 1:sw]
+            for s in range(problem.s)]
     unfolded = _pad_channels(np.concatenate(taps, axis=3),
                              problem.unfold_width().padded_c, pad_value, problem.dtype)
     return np.ascontiguousarray(unfolded)
@@ -792,8 +845,8 @@ def unfold_weight(w: np.ndarray) -> np.ndarray:
 def reference(problem: ConvProblem, x: np.ndarray, w: np.ndarray,
               pad_value: float | int = 0) -> np.ndarray:
     """NCHW ``conv2d(x, w)`` of the input padded with ``pad_value``, without the epilogue
-    (numpy, tap by tap): int64 when ``x`` and ``w`` are integers (exact), else float64
-    (exact products of bfloat16 values).
+    (numpy, tap by tap, group by group): int64 when ``x`` and ``w`` are integers (exact),
+    else float64 (exact products of bfloat16 values).
 
     Examples
     --------
@@ -802,15 +855,19 @@ def reference(problem: ConvProblem, x: np.ndarray, w: np.ndarray,
     array([[[[12]]]])
     """
     top, left, bottom, right = problem.padding
-    sh, sw = problem.stride
+    (sh, sw), (dh, dw) = problem.stride, problem.dilation
     x, w = np.asarray(x), np.asarray(w)
     exact = np.issubdtype(x.dtype, np.integer) and np.issubdtype(w.dtype, np.integer)
     wide = np.int64 if exact else np.float64
     xp = np.pad(x.astype(wide), ((0, 0), (0, 0), (top, bottom), (left, right)),
                 constant_values=pad_value)
     out = np.zeros(problem.output_shape, wide)
-    for i in range(problem.r):
-        for j in range(problem.s):
-            taps = xp[:, :, i:i + (problem.p - 1) * sh + 1:sh, j:j + (problem.q - 1) * sw + 1:sw]
-            out += np.einsum("nchw,kc->nkhw", taps, w[:, :, i, j].astype(wide))
+    cg, kg = problem.c // problem.groups, problem.group_k
+    for g in range(problem.groups):
+        for i in range(problem.r):
+            for j in range(problem.s):
+                taps = xp[:, g * cg:(g + 1) * cg, i * dh:i * dh + (problem.p - 1) * sh + 1:sh,
+                          j * dw:j * dw + (problem.q - 1) * sw + 1:sw]
+                out[:, g * kg:(g + 1) * kg] += np.einsum(
+                    "nchw,kc->nkhw", taps, w[g * kg:(g + 1) * kg, :, i, j].astype(wide))
     return out

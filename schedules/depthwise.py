@@ -80,12 +80,14 @@ class DepthwiseProblem(ConvGeometry):
 
     Parameters are :class:`schedules.conv.ConvProblem`'s without ``k`` (K = C): ``stride``
     ``(sh, sw)``, ``padding`` ``(top, left, bottom, right)``, ``dtype`` float32, bfloat16 or
-    uint8, and the ``epilogue`` on the ``[N*P*Q, C]`` output.
+    uint8, the ``epilogue`` on the ``[N*P*Q, C]`` output, and ``dilation`` ``(dh, dw)``.
 
     Examples
     --------
     >>> DepthwiseProblem(1, 32, 112, 112, 3, 3, padding=1).output_shape
     (1, 32, 112, 112)
+    >>> DepthwiseProblem(1, 32, 28, 28, 3, 3, padding=4, dilation=4).output_shape
+    (1, 32, 28, 28)
     >>> DepthwiseProblem(1, 8, 2, 2, 3, 3)
     Traceback (most recent call last):
     ...
@@ -102,6 +104,7 @@ class DepthwiseProblem(ConvGeometry):
     padding: tuple[int, int, int, int] | int = (0, 0, 0, 0)
     dtype: str = "float32"
     epilogue: Epilogue = field(default_factory=Epilogue)
+    dilation: tuple[int, int] | int = (1, 1)
 
     def __post_init__(self) -> None:
         self._validate(("n", "c", "h", "w", "r", "s"), "depthwise", "depthwise conv")
@@ -173,7 +176,7 @@ def workload(problem: DepthwiseProblem) -> PrimFunc:
     from microkernels.epilogue import apply_te
 
     p, q, c = problem.p, problem.q, problem.c
-    sh, sw = problem.stride
+    (sh, sw), (dh, dw) = problem.stride, problem.dilation
     acc = problem.acc_dtype
     x = te.placeholder(problem.input_shape, problem.dtype, name="X")
     w = te.placeholder(problem.weight_shape, problem.weight_dtype, name="W")
@@ -181,7 +184,9 @@ def workload(problem: DepthwiseProblem) -> PrimFunc:
     rs = te.reduce_axis((0, problem.s), name="s")
 
     def product(n, i, j, o):
-        value, weight = x[n, i * sh + rr, j * sw + rs, o], w[rr, rs, o]
+        row = rr * dh if dh > 1 else rr  # the tap's offset in the padded input
+        col = rs * dw if dw > 1 else rs
+        value, weight = x[n, i * sh + row, j * sw + col, o], w[rr, rs, o]
         if problem.dtype == acc:
             return value * weight
         return value.astype(acc) * weight.astype(acc)
@@ -375,7 +380,7 @@ def reference(problem: DepthwiseProblem, x: np.ndarray, w: np.ndarray,
     array([[[[12]]]])
     """
     top, left, bottom, right = problem.padding
-    sh, sw = problem.stride
+    (sh, sw), (dh, dw) = problem.stride, problem.dilation
     x, w = np.asarray(x), np.asarray(w)
     exact = np.issubdtype(x.dtype, np.integer) and np.issubdtype(w.dtype, np.integer)
     wide = np.int64 if exact else np.float64
@@ -384,6 +389,7 @@ def reference(problem: DepthwiseProblem, x: np.ndarray, w: np.ndarray,
     out = np.zeros(problem.output_shape, wide)
     for i in range(problem.r):
         for j in range(problem.s):
-            taps = xp[:, :, i:i + (problem.p - 1) * sh + 1:sh, j:j + (problem.q - 1) * sw + 1:sw]
+            taps = xp[:, :, i * dh:i * dh + (problem.p - 1) * sh + 1:sh,
+                      j * dw:j * dw + (problem.q - 1) * sw + 1:sw]
             out += taps * w[:, 0, i, j].astype(wide)[None, :, None, None]
     return out

@@ -153,14 +153,21 @@ def _steps_text(block_steps: Mapping[str, tuple[int, ...]]) -> str:
     return f" {dict(block_steps)}" if block_steps else ""
 
 
-def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:
+def _geometry_text(p: ConvProblem | DepthwiseProblem) -> str:
+    """Stride, padding and (where not 1) dilation and groups: the key's layout part, as the
+    keys of undilated, ungrouped convs were before those existed."""
     (sh, sw), pads = p.stride, "x".join(map(str, p.padding))
-    return (p.n, p.c, p.h, p.w, p.k, p.r, p.s), f"s{sh}x{sw}p{pads}", p.dtype
+    (dh, dw), groups = p.dilation, getattr(p, "groups", 1)
+    return (f"s{sh}x{sw}p{pads}" + ("" if (dh, dw) == (1, 1) else f"d{dh}x{dw}")
+            + ("" if groups == 1 else f"g{groups}"))
+
+
+def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:
+    return (p.n, p.c, p.h, p.w, p.k, p.r, p.s), _geometry_text(p), p.dtype
 
 
 def _depthwise_key(p: DepthwiseProblem) -> tuple[tuple[int, ...], str, str]:
-    (sh, sw), pads = p.stride, "x".join(map(str, p.padding))
-    return (p.n, p.c, p.h, p.w, p.r, p.s), f"s{sh}x{sw}p{pads}", p.dtype
+    return (p.n, p.c, p.h, p.w, p.r, p.s), _geometry_text(p), p.dtype
 
 
 def _listed(name: str, template: ModuleType, problem: type, config: type,

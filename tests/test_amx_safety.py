@@ -8,6 +8,7 @@ and the per-process caches (``tiles_usable``, the CPU flags) are cleared around 
 
 import numpy as np
 import pytest
+from conftest import needs_isa
 
 import tvm_tpp
 from microkernels import amx, isa, machine
@@ -60,6 +61,7 @@ def test_info_says_amx_is_disabled(fake_amx_host, capsys):
     assert amx_rows and all(line.endswith("[disabled]") for line in amx_rows)
 
 
+@needs_isa("avx512_bf16")  # it runs the model on the faked host's fallback ISA
 def test_run_says_amx_is_disabled(fake_amx_host, dense_file, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ./tvm_tpp_work database
     fake_amx_host(granted=False)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from conftest import make_dense_model
+from conftest import make_dense_model, runs_here
 
 from tvm_tpp.bench import impls
 from tvm_tpp.bench.networks import IMPLS, TOLERANCE, TOLERANCES, Row, judge
@@ -119,4 +119,8 @@ def test_openvino_runs_the_int8_file(tiny, tmp_path):
                         lambda text: None)
     assert "the int8 file (QDQ)" in built.notes
     _, rel_err = max_errors(built.run(), expected)
+    if not any(runs_here(name) for name in ("avx512_vnni", "avx_vnni", "amx")):
+        # oneDNN multiplies u8 x s8 with vpmaddubsw there, whose int16 sums saturate (0.23
+        # from the reference on a Zen 1): the bench marks such a row WRONG, as it should.
+        pytest.skip(f"OpenVINO's int8 without VNNI saturates: {rel_err:.2g} from the reference")
     assert rel_err <= TOLERANCES["int8"]

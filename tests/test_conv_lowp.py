@@ -64,12 +64,13 @@ def _operands(problem: ConvProblem, rng: np.random.Generator):
     """NCHW X, OIHW W (float32 for bfloat16: rounded to bf16 by the packing) and the
     epilogue's operands."""
     n, c, h, w, k, r, s = (getattr(problem, d) for d in "nchwkrs")
+    cg = c // problem.groups  # the filter's input channels
     if problem.dtype == "uint8":
         x = rng.integers(0, 255, (n, c, h, w), endpoint=True).astype("uint8")
-        wt = rng.integers(-128, 127, (k, c, r, s), endpoint=True).astype("int8")
+        wt = rng.integers(-128, 127, (k, cg, r, s), endpoint=True).astype("int8")
     else:
         x = rng.standard_normal((n, c, h, w)).astype("float32")
-        wt = rng.standard_normal((k, c, r, s)).astype("float32")
+        wt = rng.standard_normal((k, cg, r, s)).astype("float32")
     extra = {}
     for op in problem.epilogue.inputs(problem.epilogue_dtype):
         shape = op.shape(problem.rows, k)

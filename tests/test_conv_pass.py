@@ -122,16 +122,20 @@ def test_residual_blocks():
     assert not _ops(mod, "relax.sum") and len(_ops(mod, "relax.permute_dims")) == 2
 
 
-def test_unsupported_convs_stay_with_tvm_and_say_why():
+def test_grouped_and_dilated_convs_are_routed_and_a_variable_weight_says_why():
     net = _Net(seed=5)
-    h = net.conv("x", "grouped", 8, 8, 3, group=4)  # depthwise (group=8) is routed
+    h = net.conv("x", "grouped", 8, 8, 3, group=4)  # 2 channels a group
     h = net.conv(h, "dilated", 8, 8, 3, pad=2, dilations=[2, 2])
-    net.op("Relu", [net.conv(h, "pw", 8, 16, 1)], "y")
-    _, report = _compile_and_check(net.model([1, 8, 9, 9], "y", [1, 16, 9, 9]))
-    reasons = {r.reason for r in report if r.kernel is None}
-    assert reasons == {"groups=4 (grouped conv) is not routed to TPP",
-                       "dilation [2, 2] is not routed to TPP"}
-    assert [r.op for r in report if r.kernel] == ["conv2d+relu"]
+    net.op("Relu", [net.conv(h, "pw", 8, 16, 1)], "r")
+    net.op("Conv", ["r", "w_in"], "y", pads=[1] * 4)  # a weight the graph is given
+    model = net.model([1, 8, 9, 9], "y", [1, 4, 9, 9])
+    model.graph.input.append(helper.make_tensor_value_info("w_in", TensorProto.FLOAT,
+                                                           [4, 16, 3, 3]))
+    _, report = _compile_and_check(model)
+    assert [r.reason for r in report if r.kernel is None] == ["weight is not a constant"]
+    kernels = sorted(r.kernel.split()[0] for r in report if r.kernel)
+    assert kernels == ["tpp_conv2d_1x8x9x9_16x1x1_s1x1_relu",
+                       "tpp_conv2d_1x8x9x9_8x3x3_s1x1_d2x2", "tpp_conv2d_1x8x9x9_8x3x3_s1x1_g4"]
 
 
 def test_float64_conv_falls_back():

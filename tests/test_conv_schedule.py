@@ -42,12 +42,13 @@ def _run(problem, config, isa_name="avx2", seed=0, unfold=False, func=None):
     ``func`` is the kernel when already built."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((problem.n, problem.c, problem.h, problem.w)).astype("float32")
-    w = rng.standard_normal((problem.k, problem.c, problem.r, problem.s)).astype("float32")
+    w = rng.standard_normal((problem.k, problem.c // problem.groups, problem.r, problem.s)
+                            ).astype("float32")
     extra = {op.name: rng.standard_normal(op.shape(problem.rows, problem.k)).astype("float32")
              for op in problem.epilogue.inputs("float32")}
     kernel = problem.unfold_width() if unfold else problem
     packed_x = unfold_input(x, problem) if unfold else pack_input(x, problem)
-    packed_w = pack_weight(unfold_weight(w) if unfold else w, config.bk)
+    packed_w = pack_weight(unfold_weight(w) if unfold else w, config.bk, kernel)
     assert packed_x.shape == kernel.input_shape
     func = func or tvm.compile(schedule(kernel, config, isa_name).mod,
                                target=tvm.target.Target(TARGETS[isa_name]))

@@ -46,6 +46,7 @@ class _Conv:
     activations: QuantType = QuantType.QUInt8
     sign: int = 0
     group: int = 1  # C: a depthwise conv (tests/test_depthwise.py)
+    dilation: int = 1
 
     def inputs(self, seed: int) -> np.ndarray:
         x = np.random.default_rng(seed).standard_normal((1, self.c, *self.size))
@@ -59,7 +60,8 @@ class _Conv:
         b = (0.1 * rng.standard_normal(self.k)).astype("float32")
         nodes = [helper.make_node("Conv", ["x", "w", "b"], ["conv" if self.relu else "y"],
                                   kernel_shape=[self.kernel] * 2, strides=[self.stride] * 2,
-                                  pads=[self.pad] * 4, group=self.group)]
+                                  pads=[self.pad] * 4, group=self.group,
+                                  dilations=[self.dilation] * 2)]
         if self.relu:
             nodes.append(helper.make_node("Relu", ["conv"], ["y"]))
         graph = helper.make_graph(
