@@ -128,3 +128,15 @@ def isa_target(isa_name: str, mcpu: str | None = None):
 
     return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-pc-linux-gnu",
                               "mcpu": mcpu or isa.KNOWN[isa_name].mcpu})
+
+
+# -- ONNX Runtime's int8 as a reference --------------------------------------------------------
+
+#: Whether ONNX Runtime's fused u8 x s8 kernels are exact on this host.  Without VNNI its MLAS
+#: multiplies with vpmaddubsw, whose int16 sums of two products saturate (up to 29 output steps
+#: off on a Zen 1, measured 2026-11-27); ONNX Runtime's remedy is 7-bit weights (reduce_range).
+#: A QDQ model's reference is its graph run unfused (ONNX's roundings, exact on any host);
+#: models of integer operators (QLinear*, MatMulInteger) get 7-bit weights on such hosts.
+ORT_INT8_EXACT = runs_here("avx512_vnni") or runs_here("avx_vnni")
+#: The int8 weights whose products ONNX Runtime sums exactly on this host.
+S8_WEIGHTS = (-128, 127) if ORT_INT8_EXACT else (-64, 63)

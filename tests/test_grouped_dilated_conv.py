@@ -19,7 +19,7 @@ from test_conv_lowp import _machine as _lowp_machine
 from test_conv_schedule import BIAS_RES_RELU, _default
 from test_conv_schedule import _run as _run_float32
 from test_depthwise import _run as _run_depthwise
-from test_qdq_conv import _Conv, _int8_report, _output_step, _quantized
+from test_qdq_conv import _Conv, _int8_report, _output_step, _qdq_reference, _quantized
 
 import tvm_tpp
 from microkernels.epilogue import Epilogue
@@ -252,9 +252,7 @@ def test_qdq_grouped_and_dilated_convs_on_int8_kernels(name, tmp_path):
     step = _output_step(model)
     for seed in range(2):
         x = layer.inputs(seed)
-        # The QDQ graph as ONNX defines it (unfused): ONNX Runtime's fused u8 x s8 kernels
-        # saturate on CPUs without VNNI (vpmaddubsw; 23 output steps off on a Zen 1 here).
-        got, want = compiled.run(x=x)[0], run_onnxruntime(model, {"x": x}, optimize=False)[0]
+        got, want = compiled.run(x=x)[0], _qdq_reference(model, {"x": x})[0]
         assert np.std(want) > 0
         assert np.max(np.abs(got - want)) <= step * (1 + 1e-5)
         assert np.mean(got != want) <= 0.01
@@ -268,5 +266,5 @@ def test_qdq_grouped_conv_of_odd_groups_stays_float_with_the_reason(tmp_path):
         "left dequantized to float32"]
     x = _Conv(12, 12, (7, 7), 3, pad=1, group=2).inputs(0)
     got = tvm_tpp.compile(model, target="tpp").run(x=x)
-    want = run_onnxruntime(model, {"x": x}, optimize=False)
+    want = _qdq_reference(model, {"x": x})
     assert max_errors(got, want)[0] <= _output_step(model) * (1 + 1e-5)

@@ -160,5 +160,5 @@ def test_qdq_graph_equals_onnxruntime():
     x = np.random.default_rng(0).standard_normal((1, 3, 9, 11)).astype("float32") * 2
     compiled = tvm_tpp.compile(model, "tpp")
     (got,) = compiled.run(x=x)
-    (want,) = run_onnxruntime(model, {"x": x})
+    (want,) = run_onnxruntime(model, {"x": x}, optimize=False)  # ONNX's roundings
     np.testing.assert_array_equal(got, want)

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import RandomCalibration
+from conftest import ORT_INT8_EXACT, RandomCalibration
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantFormat, quantize_dynamic, quantize_static
 from tvm import relax
@@ -138,7 +138,9 @@ def _check(got: np.ndarray, want: np.ndarray, step: float | None) -> None:
     if step is None:
         assert max_errors([got], [want])[1] <= 1e-2
     else:
-        assert np.max(np.abs(got.astype(np.float64) - want)) <= step * (1 + 1e-6)
+        # One step, plus float32 rounding of the dequantized values themselves.
+        rounding = np.finfo(np.float32).eps * np.max(np.abs(want))
+        assert np.max(np.abs(got.astype(np.float64) - want)) <= step + rounding
         assert np.mean(got != want) <= 0.01
 
 
@@ -178,7 +180,7 @@ def test_qdq_layer_matches_onnxruntime(name):
     rng = np.random.default_rng(7)
     for _ in range(2):
         x = _inputs(layer, rng)[0]
-        _check(compiled.run(x=x)[0], run_onnxruntime(model, {"x": x})[0], step)
+        _check(compiled.run(x=x)[0], run_onnxruntime(model, {"x": x}, optimize=False)[0], step)
 
 
 def test_rewritten_call_reads_uint8_x_and_a_vnni4_int8_weight():
@@ -213,15 +215,18 @@ def test_nonzero_weight_zero_point_is_left_with_a_reason():
     assert [(r.op, r.kernel) for r in report] == [("matmul_qdq", None)]
     assert "weight zero point is not 0" in report[0].reason
     x = _inputs(layer, np.random.default_rng(3))[0]  # the float path still computes it
-    _check(compiled.run(x=x)[0], run_onnxruntime(model, {"x": x})[0], step)
+    _check(compiled.run(x=x)[0], run_onnxruntime(model, {"x": x}, optimize=False)[0], step)
 
 
 def test_quantized_mlp_runs_every_matmul_on_int8_kernels(tmp_path):
     model = models.load("mlp")
     src, dst = tmp_path / "mlp.onnx", tmp_path / "mlp_qdq.onnx"
     onnx.save(model, str(src))
+    # ONNX Runtime's fused integer run is the reference (exact, as the kernels are, where the
+    # unfused float run rounds its intermediate layers' values apart): 7-bit weights where it
+    # would saturate (conftest).
     quantize_static(str(src), str(dst), RandomCalibration(model), quant_format=QuantFormat.QDQ,
-                    per_channel=True)
+                    per_channel=True, reduce_range=not ORT_INT8_EXACT)
     quantized = onnx.load(str(dst))
     matmuls = sum(n.op_type in ("MatMul", "Gemm") for n in quantized.graph.node)
     _, report, compiled = _rewrite_and_compile(quantized)
@@ -268,7 +273,8 @@ def test_dynamically_quantized_network_runs_int8_kernels(name, tmp_path):
     # ONNX Runtime's quantize_dynamic: DynamicQuantizeLinear + MatMulInteger + Cast + Mul.
     src, dst = tmp_path / "float.onnx", tmp_path / "dynamic.onnx"
     onnx.save(models.load(name), str(src))
-    quantize_dynamic(str(src), str(dst))
+    # 7-bit weights where ONNX Runtime's MatMulInteger would saturate (conftest).
+    quantize_dynamic(str(src), str(dst), reduce_range=not ORT_INT8_EXACT)
     quantized = onnx.load(str(dst))
     matmuls = sum(n.op_type == "MatMulInteger" for n in quantized.graph.node)
     compiled = tvm_tpp.compile(quantized, target="tpp")
