@@ -444,7 +444,8 @@ def import_model(
     specs = onnx_import.input_specs(proto, input_shapes)
     if input_shapes:
         onnx_import.check_shapes(proto, specs)
-    return onnx_import.to_relax(proto, specs), specs
+    with native_output():  # a failed import's BlockBuilder warns as it is freed
+        return onnx_import.to_relax(proto, specs), specs
 
 
 def _relax_inputs(

@@ -1,5 +1,10 @@
 """ONNX models in: loading with clear errors, static input shapes, conversion to Relax.
 
+Files exporters write compute shapes in the graph (``Shape -> Gather/Slice/Cast/Mul ->
+Concat -> Reshape/Resize``); TVM's importer folds only some of these chains.  With the input
+shapes fixed, ONNX Runtime's basic graph optimizations fold them into constants first
+(:func:`fold_shapes`), so the importer sees constant shapes.
+
 Examples
 --------
 >>> from tvm_tpp import onnx_import, models
@@ -11,6 +16,7 @@ Examples
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +26,11 @@ import onnx
 from .errors import ModelError
 from .quantized import to_qdq
 
-__all__ = ["TensorSpec", "load_onnx", "input_specs", "check_shapes", "to_relax"]
+__all__ = ["TensorSpec", "load_onnx", "input_specs", "check_shapes", "fold_shapes", "to_relax"]
+
+#: Operators whose output is computed from a tensor's shape, not its values: a graph with
+#: them gets its shape computations folded (:func:`fold_shapes`).
+SHAPE_OPS = frozenset({"Shape", "Size"})
 
 
 @dataclass(frozen=True)
@@ -121,10 +131,8 @@ def _dims(dims) -> str:
     return "[" + ", ".join(map(str, dims)) + "]"
 
 
-def check_shapes(proto: onnx.ModelProto, specs: Sequence[TensorSpec]) -> None:
-    """ModelError unless the model's operators accept inputs of these shapes (ONNX's strict
-    shape inference), so a wrong size given for a symbolic dimension is named as such, not
-    as a failure deep in TVM's importer."""
+def _with_input_shapes(proto: onnx.ModelProto, specs: Sequence[TensorSpec]) -> onnx.ModelProto:
+    """A copy of ``proto`` whose graph inputs declare the static shapes of ``specs``."""
     model = onnx.ModelProto()
     model.CopyFrom(proto)
     by_name = {s.name: s for s in specs}
@@ -134,6 +142,14 @@ def check_shapes(proto: onnx.ModelProto, specs: Sequence[TensorSpec]) -> None:
             del dims[:]
             for d in by_name[value.name].shape:
                 dims.add().dim_value = d
+    return model
+
+
+def check_shapes(proto: onnx.ModelProto, specs: Sequence[TensorSpec]) -> None:
+    """ModelError unless the model's operators accept inputs of these shapes (ONNX's strict
+    shape inference), so a wrong size given for a symbolic dimension is named as such, not
+    as a failure deep in TVM's importer."""
+    model = _with_input_shapes(proto, specs)
     try:
         onnx.shape_inference.infer_shapes(model, strict_mode=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as err:
@@ -143,22 +159,87 @@ def check_shapes(proto: onnx.ModelProto, specs: Sequence[TensorSpec]) -> None:
                          f"{lines[0] if lines else err}") from None
 
 
+def fold_shapes(proto: onnx.ModelProto, specs: Sequence[TensorSpec]) -> onnx.ModelProto:
+    """``proto`` with its shape computations folded into constants for inputs of ``specs``'
+    shapes, by ONNX Runtime's basic (platform-independent) graph optimizations: constant
+    folding, which evaluates ``Shape`` of a statically shaped tensor, and the removal of
+    redundant nodes.  A graph without :data:`SHAPE_OPS` is returned as it is, as is one ONNX
+    Runtime cannot load (TVM's importer then speaks for it).
+
+    Examples
+    --------
+    >>> from onnx import helper, TensorProto
+    >>> nodes = [helper.make_node("Shape", ["x"], ["s"]),
+    ...          helper.make_node("Reshape", ["x", "s"], ["y"])]
+    >>> graph = helper.make_graph(
+    ...     nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+    ...     [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    >>> model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    >>> folded = fold_shapes(model, [TensorSpec("x", (2, 3), "float32")])
+    >>> [n.op_type for n in folded.graph.node], [i.name for i in folded.graph.initializer]
+    (['Reshape'], ['s'])
+    """
+    if not any(node.op_type in SHAPE_OPS for node in proto.graph.node):
+        return proto
+    import tempfile
+
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.log_severity_level = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        options.optimized_model_filepath = str(Path(tmp) / "folded.onnx")
+        try:
+            ort.InferenceSession(_with_input_shapes(proto, specs).SerializeToString(), options,
+                                 providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - ONNX Runtime's own errors have no common type
+            return proto
+        return onnx.load(options.optimized_model_filepath)
+
+
 def to_relax(proto: onnx.ModelProto, specs: Sequence[TensorSpec]):
     """Import into a Relax ``IRModule`` with TVM's ONNX frontend (weights become constants).
 
-    Quantized operators the frontend lacks (ONNX Runtime's QOperator and dynamic quantization)
-    are first rewritten into QDQ form by :func:`tvm_tpp.quantized.to_qdq`.
+    Shape computations are folded first (:func:`fold_shapes`); quantized operators the
+    frontend lacks (ONNX Runtime's QOperator and dynamic quantization) are rewritten into
+    QDQ form by :func:`tvm_tpp.quantized.to_qdq`.  What the frontend still cannot convert is
+    a :class:`~tvm_tpp.errors.ModelError` naming the operator and its node.
     """
+    import contextlib
+    import io
+
     from tvm.relax.frontend.onnx import from_onnx
 
-    proto = to_qdq(proto)
+    proto = to_qdq(fold_shapes(proto, specs))
+    said = io.StringIO()  # the frontend prints which operator failed, with its inputs' IR
     try:
-        return from_onnx(
-            proto,
-            shape_dict={s.name: list(s.shape) for s in specs},
-            dtype_dict={s.name: s.dtype for s in specs},
-        )
+        with contextlib.redirect_stdout(said):
+            return from_onnx(
+                proto,
+                shape_dict={s.name: list(s.shape) for s in specs},
+                dtype_dict={s.name: s.dtype for s in specs},
+            )
     except Exception as err:
-        # The frontend raises bare TVM errors for unsupported operators; name the op if we can.
         lines = str(err).strip().splitlines()
-        raise ModelError(f"TVM's ONNX importer failed: {lines[-1] if lines else err}") from err
+        message = _import_failure(proto, lines[-1] if lines else str(err), said.getvalue())
+        err.with_traceback(None)  # frees the frontend's state now, not when the error is
+    raise ModelError(message) from None
+
+
+def _import_failure(proto: onnx.ModelProto, why: str, said: str) -> str:
+    """One line for a failed import: the operator and its node where the frontend names
+    them (operators it lacks, or the one whose conversion failed)."""
+    lacking = re.search(r"operators are not supported for frontend ONNX: (.+)", why)
+    failed = re.search(r"Error converting operator (\w+)", said)
+    if lacking is None and failed is None:
+        return f"TVM's ONNX importer failed: {why}"
+    ops = [op.strip() for op in lacking.group(1).split(",")] if lacking else [failed.group(1)]
+    places = []
+    for op in ops:
+        nodes = [n.name or n.output[0] for n in proto.graph.node if n.op_type == op]
+        places.append(f"{op} (node {nodes[0]!r})" if len(nodes) == 1
+                      else f"{op} ({len(nodes)} nodes, e.g. {nodes[0]!r})" if nodes else op)
+    if lacking:
+        return f"TVM's ONNX importer has no conversion for {', '.join(places)}"
+    return f"TVM's ONNX importer cannot convert {places[0]}: {why}"
