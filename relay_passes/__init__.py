@@ -10,6 +10,6 @@ ONNX Sum repair, :func:`~.prepare.prepare`), :mod:`.dense`, :mod:`.conv` and
 TPP convs) and :mod:`.pipeline`.
 """
 
-from .scaffold import Offload
+from .scaffold import Offload, tpp_flops_fraction
 
-__all__ = ["Offload"]
+__all__ = ["Offload", "tpp_flops_fraction"]

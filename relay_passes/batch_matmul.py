@@ -309,7 +309,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     out = relax.call_tir(gv, args, relax.TensorType(problem.y_shape, problem.out_dtype))
     anchor = "batch_matmul_qdq" if quant is not None else "batch_matmul"
     report.append(Offload.routed(offload_name(anchor, ops), (batch, m, n, k), name,
-                                 dispatched_brgemm(sch)))
+                                 dispatched_brgemm(sch), problem.flops))
     shape = static_shape(orig.ty.shape)
     return out if shape == problem.y_shape else relax.op.reshape(out, shape)
 

@@ -226,10 +226,10 @@ def offload(op: str, problem: ConvProblem | DepthwiseProblem, kernel: str,
     BRGEMM, its record names its elementwise operand types (``A*W->accumulator``) and its
     weight layout ``rsc`` itself."""
     if not isinstance(problem, DepthwiseProblem):
-        return Offload.routed(op, problem.output_shape, kernel, brgemm)
+        return Offload.routed(op, problem.output_shape, kernel, brgemm, problem.flops)
     return Offload(op, problem.output_shape, kernel, isa=machine_of(target).isa.name,
                    dtypes=f"{problem.dtype}*{problem.weight_dtype}->{problem.acc_dtype}",
-                   layout="rsc")
+                   layout="rsc", flops=problem.flops)
 
 
 def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue

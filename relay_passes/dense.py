@@ -189,7 +189,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     out = relax.call_tir(gv, args, relax.TensorType((m, n), problem.out_dtype))
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
     report.append(Offload.routed(pattern.name("matmul"), (m, n, k),  # e.g. matmul+bias+relu
-                                 f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch)))
+                                 f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch),
+                                 problem.flops))
     out = out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
     return relax.op.astype(out, "float32") if handoff else out
 

@@ -72,7 +72,14 @@ from schedules.tuner import TaskCollector, Tuner, config_for
 
 from .conv import conv_problem, emit_conv, offload, to_matrix, unsupported_geometry
 from .dense import ONE_COLUMN
-from .scaffold import Offload, dispatched_brgemm, is_call_to, rewrite_patterns, static_shape
+from .scaffold import (
+    Offload,
+    call_flops,
+    dispatched_brgemm,
+    is_call_to,
+    rewrite_patterns,
+    static_shape,
+)
 
 if TYPE_CHECKING:  # annotations only
     from .scaffold import KernelAdder
@@ -386,7 +393,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
                                       operands, residual and residual.tensor, int(zx),
                                       add_kernel, target, tuner)
     name = chain.name(output.dtype if output else "float32")
-    report.append(Offload.routed(name, shape, kernel, brgemm) if chain.anchor == "matmul"
+    report.append(Offload.routed(name, shape, kernel, brgemm, 2 * math.prod(shape))
+                  if chain.anchor == "matmul"  # shape (m, n, k)
                   else offload(name, conv_problem(layer, "uint8", epilogue), kernel, brgemm,
                                target))
     want = static_shape(orig.ty.shape)  # a residual add may have reshaped the layer's output
@@ -681,7 +689,8 @@ def _report_left(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr],
                if is_call_to(x, "relax.dequantize")
                else "activation is not dequantized from uint8 or int8")
     report.append(Offload(f"{name}_qdq", static_shape(expr.ty.shape) or (),
-                          reason=f"{why or 'pattern not matched'}; left dequantized to float32"))
+                          reason=f"{why or 'pattern not matched'}; left dequantized to float32",
+                          flops=call_flops(expr)))
 
 
 def _as_matrix(expr: relax.Expr, shape: tuple[int, ...], rows: int, cols: int) -> relax.Expr:

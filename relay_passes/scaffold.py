@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -41,6 +41,7 @@ __all__ = [
     "MakeRewriter",
     "Offload",
     "add_kernel",
+    "call_flops",
     "dispatched_brgemm",
     "epilogue_patterns",
     "is_call_to",
@@ -48,6 +49,7 @@ __all__ = [
     "offload_name",
     "offload_patterns",
     "report_leftovers",
+    "tpp_flops_fraction",
     "rewrite_patterns",
     "static_shape",
 ]
@@ -82,7 +84,8 @@ class Offload:
     the AMX tile kernel runs: a block that is not tile-shaped gets the AVX-512 one), its
     operand types as ``A*B->C`` and its layout of B (:data:`microkernels.brgemm.LAYOUTS`).
     Build offloaded records with :meth:`routed`, from the BRGEMM the schedule tensorized with
-    (:func:`dispatched_brgemm`).
+    (:func:`dispatched_brgemm`).  ``flops`` counts the operator's multiply-adds twice (None:
+    a symbolic shape); :func:`tpp_flops_fraction` is the share the kernels compute.
 
     Examples
     --------
@@ -97,10 +100,11 @@ class Offload:
     isa: str | None = None
     dtypes: str | None = None
     layout: str | None = None
+    flops: int | None = None
 
     @classmethod
-    def routed(cls, op: str, shape: tuple[int, ...], kernel: str, brgemm: BrgemmShape | None
-               ) -> Offload:
+    def routed(cls, op: str, shape: tuple[int, ...], kernel: str, brgemm: BrgemmShape | None,
+               flops: int | None = None) -> Offload:
         """The record of an operator that became ``kernel``, which calls ``brgemm`` (None: no
         BRGEMM, e.g. a conv whose blocks are all 1, computed by scalar code).
 
@@ -116,10 +120,51 @@ class Offload:
         ('amx', 'uint8*int8->int32', 'vnni4')
         """
         if brgemm is None:
-            return cls(op, shape, kernel)
+            return cls(op, shape, kernel, flops=flops)
         return cls(op, shape, kernel, isa=_impl_isa(brgemm),
                    dtypes=f"{brgemm.dtype_a}*{brgemm.dtype_b}->{brgemm.dtype_acc}",
-                   layout=brgemm.layout)
+                   layout=brgemm.layout, flops=flops)
+
+
+def call_flops(call: relax.Call) -> int | None:
+    """Twice the multiply-adds of a ``matmul`` or ``conv2d`` call (None: a symbolic shape, or
+    another operator): what :attr:`Offload.flops` counts for the operators left to TVM.
+
+    Examples
+    --------
+    >>> x = relax.Var("x", relax.TensorType((1, 8, 9, 9), "float32"))
+    >>> w = relax.Var("w", relax.TensorType((16, 2, 3, 3), "float32"))
+    >>> bb = relax.BlockBuilder()
+    >>> with bb.function("main", [x, w]):
+    ...     y = bb.emit(relax.op.nn.conv2d(x, w, padding=1, groups=4))
+    ...     _ = bb.emit_func_output(y)
+    >>> call_flops(bb.get()["main"].body.blocks[0].bindings[0].value)  # 2 * 16*81 * 2*3*3
+    46656
+    """
+    out = static_shape(call.ty.shape) if isinstance(call.ty, relax.TensorType) else None
+    operand = call.args[1].ty if len(call.args) > 1 else None
+    reduced = static_shape(operand.shape) if isinstance(operand, relax.TensorType) else None
+    if out is None or reduced is None:
+        return None
+    if is_call_to(call, "relax.matmul"):
+        x = static_shape(call.args[0].ty.shape)
+        return None if x is None else 2 * math.prod(out) * x[-1]
+    if is_call_to(call, "relax.nn.conv2d"):
+        return 2 * math.prod(out) * math.prod(reduced[1:])  # OIHW: I is C/groups already
+    return None
+
+
+def tpp_flops_fraction(report: Sequence[Offload]) -> float | None:
+    """The share of the reported operators' FLOPs that TPP kernels compute (None: nothing
+    with a known count was reported).
+
+    >>> tpp_flops_fraction([Offload("matmul", (4, 4, 4), "k", flops=128),
+    ...                     Offload("conv2d", (1, 4, 2, 2), reason="r", flops=32)])
+    0.8
+    """
+    counted = [o for o in report if o.flops is not None]
+    total = sum(o.flops for o in counted)
+    return sum(o.flops for o in counted if o.kernel) / total if total else None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -462,7 +507,8 @@ def report_leftovers(mod: tvm.IRModule, report: list[Offload], op_name: str,
             why = reason(expr)
             if why is not None:
                 short_name = op_name.rsplit(".", 1)[-1]  # relax.nn.conv2d -> conv2d
-                report.append(Offload(short_name, static_shape(expr.ty.shape) or (), reason=why))
+                report.append(Offload(short_name, static_shape(expr.ty.shape) or (), reason=why,
+                                      flops=call_flops(expr)))
 
     for func in mod.functions.values():
         if isinstance(func, relax.Function):

@@ -63,15 +63,22 @@ def no_work_dir(tmp_path, monkeypatch):
 
 def test_compile_to_library(tmp_path, dense_file, capsys, no_work_dir):
     so = tmp_path / "m.so"
-    assert main(["compile", str(dense_file), "-o", str(so), "--report"]) == 0
+    report = tmp_path / "report.json"
+    assert main(["compile", str(dense_file), "-o", str(so), "--report",
+                 "--report-json", str(report)]) == 0
     assert so.is_file() and (tmp_path / "m.so.json").is_file()
     out = capsys.readouterr().out
     assert "TPP kernels  : 1 of 1 operators, default configs (no tuning database)" in out
-    header, row = (line.split() for line in out.splitlines()[-2:])
-    assert header == ["op", "shape", "kernel", "isa", "dtypes", "layout"]
+    assert "TPP FLOPs    : 100.0% of 0.008 MFLOP in matmul, conv and attention" in out
+    header, row = (line.split() for line in out.splitlines()[-3:-1])
+    assert header == ["op", "shape", "MFLOP", "share", "kernel", "isa", "dtypes", "layout"]
     # The kernel's BRGEMM: float32, flat, the host's fp32 implementation (AVX-512 or AVX2).
-    assert row[:3] == ["matmul+bias+relu", "4x40x24", KERNEL] and row[3].startswith("[")
+    assert row[:5] == ["matmul+bias+relu", "4x40x24", "0.008", "100.0%", KERNEL]
+    assert row[5].startswith("[")
     assert row[-3] in ("avx512", "avx2") and row[-2:] == ["float32*float32->float32", "flat"]
+    doc = json.loads(report.read_text())
+    assert list(doc)[-1] == "tpp_flops_fraction" and doc["tpp_flops_fraction"] == 1.0
+    assert doc["operators"][0]["flops"] == doc["tpp_flops"] == 2 * 4 * 40 * 24
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="checks x86 assembly")

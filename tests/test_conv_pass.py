@@ -13,6 +13,7 @@ import tvm
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
+from relay_passes import tpp_flops_fraction
 from relay_passes.conv import rewrite_conv
 from relay_passes.pipeline import tpp_pipeline
 from relay_passes.prepare import prepare
@@ -136,6 +137,11 @@ def test_grouped_and_dilated_convs_are_routed_and_a_variable_weight_says_why():
     kernels = sorted(r.kernel.split()[0] for r in report if r.kernel)
     assert kernels == ["tpp_conv2d_1x8x9x9_16x1x1_s1x1_relu",
                        "tpp_conv2d_1x8x9x9_8x3x3_s1x1_d2x2", "tpp_conv2d_1x8x9x9_8x3x3_s1x1_g4"]
+    # 2 x the multiply-adds: grouped 8*81*2*9, dilated 8*81*8*9, 1x1 16*81*8; left 4*81*16*9
+    routed = 2 * (8 * 81 * 2 * 9 + 8 * 81 * 8 * 9 + 16 * 81 * 8)
+    assert sorted(r.flops for r in report) == sorted([2 * 8 * 81 * 2 * 9, 2 * 8 * 81 * 8 * 9,
+                                                      2 * 16 * 81 * 8, 2 * 4 * 81 * 16 * 9])
+    assert tpp_flops_fraction(report) == routed / (routed + 2 * 4 * 81 * 16 * 9)
 
 
 def test_float64_conv_falls_back():

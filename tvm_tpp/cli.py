@@ -129,47 +129,89 @@ def _write(path: Path, text: str, kind: str) -> None:
 
 
 def report_table(compiled: CompiledModel) -> list[str]:
-    """The ``--report`` table: per operator its shape, kernel (config in brackets), the ISA
-    whose BRGEMM runs in it, the operand dtypes and layout, or why it stayed with TVM.
+    """The ``--report`` table: per operator its shape, MFLOPs and their share of the
+    reported operators', kernel (config in brackets), the ISA whose BRGEMM runs in it, the
+    operand dtypes and layout, or why it stayed with TVM.
 
     Examples
     --------
     >>> from types import SimpleNamespace
     >>> from relay_passes import Offload
-    >>> report = [Offload("matmul", (4, 40, 24), "tpp_dense_4x40x24 [BCa]", isa="amx",
-    ...                   dtypes="uint8*int8->int32", layout="vnni4"),
-    ...           Offload("matmul", (2, 2), reason="weight is not a constant")]
+    >>> report = [Offload("matmul", (4, 40, 24), "tpp_dense [BCa]", isa="amx",
+    ...                   dtypes="uint8*int8->int32", layout="vnni4", flops=7680),
+    ...           Offload("matmul", (2, 2), reason="weight varies", flops=24)]
     >>> print("\\n".join(report_table(SimpleNamespace(report=report))))
-    op      shape    kernel                                    isa  dtypes             layout
-    matmul  4x40x24  tpp_dense_4x40x24 [BCa]                   amx  uint8*int8->int32  vnni4
-    matmul  2x2      stays with TVM: weight is not a constant  -    -                  -
+    op      shape    MFLOP  share  kernel                         isa  dtypes             layout
+    matmul  4x40x24  0.008  99.7%  tpp_dense [BCa]                amx  uint8*int8->int32  vnni4
+    matmul  2x2      0.000   0.3%  stays with TVM: weight varies  -    -                  -
     """
-    rows = [("op", "shape", "kernel", "isa", "dtypes", "layout")]
+    total = sum(o.flops or 0 for o in compiled.report)
+    rows = [("op", "shape", "MFLOP", "share", "kernel", "isa", "dtypes", "layout")]
     for o in compiled.report:
         kernel = o.kernel or f"stays with TVM: {o.reason}"
-        rows.append((o.op, "x".join(map(str, o.shape)), kernel, o.isa or "-", o.dtypes or "-",
-                     o.layout or "-"))
+        known = o.flops is not None
+        rows.append((o.op, "x".join(map(str, o.shape)), f"{o.flops / 1e6:.3f}" if known else "?",
+                     f"{o.flops / total:.1%}" if known and total else "?", kernel,
+                     o.isa or "-", o.dtypes or "-", o.layout or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+    right = {2, 3}  # the numbers
+    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
             for row in rows]
 
 
-def _print_kernels(compiled: CompiledModel, report: bool) -> None:
-    """How many operators became TPP kernels and where their configs came from; with
-    ``report``, the :func:`report_table` below it."""
+def report_json(compiled: CompiledModel) -> dict:
+    """The ``--report-json`` document: every operator's record (:class:`~relay_passes.Offload`
+    fields), the FLOPs TPP kernels compute and in all, then ``tpp_flops_fraction``.
+
+    >>> from types import SimpleNamespace
+    >>> from relay_passes import Offload
+    >>> doc = report_json(SimpleNamespace(report=[Offload("matmul", (4, 4, 4), "k", flops=128)],
+    ...                                   tpp_flops_fraction=1.0))
+    >>> list(doc), doc["operators"][0]["shape"]
+    (['operators', 'tpp_flops', 'total_flops', 'tpp_flops_fraction'], [4, 4, 4])
+    """
+    from dataclasses import asdict
+
+    operators = [{**asdict(o), "shape": list(o.shape)} for o in compiled.report]
+    return {"operators": operators,
+            "tpp_flops": sum(o.flops or 0 for o in compiled.report if o.kernel),
+            "total_flops": sum(o.flops or 0 for o in compiled.report),
+            "tpp_flops_fraction": compiled.tpp_flops_fraction}
+
+
+def _print_kernels(compiled: CompiledModel, report: bool, report_file: Path | None = None
+                   ) -> None:
+    """How many operators became TPP kernels, where their configs came from and the share of
+    the FLOPs they compute; with ``report``, the :func:`report_table` below it; with
+    ``report_file``, :func:`report_json` written there."""
     kernels = sum(o.kernel is not None for o in compiled.report)
     configs = (f"configs looked up in {compiled.database}" if compiled.database is not None
                else "default configs (no tuning database)")
     print(f"TPP kernels  : {kernels} of {len(compiled.report)} operators, {configs}")
+    fraction = compiled.tpp_flops_fraction
+    if fraction is not None:
+        total = sum(o.flops or 0 for o in compiled.report)
+        amount = f"{total / 1e9:.2f} GFLOP" if total >= 1e9 else f"{total / 1e6:.3f} MFLOP"
+        print(f"TPP FLOPs    : {fraction:.1%} of {amount} in matmul, conv and attention "
+              "operators")
     if report and compiled.report:
         for line in report_table(compiled):
             print(f"  {line}")
+    if report_file is not None:
+        report_file.write_text(json.dumps(report_json(compiled), indent=1) + "\n")
+        print(f"wrote {report_file} (report, {len(compiled.report)} operators)")
+
+
+def _report_file(args: argparse.Namespace) -> Path | None:
+    """``--report-json``'s file, checked before any time is spent compiling."""
+    return None if args.report_json is None else _output(args.report_json)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from . import compiler
 
-    output = _output(args.output)
+    output, report_file = _output(args.output), _report_file(args)
     model, shapes = _model(args.model, args.batch), _shapes(args.shape)
     if args.emit == "tir":
         module = compiler.lower(model, args.target, shapes, work_dir=args.work_dir,
@@ -183,7 +225,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"wrote {output} and {output}.json ({compiled.compile_seconds:.1f} s)")
     else:
         _write(output, compiled.source(args.emit), args.emit)
-    _print_kernels(compiled, args.report)
+    _print_kernels(compiled, args.report, report_file)
     return 0
 
 
@@ -193,7 +235,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from . import compiler, onnx_import
     from .reference import TOLERANCES, max_errors, random_inputs, run_onnxruntime
 
-    model = _model(args.model, args.batch)
+    model, report_file = _model(args.model, args.batch), _report_file(args)
     compiled = compiler.compile(model, args.target, _shapes(args.shape), work_dir=args.work_dir,
                                 precision=args.precision)
     inputs = random_inputs(compiled.inputs, seed=args.seed)
@@ -204,7 +246,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     refused = "; amx (tile permission refused: AMX kernels disabled)" if amx_refused() else ""
     print(f"compiled in {compiled.compile_seconds:.1f} s for "
           f"{compiled.target.attrs['model']}{refused}")
-    _print_kernels(compiled, args.report)
+    _print_kernels(compiled, args.report, report_file)
     print(f"latency      : median {1e3 * float(np.median(times)):.3f} ms over {args.repeat} runs")
     if args.check == "onnxruntime":
         from .quantized import is_quantized
@@ -232,7 +274,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .profiling import KIND_NAMES, KINDS
     from .reference import random_inputs
 
-    model = _model(args.model, args.batch)
+    model, report_file = _model(args.model, args.batch), _report_file(args)
     compiled = compiler.compile(model, args.target, _shapes(args.shape), work_dir=args.work_dir,
                                 precision=args.precision)
     prof = compiled.profile(random_inputs(compiled.inputs, seed=args.seed), repeat=args.repeat)
@@ -242,7 +284,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                                                   default=0)))
     console.print(f"compiled in {compiled.compile_seconds:.1f} s for "
                   f"{compiled.target.attrs['model']}", highlight=False)
-    _print_kernels(compiled, args.report)
+    _print_kernels(compiled, args.report, report_file)
     ms = 1e3
     table = Table(title=f"slowest operators ({len(prof.operators)} called, {args.repeat} "
                   "profiled runs)")
@@ -387,6 +429,9 @@ def _parser() -> argparse.ArgumentParser:
                        "config, the ISA of its BRGEMM (amx where the tile kernel runs), "
                        "operand dtypes and layout, or why it stayed with TVM (-v/--verbose: "
                        "the same, and what TVM and LLVM printed while building)")
+        p.add_argument("--report-json", metavar="FILE",
+                       help="write the report as JSON: each operator's record, then the "
+                       "FLOPs on TPP kernels and tpp_flops_fraction")
         # No argparse choices: a bad value is then compiler's one-line UsageError, not a
         # usage dump.
         p.add_argument("--precision", default="float32", metavar="{float32,bf16}",

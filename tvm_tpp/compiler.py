@@ -38,7 +38,7 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
-from relay_passes import Offload
+from relay_passes import Offload, tpp_flops_fraction
 from relay_passes.dense import PRECISIONS
 from relay_passes.pipeline import tpp_pipeline, tpp_rewrites
 from schedules import database as _database_file
@@ -123,6 +123,12 @@ class CompiledModel:
         self.tune_seconds = tune_seconds
         self.database = database
         self._vm = None
+
+    @property
+    def tpp_flops_fraction(self) -> float | None:
+        """The share of the reported (matmul, conv, attention) operators' FLOPs that TPP
+        kernels compute; None if the report counts none."""
+        return tpp_flops_fraction(self.report)
 
     @property
     def runnable(self) -> bool:
