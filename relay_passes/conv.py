@@ -71,6 +71,7 @@ from .scaffold import (
     offload_patterns,
     readers,
     reads_through_bf16_cast,
+    report_leftovers,
     static_shape,
 )
 
@@ -111,8 +112,15 @@ def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
         return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
                                               report, dtype, read_by)
 
-    return offload_patterns(sum_to_add(mod), epilogue_patterns(_conv), make_rewriter, report,
-                            "relax.nn.conv2d", _why_left, then=simplify_layouts)
+    mod = offload_patterns(sum_to_add(mod), epilogue_patterns(_conv), make_rewriter, report,
+                           "relax.nn.conv2d", _why_left, then=simplify_layouts)
+    report_leftovers(mod, report, "relax.nn.conv2d_transpose", lambda _: TRANSPOSED)
+    return mod
+
+
+#: Why a ConvTranspose stays with TVM (reported with its FLOPs, so that the share of the
+#: model's FLOPs on TPP kernels counts it).
+TRANSPOSED = "ConvTranspose is not routed to TPP: TVM computes it"
 
 
 def _unsupported(call: relax.Call) -> str | None:

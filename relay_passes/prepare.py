@@ -5,7 +5,9 @@ constant weights, before any TPP rewrite.
 * :func:`prepare` is the pass the ``tpp`` pipeline starts with: that folding, then TVM's
   ``DecomposeOpsForInference`` and ``FoldConstant`` (transposes of constant weights go);
 * :func:`sum_to_add` repairs the ONNX importer's ``Sum``, which hides a residual add;
-  :func:`~relay_passes.conv.rewrite_conv` applies it before matching.
+  :func:`~relay_passes.conv.rewrite_conv` applies it before matching;
+* :func:`conv1d_as_conv2d` states a 1-D convolution as a 2-D one of height 1, which the conv
+  rewrite then routes (:func:`prepare` applies it).
 
 Examples
 --------
@@ -34,7 +36,7 @@ from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wild
 
 from .scaffold import is_call_to, static_shape
 
-__all__ = ["fold_batchnorm", "prepare", "sum_to_add"]
+__all__ = ["conv1d_as_conv2d", "fold_batchnorm", "prepare", "sum_to_add"]
 
 
 def prepare() -> tvm.transform.Pass:
@@ -45,6 +47,10 @@ def prepare() -> tvm.transform.Pass:
     """
     return tvm.transform.Sequential(
         [
+            # Constant biases of 1-D convs are reshapes until folded.
+            relax.transform.FoldConstant(),
+            tvm.transform.module_pass(lambda mod, _ctx: conv1d_as_conv2d(mod), opt_level=0,
+                                      name="TppConv1dAsConv2d"),
             tvm.transform.module_pass(lambda mod, _ctx: fold_batchnorm(mod), opt_level=0,
                                       name="TppFoldBatchnorm"),
             relax.transform.DecomposeOpsForInference(),
@@ -95,6 +101,60 @@ def fold_batchnorm(mod: tvm.IRModule) -> tvm.IRModule:
         if isinstance(func, relax.Function):
             mod[gv] = rewrite_call(pattern, rewriter, func)
     return relax.transform.DeadCodeElimination()(mod)
+
+
+def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
+    """``conv1d(x, W) [+ b]`` (NCW data, a constant OIW weight, a constant bias) as
+    ``conv2d`` of height 1: ``reshape(conv2d(reshape(x, [N, C, 1, L]), W[:, :, None], ...)
+    [+ b[..., None, :]], [N, K, L'])`` with the stride, padding, dilation and groups along
+    the width.  The caller's module stays as it was.
+
+    Examples
+    --------
+    >>> x = relax.Var("x", relax.TensorType((1, 4, 9), "float32"))
+    >>> bb = relax.BlockBuilder()
+    >>> with bb.function("main", [x]):
+    ...     w = relax.const(np.ones((6, 2, 3), "float32"))
+    ...     y = bb.emit(relax.op.nn.conv1d(x, w, strides=2, padding=1, dilation=2, groups=2))
+    ...     _ = bb.emit_func_output(y)
+    >>> convs = []
+    >>> relax.analysis.post_order_visit(conv1d_as_conv2d(bb.get())["main"], lambda e: convs.append(
+    ...     e) if is_call_to(e, "relax.nn.conv2d") else None)
+    >>> [(tuple(c.attrs.strides), tuple(c.attrs.dilation), c.ty.shape) for c in convs]
+    [((1, 2), (1, 2), R.shape([1, 6, 1, 4]))]
+    """
+    mod = mod.clone()
+    conv1d = is_op("relax.nn.conv1d")(wildcard(), is_const())
+    bias = is_const()
+    pattern = is_op("relax.add")(conv1d, bias) | conv1d
+
+    def rewriter(orig, matches):
+        call = matches[conv1d]
+        x, w = call.args
+        a = call.attrs
+        x_shape = static_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
+        if (x_shape is None or len(x_shape) != 3 or (str(a.data_layout), str(a.kernel_layout),
+                                                      str(a.out_layout)) != ("NCW", "OIW", "NCW")):
+            return orig
+        weight = w.value.numpy()
+        left, right = (int(p) for p in a.padding)
+        conv = relax.op.nn.conv2d(
+            relax.op.reshape(x, (x_shape[0], x_shape[1], 1, x_shape[2])),
+            relax.const(weight[:, :, None, :]), strides=(1, int(a.strides[0])),
+            padding=(0, left, 0, right), dilation=(1, int(a.dilation[0])), groups=int(a.groups),
+            out_dtype=a.out_dtype)
+        out_shape = static_shape(call.ty.shape)
+        if bias in matches:  # ONNX Conv's B, [1, K, 1]: added in 2-D, where the conv
+            b = matches[bias].value.numpy()  # rewrite fuses it into the kernel
+            if b.ndim > 3 or static_shape(orig.ty.shape) != out_shape:
+                return orig
+            conv = relax.op.add(conv, relax.const(b.reshape(*b.shape[:-1], 1, b.shape[-1])))
+        return relax.op.reshape(conv, out_shape)
+
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = rewrite_call(pattern, rewriter, func)
+    return mod
 
 
 @relax.expr_functor.mutator

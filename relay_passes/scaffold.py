@@ -127,8 +127,9 @@ class Offload:
 
 
 def call_flops(call: relax.Call) -> int | None:
-    """Twice the multiply-adds of a ``matmul`` or ``conv2d`` call (None: a symbolic shape, or
-    another operator): what :attr:`Offload.flops` counts for the operators left to TVM.
+    """Twice the multiply-adds of a ``matmul``, ``conv2d`` or ``conv2d_transpose`` call (None:
+    a symbolic shape, or another operator): what :attr:`Offload.flops` counts for the
+    operators left to TVM.
 
     Examples
     --------
@@ -151,6 +152,9 @@ def call_flops(call: relax.Call) -> int | None:
         return None if x is None else 2 * math.prod(out) * x[-1]
     if is_call_to(call, "relax.nn.conv2d"):
         return 2 * math.prod(out) * math.prod(reduced[1:])  # OIHW: I is C/groups already
+    if is_call_to(call, "relax.nn.conv2d_transpose"):  # each input pixel scatters its taps
+        x = static_shape(call.args[0].ty.shape)
+        return None if x is None else 2 * math.prod(x) * math.prod(reduced[1:])  # IOHW
     return None
 
 
