@@ -25,6 +25,8 @@ True
 
 from __future__ import annotations
 
+import logging
+
 import tvm
 from tvm import s_tir, tirx
 from tvm.ir import expr as ir_expr
@@ -33,6 +35,8 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.target import Target
 
 from microkernels.machine import is_tpp, machine_of
+
+_log = logging.getLogger("tvm_tpp.fallback")
 
 __all__ = [
     "ChannelsLastReduction", "Guarded", "Inlined", "ParallelLoops", "RowReduction",
@@ -293,10 +297,13 @@ class Inlined(dl.ScheduleRule):
 
 
 class Guarded(dl.ScheduleRule):
-    """A rule whose failure on some function leaves that function unscheduled (still correct).
+    """A rule whose failure on some function leaves that function to the next rule, or
+    unscheduled (still correct).
 
-    DLight's rules raise on shapes they do not expect (e.g. ``Reduction`` on an average pool
-    whose result is an output block); one such function must not fail the whole model.
+    DLight's rules raise on shapes they do not expect (``ScheduleError`` from ``Reduction``
+    on an average pool whose result is an output block, ``IndexError`` on the loops of
+    NonMaxSuppression's functions, ...); one such function must not fail the whole model.
+    What failed is logged (``tvm-tpp -v`` shows it).
     """
 
     def __init__(self, rule: dl.ScheduleRule) -> None:
@@ -305,7 +312,9 @@ class Guarded(dl.ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         try:
             return self.rule.apply(func, target, tunable)
-        except s_tir.ScheduleError:
+        except Exception as err:  # noqa: BLE001 - any rule's failure: the next rule's turn
+            _log.info("%s left a function unscheduled: %s: %s", type(self.rule).__name__,
+                      type(err).__name__, str(err).strip().splitlines()[-1:] or "")
             return None
 
 
