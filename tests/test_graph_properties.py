@@ -3,8 +3,9 @@ the tpp target and match ONNX Runtime, or stay with TVM with a reason in the rep
 exception.
 
 Each drawn graph is a chain over one activation ``x``: MatMul / Gemm (transposed weights, M or
-N = 1, prime sizes), Conv (groups, strides, asymmetric pads, 1x1 and kxk), Add/Mul of a
-broadcast constant, Relu / Clip / Sigmoid, Transpose and Reshape.  The default run draws a few
+N = 1, prime sizes), Conv (groups: none, two, one per channel; dilation, strides, asymmetric
+pads, 1x1 and kxk), Add/Mul of a broadcast constant, Relu / Clip / Sigmoid, Transpose and
+Reshape, max / average / global pooling and Concat.  The default run draws a few
 examples per property (CI); ``TPP_PROPERTY_EXAMPLES=500 pytest tests/test_graph_properties.py``
 is the long run.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
@@ -91,15 +92,19 @@ def test_dense_chains(m, k, n, gemm, trans_b, act, bias, seed):
 @given(c=st.sampled_from([1, 3, 4, 8, 12]), k_mult=st.sampled_from([1, 2, 3]),
        size=st.sampled_from([5, 7, 9]), kernel=st.sampled_from([1, 3, 5]),
        stride=st.sampled_from([1, 2]), pads=st.tuples(*[st.integers(0, 2)] * 4),
-       grouped=st.booleans(), act=st.sampled_from(["", "Relu", "Sigmoid"]),
+       grouping=st.sampled_from(["none", "per_channel", "two"]),
+       dilation=st.sampled_from([1, 2]), act=st.sampled_from(["", "Relu", "Sigmoid"]),
        post=st.sampled_from(["", "Transpose", "Reshape", "MulAdd"]),
        seed=st.integers(0, 2**16))
-def test_conv_chains(c, k_mult, size, kernel, stride, pads, grouped, act, post, seed):
+def test_conv_chains(c, k_mult, size, kernel, stride, pads, grouping, dilation, act, post,
+                     seed):
+    span = (kernel - 1) * dilation + 1
+    assume(size + min(pads[0] + pads[2], pads[1] + pads[3]) >= span)
     g = _Graph(np.random.default_rng(seed))
-    groups = c if grouped else 1
-    k = c * k_mult if grouped else 4 * k_mult
+    groups = {"none": 1, "per_channel": c, "two": 2 if c % 2 == 0 else 1}[grouping]
+    k = groups * k_mult if groups > 1 else 4 * k_mult
     y = g.op("Conv", ["x", g.const((k, c // groups, kernel, kernel)), g.const((k,))],
-             strides=[stride] * 2, pads=list(pads), group=groups)
+             strides=[stride] * 2, pads=list(pads), group=groups, dilations=[dilation] * 2)
     if act:
         y = g.op(act, [y])
     if post == "Transpose":
@@ -110,4 +115,37 @@ def test_conv_chains(c, k_mult, size, kernel, stride, pads, grouped, act, post, 
         y = g.op("Reshape", [y, "shape"])
     elif post == "MulAdd":
         y = g.op("Add", [g.op("Mul", [y, g.const((k, 1, 1))]), g.const((1, k, 1, 1))])
+    _check(g.model([1, c, size, size], y), [1, c, size, size], seed)
+
+
+@SETTINGS
+@given(c=st.sampled_from([3, 4, 8, 16]), size=st.sampled_from([6, 7, 9]),
+       pool=st.sampled_from(["MaxPool", "AveragePool", "GlobalAveragePool", "GlobalMaxPool"]),
+       pool_kernel=st.sampled_from([2, 3]), pool_stride=st.sampled_from([1, 2]),
+       pool_pad=st.sampled_from([0, 1]),
+       broadcast=st.sampled_from(["channel", "scalar", "width", "full"]),
+       arith=st.sampled_from(["Add", "Mul"]), concat=st.booleans(),
+       clip=st.booleans(), seed=st.integers(0, 2**16))
+def test_pooling_concat_broadcast_chains(c, size, pool, pool_kernel, pool_stride, pool_pad,
+                                        broadcast, arith, concat, clip, seed):
+    """conv -> pooling -> (concat with a second conv's pooled branch) -> Add/Mul of a
+    broadcast constant -> (Clip): the data movement between kernels."""
+    assume(pool_pad < pool_kernel)
+    g = _Graph(np.random.default_rng(seed))
+    global_pool = pool.startswith("Global")
+    attrs = {} if global_pool else dict(kernel_shape=[pool_kernel] * 2,
+                                        strides=[pool_stride] * 2, pads=[pool_pad] * 4)
+    branches = []
+    for _ in range(2 if concat else 1):
+        y = g.op("Relu", [g.op("Conv", ["x", g.const((8, c, 3, 3)), g.const((8,))],
+                               pads=[1] * 4)])
+        branches.append(g.op(pool, [y], **attrs))
+    y = g.op("Concat", branches, axis=1) if concat else branches[0]
+    channels = 8 * len(branches)
+    out = 1 if global_pool else (size + 2 * pool_pad - pool_kernel) // pool_stride + 1
+    shape = {"channel": (channels, 1, 1), "scalar": (1,), "width": (out,),
+             "full": (1, channels, out, out)}[broadcast]
+    y = g.op(arith, [y, g.const(shape)])
+    if clip:
+        y = g.op("Clip", [y, g.const(()), g.const(())])
     _check(g.model([1, c, size, size], y), [1, c, size, size], seed)
