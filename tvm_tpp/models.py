@@ -46,6 +46,7 @@ __all__ = [
     "MlpConfig",
     "MobileNetConfig",
     "ResNetConfig",
+    "SegHeadConfig",
     "input_shapes",
     "load",
     "names",
@@ -155,6 +156,39 @@ class MobileNetConfig:
         strides = 2 * math.prod(b[3] for b in self.blocks)
         if self.image < strides:
             raise ValueError(f"image must be >= the total stride {strides}, got {self.image}")
+
+
+@dataclass(frozen=True)
+class SegHeadConfig:
+    """Shape of ``"seg_head"``: a DeepLab-style segmentation head on a small backbone.
+
+    Two stride-2 3x3 conv-BN-ReLU stages to ``width`` channels, then the atrous spatial
+    pyramid: a 1x1 conv and a 3x3 conv per dilation ``rates`` (each BN-ReLU to ``width``), the
+    image-level branch (global average pooling, 1x1 conv, ReLU, broadcast back by a
+    multiplication with ones), their concatenation, a 1x1 projection and the per-pixel
+    classifier (1x1 conv to ``classes``).
+
+    Examples
+    --------
+    >>> SegHeadConfig(image=32, rates=(2, 4)).rates
+    (2, 4)
+    """
+
+    image: int = 64
+    width: int = 64
+    rates: tuple[int, ...] = (6, 12, 18)
+    classes: int = 21
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rates", tuple(self.rates))
+        for name in ("image", "width", "classes"):
+            if not _is_pos_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not self.rates or not all(_is_pos_int(r) for r in self.rates):
+            raise ValueError(f"rates must be >= 1 positive ints, got {self.rates!r}")
+        if self.image % 4:
+            raise ValueError(f"image must be a multiple of 4 (two stride-2 stages), "
+                             f"got {self.image}")
 
 
 @dataclass(frozen=True)
@@ -298,6 +332,38 @@ def _build_mobilenet_v2(cfg: MobileNetConfig, batch: int, rng: np.random.Generat
                    ("y", (batch, cfg.classes)))
 
 
+def _build_seg_head(cfg: SegHeadConfig, batch: int, rng: np.random.Generator
+                    ) -> onnx.ModelProto:
+    g = _Graph(rng)
+    w, side = cfg.width, cfg.image // 4
+
+    def conv(x: str, name: str, cin: int, cout: int, k: int, stride: int = 1,
+             dilation: int = 1) -> str:
+        weight = g.he(f"{name}.weight", (cout, cin, k, k), cin * k * k)
+        y = g.op("Conv", [x, weight], name, kernel_shape=[k, k], strides=[stride] * 2,
+                 pads=[dilation * (k // 2)] * 4, dilations=[dilation] * 2)
+        bn = [g.uniform(f"{name}.bn.scale", (cout,), 0.8, 1.2),
+              g.normal(f"{name}.bn.bias", (cout,), 0.05),
+              g.normal(f"{name}.bn.mean", (cout,), 0.05),
+              g.uniform(f"{name}.bn.var", (cout,), 0.5, 1.5)]
+        y = g.op("BatchNormalization", [y, *bn], f"{name}.bn", epsilon=1e-5)
+        return g.op("Relu", [y], f"{name}.relu")
+
+    h = conv(conv("x", "stem1", 3, w // 2, 3, 2), "stem2", w // 2, w, 3, 2)
+    branches = [conv(h, "aspp.1x1", w, w, 1)]
+    branches += [conv(h, f"aspp.rate{r}", w, w, 3, dilation=r) for r in cfg.rates]
+    pooled = conv(g.op("GlobalAveragePool", [h], "aspp.pool"), "aspp.image", w, w, 1)
+    ones = g.const("aspp.ones", np.ones((1, 1, side, side), np.float32))
+    branches.append(g.op("Mul", [pooled, ones], "aspp.broadcast"))
+    h = g.op("Concat", branches, "aspp.concat", axis=1)
+    h = conv(h, "project", w * len(branches), w, 1)
+    classes = g.he("classifier.weight", (cfg.classes, w, 1, 1), w)
+    g.op("Conv", [h, classes, g.normal("classifier.bias", (cfg.classes,), 0.05)], "y",
+         kernel_shape=[1, 1])
+    return g.model("seg_head", ("x", (batch, 3, cfg.image, cfg.image)),
+                   ("y", (batch, cfg.classes, side, side)))
+
+
 def _build_resnet_small(cfg: ResNetConfig, batch: int, rng: np.random.Generator) -> onnx.ModelProto:
     g = _Graph(rng)
     h = g.op("Relu", [_conv_bn(g, "x", "stem", 3, cfg.widths[0], 3, 2)], "stem.relu")
@@ -381,6 +447,7 @@ _BUILTIN: dict[str, tuple[type, Callable[..., onnx.ModelProto]]] = {
     "resnet_small": (ResNetConfig, _build_resnet_small),
     "bert": (BertConfig, _build_bert),
     "mobilenet_v2": (MobileNetConfig, _build_mobilenet_v2),
+    "seg_head": (SegHeadConfig, _build_seg_head),
 }
 
 # (consumer op, input index) -> how a light model's weight is initialised.
@@ -426,7 +493,8 @@ def load(name: str, batch: int = 1, seed: int = 0, **options: Any) -> onnx.Model
         Seed of the weights; equal seeds give identical models.
     **options
         Fields of the model's config (:class:`MlpConfig`, :class:`ResNetConfig`,
-        :class:`BertConfig`, :class:`MobileNetConfig`); the light models take none.
+        :class:`BertConfig`, :class:`MobileNetConfig`, :class:`SegHeadConfig`); the light
+        models take none.
 
     Returns
     -------
