@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -63,8 +64,12 @@ class _Layouts(relax.PyExprMutator):
       (FuseOps would otherwise fuse the pair into a copy kernel);
     * pooling and spatial ``mean`` of ``permute_dims(a, NCHW)`` run on ``a`` in NHWC, with
       the permute after them, where the next conv's permute cancels it;
-    * so do elementwise ops whose tensor operands are all such permutes (or scalars): a
-      quantized residual block's dequantize / add / relu / quantize between int8 convs;
+    * so do elementwise ops whose tensor operands are all such permutes, scalars, constants
+      (transposed at compile time) or per-image vectors ``[N, C, 1, 1]`` (reshaped): a
+      quantized residual block's dequantize / add / relu / quantize between int8 convs,
+      DenseNet's BatchNorm + ReLU before a conv, squeeze-excite's channel scaling;
+    * and a channel ``concat`` of such permutes (DenseNet, Inception): the NHWC tensors are
+      concatenated along their last axis;
     * ``astype(astype(x, float32), bfloat16)`` of a bf16 ``x`` is ``x`` (a bf16 producer's
       output handed to a bf16 consumer).
     """
@@ -93,10 +98,12 @@ class _Layouts(relax.PyExprMutator):
             if target is not None and static_shape(source.ty.shape) == target:
                 return source
             return call if source is call.args[0] else relax.op.reshape(source, call.args[1])
-        if not (is_call_to(inner, "relax.permute_dims") and _axes(inner) == TO_NCHW):
-            return call
+        if name == "relax.concat":
+            return self._concat(call)
         if name in _ELEMENTWISE:
             return self._elementwise(call)
+        if not (is_call_to(inner, "relax.permute_dims") and _axes(inner) == TO_NCHW):
+            return call
         nhwc = inner.args[0]
         attrs = call.attrs
         if name in _POOLS and str(attrs.layout) == "NCHW" and str(attrs.out_layout) == "NCHW":
@@ -111,17 +118,43 @@ class _Layouts(relax.PyExprMutator):
             return relax.op.permute_dims(relax.op.mean(nhwc, [1, 2], keepdims=True), TO_NCHW)
         return call
 
+    def _nhwc(self, expr: relax.Expr) -> relax.Expr | None:
+        """``expr``, an NCHW tensor of the output's NHWC view, as that NHWC tensor (None: not
+        a permuted NCHW view)."""
+        bound = self._bound(expr)
+        if is_call_to(bound, "relax.permute_dims") and _axes(bound) == TO_NCHW:
+            return bound.args[0]
+        return None
+
+    def _concat(self, call: relax.Call) -> relax.Expr:
+        """``concat([permute_dims(a, NCHW), ...], axis=1)`` -> ``permute_dims(concat([a, ...],
+        axis=3), NCHW)`` when every part is such a permute."""
+        parts = self._bound(call.args[0])
+        if not isinstance(parts, relax.Tuple) or int(call.attrs.axis) % 4 != 1 \
+                or call.ty.ndim != 4:
+            return call
+        nhwc = [self._nhwc(part) for part in parts.fields]
+        if any(part is None for part in nhwc):
+            return call
+        return relax.op.permute_dims(relax.op.concat(nhwc, axis=3), TO_NCHW)
+
     def _elementwise(self, call: relax.Call) -> relax.Expr:
         """``op(permute_dims(a, NCHW), ...)`` -> ``permute_dims(op(a, ...), NCHW)`` when every
-        other tensor operand is a scalar or NCHW-permuted too."""
+        other tensor operand is a scalar, NCHW-permuted too, a constant (transposed here) or
+        an ``[N, C, 1, 1]`` vector (reshaped)."""
         tensors = _ELEMENTWISE[call.op.name]
         args = list(call.args)
+        permuted = False
         for i in range(tensors):
-            bound = self._bound(args[i])
-            if is_call_to(bound, "relax.permute_dims") and _axes(bound) == TO_NCHW:
-                args[i] = bound.args[0]
+            nhwc = self._nhwc(args[i])
+            if nhwc is not None:
+                args[i], permuted = nhwc, True
             elif not (isinstance(args[i].ty, relax.TensorType) and args[i].ty.ndim == 0):
-                return call
+                args[i] = _broadcast_operand_nhwc(args[i])
+                if args[i] is None:
+                    return call
+        if not permuted or call.ty.ndim != 4:
+            return call
         attrs = call.attrs
         if call.op.name in ("relax.quantize", "relax.dequantize"):
             make = getattr(relax.op, call.op.name.split(".")[1])
@@ -142,6 +175,24 @@ class _Layouts(relax.PyExprMutator):
                 return expr
             expr = value
         return expr
+
+
+def _broadcast_operand_nhwc(operand: relax.Expr) -> relax.Expr | None:
+    """An operand broadcast against an NCHW tensor, for the same op on its NHWC tensor: a
+    constant of rank <= 4, transposed in numpy; a ``[N, C, 1, 1]`` tensor, reshaped to
+    ``[N, 1, 1, C]``; None for anything else."""
+    if not isinstance(operand.ty, relax.TensorType):
+        return None
+    shape = static_shape(operand.ty.shape)
+    if shape is None or len(shape) > 4:
+        return None
+    if isinstance(operand, tvm.ir.expr.Constant):
+        value = operand.value.numpy()
+        value = value.reshape((1,) * (4 - value.ndim) + value.shape)
+        return relax.const(np.ascontiguousarray(value.transpose(TO_NHWC)), str(value.dtype))
+    if len(shape) == 4 and shape[2:] == (1, 1):
+        return relax.op.reshape(operand, (shape[0], 1, 1, shape[1]))
+    return None
 
 
 #: Casts whose round trip is exact: (narrow, wide) -- a bf16 producer handing its output to

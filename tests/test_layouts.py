@@ -207,3 +207,106 @@ def test_results_are_unchanged(case):
     inputs = [rng.standard_normal([int(d) for d in p.ty.shape]).astype("float32")
               for p in before["main"].params]
     np.testing.assert_array_equal(_run(_simplified(before), inputs), _run(before, inputs))
+
+
+# Channel concat of two NHWC tensors' NCHW views (DenseNet, Inception): concatenated along
+# the NHWC channels, one permute after.
+@I.ir_module
+class ConcatBefore:
+    @R.function
+    def main(a: R.Tensor((1, 5, 7, 3), "float32"),
+             b: R.Tensor((1, 5, 7, 4), "float32")) -> R.Tensor((1, 5, 7, 7), "float32"):
+        with R.dataflow():
+            a_nchw = R.permute_dims(a, axes=[0, 3, 1, 2])
+            b_nchw = R.permute_dims(b, axes=[0, 3, 1, 2])
+            both = R.concat((a_nchw, b_nchw), axis=1)
+            gv = R.permute_dims(both, axes=[0, 2, 3, 1])
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class ConcatExpected:
+    @R.function
+    def main(a: R.Tensor((1, 5, 7, 3), "float32"),
+             b: R.Tensor((1, 5, 7, 4), "float32")) -> R.Tensor((1, 5, 7, 7), "float32"):
+        with R.dataflow():
+            both = R.concat((a, b), axis=3)
+            gv = both
+            R.output(gv)
+        return gv
+
+
+# Squeeze-excite's channel scaling: an [N, C, 1, 1] vector times the NCHW view.
+@I.ir_module
+class ScaleBefore:
+    @R.function
+    def main(x: R.Tensor((2, 5, 7, 3), "float32"),
+             s: R.Tensor((2, 3, 1, 1), "float32")) -> R.Tensor((2, 5, 7, 3), "float32"):
+        with R.dataflow():
+            nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+            scaled = R.multiply(nchw, s)
+            gv = R.permute_dims(scaled, axes=[0, 2, 3, 1])
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class ScaleExpected:
+    @R.function
+    def main(x: R.Tensor((2, 5, 7, 3), "float32"),
+             s: R.Tensor((2, 3, 1, 1), "float32")) -> R.Tensor((2, 5, 7, 3), "float32"):
+        with R.dataflow():
+            vector = R.reshape(s, R.shape([2, 1, 1, 3]))
+            scaled = R.multiply(x, vector)
+            gv = scaled
+            R.output(gv)
+        return gv
+
+
+LAYOUT_CASES = {"concat": (ConcatBefore, ConcatExpected), "scale": (ScaleBefore, ScaleExpected)}
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_concat_and_vector_operands_move_to_nhwc(case):
+    before, expected = LAYOUT_CASES[case]
+    tvm.ir.assert_structural_equal(_simplified(before), expected)
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal([int(d) for d in p.ty.shape]).astype("float32")
+              for p in before["main"].params]
+    np.testing.assert_array_equal(_run(_simplified(before), inputs), _run(before, inputs))
+
+
+def _batchnorm_relu(nhwc: bool) -> tvm.IRModule:
+    """DenseNet's pre-activation between two convs: BatchNorm's multiply and add by constants
+    (shapes [1, C, 1, 1] and [C, 1, 1], and a [W] one) and ReLU, on the NCHW view of an NHWC
+    tensor, then back to NHWC (``nhwc``: the same on the NHWC tensor, constants transposed)."""
+    rng = np.random.default_rng(0)
+    scale, shift, ramp = (rng.standard_normal(s).astype("float32") for s in
+                          ((1, 3, 1, 1), (3, 1, 1), (7,)))
+    x = relax.Var("x", relax.TensorType((1, 5, 7, 3), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            if nhwc:
+                h = bb.emit(relax.op.multiply(x, relax.const(scale.transpose(0, 2, 3, 1))))
+                h = bb.emit(relax.op.add(h, relax.const(shift[None].transpose(0, 2, 3, 1))))
+                h = bb.emit(relax.op.subtract(h, relax.const(ramp.reshape(1, 1, 7, 1))))
+                out = bb.emit_output(bb.emit(relax.op.nn.relu(h)))
+            else:
+                h = bb.emit(relax.op.permute_dims(x, [0, 3, 1, 2]))
+                h = bb.emit(relax.op.multiply(h, relax.const(scale)))
+                h = bb.emit(relax.op.add(h, relax.const(shift)))
+                h = bb.emit(relax.op.subtract(h, relax.const(ramp)))
+                h = bb.emit(relax.op.nn.relu(h))
+                out = bb.emit_output(relax.op.permute_dims(h, [0, 2, 3, 1]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_constant_operands_are_transposed_at_compile_time():
+    before = _batchnorm_relu(nhwc=False)
+    after = _simplified(before)
+    tvm.ir.assert_structural_equal(after, _batchnorm_relu(nhwc=True), map_free_vars=True)
+    x = np.random.default_rng(2).standard_normal((1, 5, 7, 3)).astype("float32")
+    np.testing.assert_allclose(_run(after, [x]), _run(before, [x]), rtol=1e-6)
