@@ -275,8 +275,13 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     matrices: :func:`to_matrix`).  Borders and padded channels of the input hold
     ``pad_value`` (a quantized input's zero point: real zeros).  A
     :class:`~schedules.depthwise.DepthwiseProblem` (``weight`` ``[C, 1, R, S]``) becomes the
-    depthwise kernel, which calls no BRGEMM (None).
+    depthwise kernel, which calls no BRGEMM (None).  Filter taps that read only padding are
+    left out where it is zeros (:meth:`~schedules.conv.ConvGeometry.without_dead_taps`).
     """
+    trimmed = problem.without_dead_taps()
+    if pad_value == 0 and trimmed is not problem:  # (a zero point is folded over every tap)
+        rows, cols = problem.live_taps()
+        problem, weight = trimmed, weight[:, :, rows, cols]
     if isinstance(problem, DepthwiseProblem):
         return _emit_depthwise(x, problem, weight, operands, add_kernel, target, tuner,
                                pad_value)

@@ -214,6 +214,56 @@ class ConvGeometry(TypedProblem):
         """Output pixels ``N*P*Q``: the rows of the ``[rows, K]`` output matrix."""
         return self.n * self.p * self.q
 
+    def live_taps(self) -> tuple[slice, slice]:
+        """The filter rows and columns that read the input for some output pixel: the taps
+        outside them read only padding (a dilated filter larger than its input, as DeepLab's
+        rate-18 convs on small feature maps), so with zero padding they add nothing.
+
+        Examples
+        --------
+        >>> from schedules.depthwise import DepthwiseProblem
+        >>> DepthwiseProblem(1, 8, 16, 16, 3, 3, padding=18, dilation=18).live_taps()
+        (slice(1, 2, None), slice(1, 2, None))
+        >>> DepthwiseProblem(1, 8, 16, 16, 3, 3, padding=12, dilation=12).live_taps()
+        (slice(0, 3, None), slice(0, 3, None))
+        """
+        def live(extent: int, size: int, before: int, stride: int, dilation: int, out: int):
+            # Tap t reads unpadded index o*stride + t*dilation - before for o in [0, out).
+            alive = [t for t in range(extent) if (out - 1) * stride + t * dilation - before >= 0
+                     and t * dilation - before < size]
+            return slice(alive[0], alive[-1] + 1) if alive else slice(0, extent)
+
+        top, left, _, _ = self.padding
+        return (live(self.r, self.h, top, self.stride[0], self.dilation[0], self.p),
+                live(self.s, self.w, left, self.stride[1], self.dilation[1], self.q))
+
+    def without_dead_taps(self) -> ConvGeometry:
+        """The same problem without the filter rows and columns :meth:`live_taps` leaves out
+        (padding reduced to keep every output pixel where it is): the same result where the
+        input pads with zeros.  The problem itself if no tap is dead or the padding cannot
+        shrink so.
+
+        >>> from schedules.depthwise import DepthwiseProblem
+        >>> p = DepthwiseProblem(1, 8, 16, 16, 3, 3, padding=18, dilation=18)
+        >>> q = p.without_dead_taps()
+        >>> (q.r, q.s, q.padding, q.output_shape == p.output_shape)
+        (1, 1, (0, 0, 0, 0), True)
+        """
+        rows, cols = self.live_taps()
+        if (rows.start, rows.stop, cols.start, cols.stop) == (0, self.r, 0, self.s):
+            return self
+        top, left, bottom, right = self.padding
+        (dh, dw), (sh, sw) = self.dilation, self.stride
+        r, s = rows.stop - rows.start, cols.stop - cols.start
+        top, left = top - rows.start * dh, left - cols.start * dw
+        # The smallest padding after the input that keeps the output's size.
+        bottom = max(0, (self.p - 1) * sh + (r - 1) * dh + 1 - self.h - top)
+        right = max(0, (self.q - 1) * sw + (s - 1) * dw + 1 - self.w - left)
+        if min(top, left) < 0:
+            return self
+        trimmed = replace(self, r=r, s=s, padding=(top, left, bottom, right))
+        return trimmed if (trimmed.p, trimmed.q) == (self.p, self.q) else self
+
 
 @dataclass(frozen=True)
 class ConvProblem(ConvGeometry):

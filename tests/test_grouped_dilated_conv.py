@@ -7,6 +7,7 @@ exact u8 x s8 kernels, odd sizes, strides, asymmetric padding), through the grap
 against ONNX Runtime (float32, bf16, QDQ int8), and in the AMX code of a cross-compile.
 """
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -24,6 +25,7 @@ from test_qdq_conv import _Conv, _int8_report, _output_step, _qdq_reference, _qu
 import tvm_tpp
 from microkernels.epilogue import Epilogue
 from schedules.conv import ConvConfig, ConvProblem, candidates, default_config
+from schedules.conv import reference as conv_reference
 from schedules.depthwise import DepthwiseProblem
 from schedules.ops import problem_text
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
@@ -268,3 +270,53 @@ def test_qdq_grouped_conv_of_odd_groups_stays_float_with_the_reason(tmp_path):
     got = tvm_tpp.compile(model, target="tpp").run(x=x)
     want = _qdq_reference(model, {"x": x})
     assert max_errors(got, want)[0] <= _output_step(model) * (1 + 1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# taps that read only padding
+
+
+def test_dropping_dead_taps_keeps_every_result():
+    """Over small geometries (dilations past the input, asymmetric padding, strides): the
+    problem without the taps that read only zero padding computes the same convolution."""
+    rng = np.random.default_rng(0)
+    trimmed_some = 0
+    for h, w, r, s, dilation, pads, stride in itertools.product(
+            (3, 5), (4,), (1, 3), (2, 3), ((1, 1), (3, 4), (6, 2)),
+            ((0, 0, 0, 0), (3, 1, 4, 2), (6, 6, 6, 6)), (1, 2)):
+        try:
+            problem = ConvProblem(1, 2, h, w, 3, r, s, stride=stride, padding=pads,
+                                  dilation=dilation)
+        except ValueError:  # the dilated filter does not fit
+            continue
+        trimmed = problem.without_dead_taps()
+        if trimmed is problem:
+            continue
+        trimmed_some += 1
+        rows, cols = problem.live_taps()
+        x = rng.standard_normal((1, 2, h, w))
+        weight = rng.standard_normal((3, 2, r, s))
+        assert trimmed.output_shape == problem.output_shape
+        np.testing.assert_allclose(conv_reference(trimmed, x, weight[:, :, rows, cols]),
+                                   conv_reference(problem, x, weight), rtol=1e-12, atol=1e-12)
+    assert trimmed_some >= 10  # the grid has that many geometries with dead taps
+
+
+def test_a_rate_18_conv_on_a_16x16_map_runs_its_centre_tap_only():
+    """DeepLab's rate-18 atrous conv on a 16x16 feature map: every tap but the centre reads
+    padding, so the kernel is a 1x1 conv; the result equals ONNX Runtime's."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((32, 16, 3, 3)) * 0.2).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["y"], pads=[18] * 4, dilations=[18, 18])], "aspp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 16, 16])],
+        [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    compiled = tvm_tpp.compile(model, target="tpp")
+    [record] = compiled.report
+    assert record.kernel.startswith("tpp_conv2d_1x16x16x16_32x1x1_s1x1_d18x18")
+    assert record.flops == 2 * 32 * 256 * 16 * 9  # the model's FLOPs, as written
+    inputs = random_inputs(compiled.inputs, seed=0)
+    _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
+    assert rel <= 1e-5
