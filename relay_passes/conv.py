@@ -183,7 +183,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, with _why_left().
     call = matches[pattern.anchor]
-    if _unsupported(call) is not None:
+    if _unsupported(call) is not None or not pattern.constants_match(matches):
         return orig
     if unsupported_geometry(call, dtype) is not None:
         dtype = "float32"  # a grouped conv whose groups are no whole VNNI groups
@@ -198,7 +198,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         if not pattern.residual_fits(matches, static_shape(call.ty.shape)):
             return orig
         operands.append(to_matrix(matches[pattern.residual]))
-    problem = conv_problem(call, dtype, pattern.epilogue())
+    problem = conv_problem(call, dtype, pattern.epilogue(matches))
     # A bf16 conv read only by bf16 convs writes bf16 itself (its epilogue converts): they
     # read it through a float32 view that simplify_layouts cancels against their own cast.
     handoff = (dtype == "bfloat16" and isinstance(problem, ConvProblem)
@@ -209,7 +209,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     x = call.args[0] if dtype == "float32" else relax.op.astype(call.args[0], dtype)
     out, kernel, brgemm = emit_conv(x, problem, call.args[1].value.numpy(), operands,
                                     add_kernel, target, tuner)
-    report.append(offload(pattern.name("conv2d"), problem, kernel, brgemm, target))
+    report.append(offload(pattern.name("conv2d", matches), problem, kernel, brgemm, target))
     return relax.op.astype(out, "float32") if handoff else out
 
 

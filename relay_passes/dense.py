@@ -148,7 +148,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     weight = matches[mm.w].value.numpy()
     if mm.w_transposed in matches:
         weight = weight.T
-    if _unsupported(x, weight) is not None or not pattern.gelu_matches(matches):
+    if _unsupported(x, weight) is not None or not pattern.constants_match(matches):
         return orig
     x_shape = static_shape(x.ty.shape)
     k, n = weight.shape
@@ -163,7 +163,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     m = int(np.prod(x_shape[:-1]))
     isa = machine_of(target).isa
     # Bound to the ISA: the operands' layout (VNNI, MMLA) is that of the ISA's kernels.
-    epilogue = pattern.epilogue()
+    epilogue = pattern.epilogue(matches)
     # A bf16 layer read only by bf16 layers writes bf16 itself (its epilogue converts); they
     # read it through a float32 view that simplify_layouts cancels against their own cast.
     found = read_by(orig) if dtype == "bfloat16" else None
@@ -172,7 +172,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         epilogue = Epilogue((*epilogue.ops, EpilogueOp("convert", dtype="bfloat16")))
     problem = GemmProblem(m, n, k, dtype, epilogue).on(isa)
     config = config_for(problem, target, tuner)
-    name = (f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if pattern.ops() else "")
+    name = (f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if pattern.ops(matches) else "")
             + ("_bf16" if dtype == "bfloat16" else ""))
     sch = schedule(problem, config, isa)
     gv = add_kernel(sch.mod["main"], name)
@@ -188,7 +188,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         args.append(_as_matrix(residual, m, n))
     out = relax.call_tir(gv, args, relax.TensorType((m, n), problem.out_dtype))
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
-    report.append(Offload.routed(pattern.name("matmul"), (m, n, k),  # e.g. matmul+bias+relu
+    report.append(Offload.routed(pattern.name("matmul", matches), (m, n, k),  # matmul+bias+relu
                                  f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch),
                                  problem.flops))
     out = out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)

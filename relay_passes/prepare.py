@@ -7,7 +7,10 @@ constant weights, before any TPP rewrite.
 * :func:`sum_to_add` repairs the ONNX importer's ``Sum``, which hides a residual add;
   :func:`~relay_passes.conv.rewrite_conv` applies it before matching;
 * :func:`conv1d_as_conv2d` states a 1-D convolution as a 2-D one of height 1, which the conv
-  rewrite then routes (:func:`prepare` applies it).
+  rewrite then routes (:func:`prepare` applies it);
+* :func:`te_extrema_to_ops` turns the importer's ``Clip`` (TE kernels of an elementwise
+  maximum and minimum with a scalar) into ``relax.maximum``/``relax.minimum``, which the
+  offload passes take as a ``clamp`` epilogue and the layout pass moves to NHWC.
 
 Examples
 --------
@@ -32,11 +35,12 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.ir.expr import TensorLoad
 from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 
 from .scaffold import is_call_to, static_shape
 
-__all__ = ["conv1d_as_conv2d", "fold_batchnorm", "prepare", "sum_to_add"]
+__all__ = ["conv1d_as_conv2d", "fold_batchnorm", "prepare", "sum_to_add", "te_extrema_to_ops"]
 
 
 def prepare() -> tvm.transform.Pass:
@@ -55,6 +59,9 @@ def prepare() -> tvm.transform.Pass:
                                       name="TppFoldBatchnorm"),
             relax.transform.DecomposeOpsForInference(),
             relax.transform.FoldConstant(),
+            # After the folding: Clip's bounds are where(isnan(b), inf, b) until then.
+            tvm.transform.module_pass(lambda mod, _ctx: te_extrema_to_ops(mod), opt_level=0,
+                                      name="TppExtremaToOps"),
         ],
         name="TppPrepare",
     )
@@ -155,6 +162,79 @@ def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
         if isinstance(func, relax.Function):
             mod[gv] = rewrite_call(pattern, rewriter, func)
     return mod
+
+
+def _extremum(func: tvm.tirx.PrimFunc) -> str | None:
+    """``"relax.maximum"`` or ``"relax.minimum"`` if ``func`` is a TE kernel of one
+    elementwise ``max(a[i], b[()])`` (or min) of its first parameter and a scalar, else None."""
+    if not isinstance(func, tvm.tirx.PrimFunc) or len(func.params) != 3:
+        return None
+    import tvm_ffi
+
+    a, b, out = func.params  # buffer parameters
+    if len(b.shape) or len(a.shape) != len(out.shape):
+        return None
+    stores: list[tvm.tirx.BufferStore] = []
+    tvm_ffi.structural_walk(func.body, (tvm.tirx.BufferStore, stores.append))
+    if len(stores) != 1 or not stores[0].buffer.same_as(out):
+        return None
+    value = stores[0].value
+    kind = {tvm.tirx.Max: "relax.maximum", tvm.tirx.Min: "relax.minimum"}.get(type(value))
+    loads = (value.a, value.b) if kind else ()
+    if not loads or not all(isinstance(x, TensorLoad) for x in loads) or \
+            not (loads[0].source.same_as(a) and loads[1].source.same_as(b)):
+        return None
+    return kind
+
+
+def te_extrema_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
+    """``call_tir`` of a TE elementwise maximum/minimum with a scalar constant (what TVM's
+    ONNX importer makes of ``Clip``) as the Relax operator.  The caller's module stays as
+    it was; the kernels no longer called go.
+
+    Examples
+    --------
+    >>> from tvm import topi
+    >>> x = relax.Var("x", relax.TensorType((2, 3), "float32"))
+    >>> bb = relax.BlockBuilder()
+    >>> with bb.function("main", [x]):
+    ...     y = bb.emit_te(topi.maximum, x, relax.const(0.0, "float32"))
+    ...     _ = bb.emit_func_output(bb.emit_te(topi.minimum, y, relax.const(6.0, "float32")))
+    >>> mod = te_extrema_to_ops(bb.get())
+    >>> [b.value.op.name for b in mod["main"].body.blocks[0].bindings], sorted(
+    ...     gv.name_hint for gv in mod.functions)
+    (['relax.maximum', 'relax.minimum'], ['main'])
+    """
+    kinds = {gv: _extremum(f) for gv, f in mod.functions.items()}
+    mod = mod.clone()
+
+    def rewrite(call: relax.Call) -> relax.Expr:
+        if not is_call_to(call, "relax.call_tir") or not isinstance(call.args[1], relax.Tuple):
+            return call
+        kind = kinds.get(call.args[0])
+        x, bound = (list(call.args[1].fields) + [None, None])[:2]
+        if kind is None or not isinstance(bound, tvm.ir.expr.Constant) or \
+                bound.value.numpy().ndim != 0 or bound.ty.dtype != x.ty.dtype:
+            return call
+        return relax.op.maximum(x, bound) if kind == "relax.maximum" \
+            else relax.op.minimum(x, bound)
+
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = _CallRewriter(rewrite).visit_expr(func)
+    return relax.transform.DeadCodeElimination()(mod)
+
+
+@relax.expr_functor.mutator
+class _CallRewriter(relax.PyExprMutator):
+    """Every call, after its arguments, replaced by ``rewrite(call)``."""
+
+    def __init__(self, rewrite) -> None:
+        super().__init__()
+        self.rewrite = rewrite
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        return self.rewrite(super().visit_call_(call))
 
 
 @relax.expr_functor.mutator

@@ -12,8 +12,8 @@ Examples
 --------
 >>> from tvm.relax.dpl import is_const, is_op, wildcard
 >>> chains = epilogue_patterns(lambda: is_op("relax.nn.conv2d")(wildcard(), is_const()))
->>> len(chains), chains[0].name("conv2d"), chains[-1].name("conv2d")
-(20, 'conv2d+bias+residual+relu', 'conv2d')
+>>> len(chains), chains[0].name("conv2d", {}), chains[-1].name("conv2d", {})
+(24, 'conv2d+bias+residual+relu', 'conv2d')
 >>> static_shape((2, 3)), Offload("matmul", (4, 8), reason="pattern not matched").kernel
 ((2, 3), None)
 """
@@ -35,6 +35,7 @@ from microkernels.epilogue import Epilogue, EpilogueOp
 
 __all__ = [
     "ACTIVATIONS",
+    "CLAMP",
     "GELU_SPELLED_OUT",
     "EpiloguePattern",
     "KernelAdder",
@@ -65,6 +66,9 @@ ACTIVATIONS: Mapping[str, EpilogueOp] = {
 #: chain where a pass accepts it (its constants are checked against ``_GELU_CONSTANTS``).
 GELU_SPELLED_OUT = "gelu_erf"
 _GELU_CONSTANTS = (math.sqrt(2.0), 1.0, 0.5)  # the divisor, the one, the half
+#: ``minimum(maximum(x, lo), hi)`` of scalar constants (ONNX Clip, e.g. MobileNet's ReLU6,
+#: after :func:`relay_passes.prepare.te_extrema_to_ops`): the ``clamp`` epilogue op.
+CLAMP = "clamp"
 #: How every BRGEMM intrinsic's name starts (:attr:`microkernels.brgemm.BrgemmShape.name`).
 _BRGEMM_PREFIX = "tpp_brgemm_"
 # relax OpPatternKind::kOpaque: FuseOps fuses nothing into (or around) such a function.
@@ -343,26 +347,29 @@ class EpiloguePattern(Generic[Anchor]):
     bias: DFPattern | None
     residual: DFPattern | None
     activation: str | None
-    gelu_constants: tuple[DFPattern, ...] = ()  # the constants of a spelled-out GELU
+    constants: tuple[DFPattern, ...] = ()  # of a spelled-out GELU; a clamp's bounds
 
-    def ops(self) -> tuple[EpilogueOp, ...]:
-        """The epilogue this chain computes, in order."""
+    def ops(self, matches: Mapping[DFPattern, relax.Expr]) -> tuple[EpilogueOp, ...]:
+        """The epilogue this chain computes, in order (a clamp's bounds from ``matches``)."""
         ops = [EpilogueOp(kind) for kind, part in (("bias", self.bias),
                                                    ("residual", self.residual))
                if part is not None]
         if self.activation == GELU_SPELLED_OUT:
             ops.append(EpilogueOp("gelu", variant="erf"))
+        elif self.activation == CLAMP:
+            lo, hi = (_scalar(matches[c]) for c in self.constants)
+            ops.append(EpilogueOp("clamp", lo=lo, hi=hi))
         elif self.activation:
             ops.append(ACTIVATIONS[self.activation])
         return tuple(ops)
 
-    def epilogue(self) -> Epilogue:
+    def epilogue(self, matches: Mapping[DFPattern, relax.Expr]) -> Epilogue:
         """:meth:`ops` as the kernel's :class:`~microkernels.epilogue.Epilogue`."""
-        return Epilogue(self.ops())
+        return Epilogue(self.ops(matches))
 
-    def name(self, anchor_op: str) -> str:
+    def name(self, anchor_op: str, matches: Mapping[DFPattern, relax.Expr]) -> str:
         """The report's name of the chain, e.g. ``matmul+bias+gelu_erf``."""
-        return offload_name(anchor_op, self.ops())
+        return offload_name(anchor_op, self.ops(matches))
 
     def residual_fits(self, matches: Mapping[DFPattern, relax.Expr],
                       shape: tuple[int, ...]) -> bool:
@@ -370,13 +377,17 @@ class EpiloguePattern(Generic[Anchor]):
         of the output's ``shape`` (see :func:`is_tensor_of`)."""
         return self.residual is None or is_tensor_of(matches[self.residual], shape)
 
-    def gelu_matches(self, matches: Mapping[DFPattern, relax.Expr]) -> bool:
-        """Whether the matched constants of a spelled-out GELU are the ones GELU has."""
-        for const, want in zip(self.gelu_constants, _GELU_CONSTANTS, strict=False):
-            value = matches[const].value.numpy()
-            if value.size != 1 or abs(float(value.reshape(-1)[0]) - want) > 1e-6 * want:
-                return False
-        return True
+    def constants_match(self, matches: Mapping[DFPattern, relax.Expr]) -> bool:
+        """Whether the matched constants are what the activation needs: GELU's own for a
+        spelled-out GELU, float32 scalars ``lo <= hi`` for a clamp."""
+        values = [_scalar(matches[c]) for c in self.constants]
+        if self.activation == CLAMP:
+            return (None not in values and values[0] <= values[1]
+                    and all(str(matches[c].ty.dtype) == "float32" for c in self.constants))
+        if self.activation != GELU_SPELLED_OUT:
+            return True
+        return all(value is not None and abs(value - want) <= 1e-6 * want
+                   for value, want in zip(values, _GELU_CONSTANTS, strict=True))
 
 
 def offload_name(anchor_op: str, ops: Iterable[EpilogueOp]) -> str:
@@ -388,6 +399,17 @@ def offload_name(anchor_op: str, ops: Iterable[EpilogueOp]) -> str:
     'batch_matmul+scale'
     """
     return "+".join([anchor_op, *(o.tag for o in ops)])
+
+
+def _scalar(const: relax.Expr) -> float | None:
+    """A constant's one value (None: it holds several)."""
+    value = const.value.numpy()
+    return float(value.reshape(-1)[0]) if value.size == 1 else None
+
+
+def _clamp(node: DFPattern) -> tuple[DFPattern, tuple[DFPattern, ...]]:
+    lo, hi = is_const(), is_const()
+    return is_op("relax.minimum")(is_op("relax.maximum")(node, lo), hi), (lo, hi)
 
 
 def _gelu_spelled_out(node: DFPattern) -> tuple[DFPattern, tuple[DFPattern, ...]]:
@@ -410,7 +432,8 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
     ``spelled_out_gelu`` the GELU ONNX exporters write out in elementwise ops is an activation
     too (after the relax ones, before none).
     """
-    activations = (*ACTIVATIONS, *([GELU_SPELLED_OUT] if spelled_out_gelu else []), None)
+    activations = (*ACTIVATIONS, CLAMP, *([GELU_SPELLED_OUT] if spelled_out_gelu else []),
+                   None)
     out = []
     for activation in activations:
         for with_residual in (True, False):
@@ -421,6 +444,8 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
                 constants: tuple[DFPattern, ...] = ()
                 if activation == GELU_SPELLED_OUT:
                     node, constants = _gelu_spelled_out(node)
+                elif activation == CLAMP:
+                    node, constants = _clamp(node)
                 elif activation:
                     node = is_op(activation)(node)
                 out.append(EpiloguePattern(node, anchor, bias, residual, activation, constants))

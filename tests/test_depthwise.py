@@ -205,8 +205,8 @@ def test_float_pass_routes_depthwise_conv_bias_clip(stride):
     report = []
     after = rewrite_conv(before, tgt, report)
     assert not _calls(after, "relax.nn.conv2d")  # it became a call_tir of the kernel
-    assert [(r.op, r.dtypes, r.layout) for r in report] == [
-        ("conv2d+bias", "float32*float32->float32", "rsc")]
+    assert [(r.op, r.dtypes, r.layout) for r in report] == [  # ReLU6: a clamp epilogue
+        ("conv2d+bias+clamp", "float32*float32->float32", "rsc")]
     assert report[0].kernel.startswith("tpp_dwconv2d_1x24x9x7_3x3")
     kernels = [gv.name_hint for gv, f in after.functions.items()
                if isinstance(f, tvm.tirx.PrimFunc)]
