@@ -412,15 +412,16 @@ def test_bert_in_bf16_vs_onnxruntime():
 
 
 def test_bert_int8_vs_onnxruntime(tmp_path):
-    """ONNX Runtime's QDQ BERT: the attention matmuls run on int8 kernels, and the result is
-    as close to ONNX Runtime on the same int8 file as TVM's own QDQ lowering is (2.4e-2
-    normwise)."""
-    path = quantize_static_qdq(models.load("bert"), tmp_path / "bert_int8.onnx")
+    """ONNX Runtime's QDQ BERT layer (a small one: 4 heads of 32): the attention matmuls run
+    on int8 kernels, and the result is the QDQ graph's as ONNX defines it (ONNX Runtime
+    unfused; measured equal on a Zen 1, 2026-11-27; its fused run is 1e-2 from it)."""
+    bert = models.load("bert", seq=32, hidden=128, heads=4, ffn=256)
+    path = quantize_static_qdq(bert, tmp_path / "bert_int8.onnx")
     compiled = tvm_tpp.compile(str(path), target="tpp", untuned=True)
     inputs = random_inputs(compiled.inputs, seed=1)
     got = compiled.run(**inputs)
-    want = run_onnxruntime(onnx.load(path), inputs)
-    assert np.linalg.norm(got[0] - want[0]) / np.linalg.norm(want[0]) <= 2.5e-2
+    want = run_onnxruntime(onnx.load(path), inputs, optimize=False)
+    assert np.linalg.norm(got[0] - want[0]) / np.linalg.norm(want[0]) <= 1e-3
     _, rel = max_errors(got, want)
     assert np.isfinite(rel)
     batch = [(r.op, r.dtypes) for r in compiled.report if r.op.startswith("batch_matmul")]

@@ -229,7 +229,8 @@ def test_quantized_residual_add_joins_the_conv_kernel(tmp_path):
         assert np.mean(got != want) <= 0.01
 
 
-@pytest.mark.parametrize("name", ["resnet_small", "mobilenet_v2"])
+@pytest.mark.parametrize("name", ["resnet_small",
+                                  pytest.param("mobilenet_v2", marks=pytest.mark.slow)])
 def test_quantized_network_runs_its_convs_on_int8_kernels(name, tmp_path):
     float_model = models.load(name)
     path = quantize_static_qdq(float_model, tmp_path / "int8.onnx", samples=2)
