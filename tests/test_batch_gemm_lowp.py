@@ -396,6 +396,7 @@ def test_bf16_precision_of_the_pass():
 # --------------------------------------------------------------------------------- BERT
 
 
+@pytest.mark.slow  # a network end to end; smaller tests cover its kernels
 def test_bert_in_bf16_vs_onnxruntime():
     """BERT compiled with ``precision="bf16"``: attention's batch GEMMs multiply in bf16 too,
     within 1e-2 normwise of ONNX Runtime in float32."""

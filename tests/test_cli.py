@@ -175,18 +175,25 @@ def test_bad_numbers_are_usage_errors(argv, capsys):
         (["bench-kernel", "--isa", "amx"], "AMX tiles multiply int8 and bfloat16"),
     ],
 )
-def test_errors_are_one_line(tmp_path, dense_file, args, message):
+def test_errors_are_one_line(tmp_path, dense_file, args, message, capsys):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"garbage")
     paths = {"DENSE": dense_file, "BAD": bad, "EMPTY": tmp_path}
     for name, path in paths.items():
         args = [a.replace(name, str(path)) for a in args]
-    proc = _cli(*args, check=False)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("tvm-tpp: error:")]
-    assert len(lines) == 1, proc.stderr
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("tvm-tpp: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert re.search(message, lines[0]), lines[0]
+
+
+def test_a_user_error_ends_the_process_with_status_2_and_one_line(tmp_path):
+    """The same as a real process: exit status 2, one line on stderr, no traceback."""
+    proc = _cli("run", str(tmp_path / "missing.onnx"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"tvm-tpp: error: no such ONNX file: {tmp_path / 'missing.onnx'}"]
 
 
 def test_bench_kernel_json(tmp_path):

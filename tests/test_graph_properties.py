@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 import tvm_tpp
 from tvm_tpp.reference import max_errors, run_onnxruntime
 
-EXAMPLES = int(os.environ.get("TPP_PROPERTY_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("TPP_PROPERTY_EXAMPLES", "4"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 SIZES = st.sampled_from([1, 2, 3, 5, 7, 13, 16, 31, 64])

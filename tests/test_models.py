@@ -223,7 +223,7 @@ def test_input_shapes_rejects_symbolic_dims() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["mlp", "resnet_small", pytest.param("bert", marks=pytest.mark.slow)]
+    "name", ["mlp", *(pytest.param(n, marks=pytest.mark.slow) for n in ("resnet_small", "bert"))]
 )
 def test_relax_build_matches_onnxruntime(model, name: str) -> None:
     m = model(name)

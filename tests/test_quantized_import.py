@@ -492,10 +492,13 @@ _EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("how", ["QDQ", "QOperator", "dynamic"])
-# resnet_small takes 6-9 s a format and adds no operator kind conv_net lacks.
-@pytest.mark.parametrize("name", ["mlp", "conv_net", *(pytest.param(n, marks=pytest.mark.slow)
-                                                      for n in ("resnet_small", "mobilenet_v2"))])
+# resnet_small takes 6-9 s a format and adds no operator kind conv_net lacks; conv_net's QDQ
+# and dynamic forms run the kernels tests/test_qdq_conv.py and test_qdq_dense.py check.
+@pytest.mark.parametrize("name, how", [
+    (name, how) if name == "mlp" or (name, how) == ("conv_net", "QOperator")
+    else pytest.param(name, how, marks=pytest.mark.slow)
+    for name in ("mlp", "conv_net", "resnet_small", "mobilenet_v2")
+    for how in ("QDQ", "QOperator", "dynamic")])
 def test_quantized_network_matches_onnxruntime(name, how, tmp_path):
     model = _conv_net() if name == "conv_net" else models.load(name)
     expect = _EXPECTED.get((name, how), {"QuantizeLinear", "DequantizeLinear"})
@@ -503,7 +506,7 @@ def test_quantized_network_matches_onnxruntime(name, how, tmp_path):
 
 
 
-@pytest.mark.parametrize("how", ["QDQ", "QOperator"])
+@pytest.mark.parametrize("how", [pytest.param("QDQ", marks=pytest.mark.slow), "QOperator"])
 def test_int8_activations_match_onnxruntime(how, tmp_path):
     # Signed activations: zero points anywhere in -128..127 instead of 0..255.
     expect = {"QLinearConv", "QLinearConcat"} if how == "QOperator" else {"DequantizeLinear"}

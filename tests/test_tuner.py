@@ -305,6 +305,7 @@ def _conv_net() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+@pytest.mark.slow  # tunes every conv of a network; tune_cli_explains_convs is the short one
 def test_compile_tunes_convs(tmp_path):
     """compile(tune=True) tunes each conv kernel (the stem as it runs: unfolded), the tuned
     model matches ONNX Runtime, a rebuild from the work dir looks them up, and tuning again
