@@ -73,6 +73,7 @@ def _tune(model_file, work, capsys) -> list[str]:
 _TUNE = [sys.executable, "-m", "tvm_tpp.cli", "tune", "--target", TARGET, "--budget", "0.05"]
 
 
+@pytest.mark.slow  # four processes tuning: 8 s on a 2-core Zen 1
 def test_four_tuner_processes_on_one_work_dir_lose_nothing(tmp_path):
     """Each process tunes its own dense layer (and all share one) into the same work dir at
     once; afterwards the database holds every result.  (The JSON file kept only the last

@@ -301,6 +301,7 @@ def test_broadcast_batch_stays_with_tvm():
     assert not _kernels(report)
 
 
+@pytest.mark.slow  # BERT-base's layer end to end; the attention kernels have smaller tests
 def test_bert_layer_vs_onnxruntime():
     model = models.load("bert")
     report, left = _check(model, 1e-4)

@@ -256,6 +256,7 @@ def test_qdq_depthwise_conv_matches_onnxruntime(name, tmp_path):
         assert np.mean(got != want) <= 0.01
 
 
+@pytest.mark.slow  # a network end to end; the layer tests above cover its kernels
 def test_float_mobilenet_v2_matches_onnxruntime():
     # Fewer blocks than the bundled default: every kind of layer, a third of the build time.
     model = models.load("mobilenet_v2", image=48, blocks=((1, 16, 1, 1), (6, 24, 2, 2)))

@@ -333,6 +333,7 @@ def test_models_cross_compiled_have_the_instruction(quantized_mlp, precision, is
     assert instruction in ops
 
 
+@pytest.mark.slow  # every candidate under qemu; the default's run is in the model tests
 def test_candidates_run_under_qemu(runner, serial):
     """Loop orders and A packings of the tuner's candidates (A's MMLA copy under different
     loops) compute the same GEMM."""

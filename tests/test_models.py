@@ -26,7 +26,7 @@ OUT_SHAPE |= {
 }
 # vgg19 (144 M weights) and zfnet512 (87 M) make every step (draw, check, ORT session, Relax
 # import) cost seconds; bvlc_alexnet covers zfnet512's architecture (Conv, LRN, 3 Gemm).
-HEAVY = {"vgg19", "zfnet512"}
+HEAVY = {"vgg19", "zfnet512", "bvlc_alexnet"}  # alexnet: 61 M weights, seconds a step
 PARAMS = [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in NAMES]
 # A small BERT keeps the batch and seed checks cheap; the default one is covered by NAMES.
 SMALL_BERT = {"seq": 16, "hidden": 64, "heads": 4, "ffn": 128}
