@@ -24,9 +24,9 @@ OUT_SHAPE = {"mlp": (1, 512), "resnet_small": (1, 10), "bert": (1, 128, 768),
 OUT_SHAPE |= {
     n: (1, 1000, 1, 1) if n in ("squeezenet", "densenet121") else (1, 1000) for n in LIGHT
 }
-# vgg19 (144 M weights) and zfnet512 (87 M) make every step (draw, check, ORT session, Relax
-# import) cost seconds; bvlc_alexnet covers zfnet512's architecture (Conv, LRN, 3 Gemm).
-HEAVY = {"vgg19", "zfnet512", "bvlc_alexnet"}  # alexnet: 61 M weights, seconds a step
+# vgg19 (144 M weights), zfnet512 (87 M) and bvlc_alexnet (61 M) make every step (draw,
+# check, ORT session, Relax import) cost seconds: they run in the slow suite.
+HEAVY = {"vgg19", "zfnet512", "bvlc_alexnet"}
 PARAMS = [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in NAMES]
 # A small BERT keeps the batch and seed checks cheap; the default one is covered by NAMES.
 SMALL_BERT = {"seq": 16, "hidden": 64, "heads": 4, "ffn": 128}
