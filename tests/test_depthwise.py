@@ -7,7 +7,7 @@ import tvm
 from conftest import isa_target, runs_here
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantType
-from test_qdq_conv import _Conv, _int8_report, _output_step, _qdq_reference, _quantized
+from test_qdq_conv import _assert_matches_qdq, _Conv, _int8_report, _quantized
 from tvm import relax
 
 import tvm_tpp
@@ -246,14 +246,7 @@ def test_qdq_depthwise_conv_matches_onnxruntime(name, tmp_path):
     assert [(r.op.split("+")[0], r.dtypes, r.layout) for r in report] == [
         ("conv2d_qdq", "uint8*int8->int32", "rsc")], report
     assert "tpp_dwconv2d" in report[0].kernel
-    compiled = tvm_tpp.compile(model, target="tpp")
-    step = _output_step(model)
-    for seed in range(2):
-        x = layer.inputs(seed)
-        got, want = compiled.run(x=x)[0], _qdq_reference(model, {"x": x})[0]
-        assert np.std(want) > 0
-        assert np.max(np.abs(got - want)) <= step * (1 + 1e-5)
-        assert np.mean(got != want) <= 0.01
+    _assert_matches_qdq(model, layer)
 
 
 @pytest.mark.slow  # a network end to end; the layer tests above cover its kernels

@@ -20,7 +20,14 @@ from test_conv_lowp import _machine as _lowp_machine
 from test_conv_schedule import BIAS_RES_RELU, _default
 from test_conv_schedule import _run as _run_float32
 from test_depthwise import _run as _run_depthwise
-from test_qdq_conv import _Conv, _int8_report, _output_step, _qdq_reference, _quantized
+from test_qdq_conv import (
+    _assert_matches_qdq,
+    _Conv,
+    _int8_report,
+    _output_step,
+    _qdq_reference,
+    _quantized,
+)
 
 import tvm_tpp
 from microkernels.epilogue import Epilogue
@@ -250,14 +257,7 @@ def test_qdq_grouped_and_dilated_convs_on_int8_kernels(name, tmp_path):
     _, report = _int8_report(model)
     assert [(r.op.split("+")[0], r.dtypes, r.layout) for r in report] == [
         ("conv2d_qdq", "uint8*int8->int32", "vnni4")], report
-    compiled = tvm_tpp.compile(model, target="tpp")
-    step = _output_step(model)
-    for seed in range(2):
-        x = layer.inputs(seed)
-        got, want = compiled.run(x=x)[0], _qdq_reference(model, {"x": x})[0]
-        assert np.std(want) > 0
-        assert np.max(np.abs(got - want)) <= step * (1 + 1e-5)
-        assert np.mean(got != want) <= 0.01
+    _assert_matches_qdq(model, layer)
 
 
 def test_qdq_grouped_conv_of_odd_groups_stays_float_with_the_reason(tmp_path):
