@@ -225,14 +225,7 @@ def test_quantized_residual_add_joins_the_conv_kernel(tmp_path):
     relax.analysis.post_order_visit(mod["main"], lambda e: adds.append(e)
                                     if is_call_to(e, "relax.add") else None)
     assert not adds  # the residual add is in the kernel's epilogue
-    compiled = tvm_tpp.compile(model, target="tpp")
-    step = _output_step(model)
-    for seed in range(2):
-        x = layer.inputs(seed)
-        got, want = compiled.run(x=x)[0], _qdq_reference(model, {"x": x})[0]
-        assert np.std(want) > 0
-        assert np.max(np.abs(got - want)) <= step * (1 + 1e-5)
-        assert np.mean(got != want) <= 0.01
+    _assert_matches_qdq(model, layer)
 
 
 @pytest.mark.parametrize("name", ["resnet_small",
