@@ -15,12 +15,12 @@ from tvm.relax.frontend.onnx import from_onnx
 
 from tvm_tpp import models
 
-BUILTIN = ["mlp", "resnet_small", "bert", "mobilenet_v2", "seg_head"]
+BUILTIN = ["mlp", "resnet_small", "bert", "mobilenet_v2", "seg_head", "efficientnet"]
 NAMES = models.names()
 LIGHT = [n for n in NAMES if n not in BUILTIN]
 # Output shapes at batch 1; squeezenet and densenet121 end in a 1x1 spatial map.
 OUT_SHAPE = {"mlp": (1, 512), "resnet_small": (1, 10), "bert": (1, 128, 768),
-             "mobilenet_v2": (1, 10), "seg_head": (1, 21, 16, 16)}
+             "mobilenet_v2": (1, 10), "seg_head": (1, 21, 16, 16), "efficientnet": (1, 10)}
 OUT_SHAPE |= {
     n: (1, 1000, 1, 1) if n in ("squeezenet", "densenet121") else (1, 1000) for n in LIGHT
 }

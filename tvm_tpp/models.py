@@ -43,6 +43,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 __all__ = [
     "BertConfig",
+    "EfficientNetConfig",
     "MlpConfig",
     "MobileNetConfig",
     "ResNetConfig",
@@ -153,6 +154,45 @@ class MobileNetConfig:
                                       for b in self.blocks):
             raise ValueError(f"blocks must be (expansion, channels, repeats, stride) tuples "
                              f"of positive ints, got {self.blocks!r}")
+        strides = 2 * math.prod(b[3] for b in self.blocks)
+        if self.image < strides:
+            raise ValueError(f"image must be >= the total stride {strides}, got {self.image}")
+
+
+@dataclass(frozen=True)
+class EfficientNetConfig:
+    """Shape of ``"efficientnet"``: EfficientNet-B0's MBConv blocks, scaled down.
+
+    A stride-2 3x3 stem to ``stem`` channels, then per ``(expansion, channels, repeats,
+    stride, kernel)`` of ``blocks`` that many MBConv blocks: 1x1 expansion, a ``kernel`` x
+    ``kernel`` depthwise conv (the stride on the first), squeeze-excite (global average pool,
+    1x1 reduction to a quarter of the block's input channels, SiLU, 1x1 expansion, sigmoid,
+    channel-wise multiply), 1x1 projection, a residual add where shape allows; BatchNorm after
+    every conv and SiLU (``x * sigmoid(x)``) after all but the projection; a 1x1 head conv to
+    ``head``, global average pooling and a Gemm classifier.
+
+    Examples
+    --------
+    >>> EfficientNetConfig(image=32, blocks=((1, 8, 1, 1, 3),)).blocks
+    ((1, 8, 1, 1, 3),)
+    """
+
+    image: int = 96
+    stem: int = 16
+    blocks: tuple[tuple[int, int, int, int, int], ...] = (
+        (1, 16, 1, 1, 3), (6, 24, 2, 2, 3), (6, 40, 2, 2, 5), (6, 80, 2, 2, 3))
+    head: int = 320
+    classes: int = 10
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(tuple(b) for b in self.blocks))
+        for name in ("image", "stem", "head", "classes"):
+            if not _is_pos_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not self.blocks or not all(len(b) == 5 and all(_is_pos_int(v) for v in b)
+                                      and b[4] % 2 for b in self.blocks):
+            raise ValueError(f"blocks must be (expansion, channels, repeats, stride, odd "
+                             f"kernel) tuples of positive ints, got {self.blocks!r}")
         strides = 2 * math.prod(b[3] for b in self.blocks)
         if self.image < strides:
             raise ValueError(f"image must be >= the total stride {strides}, got {self.image}")
@@ -332,6 +372,54 @@ def _build_mobilenet_v2(cfg: MobileNetConfig, batch: int, rng: np.random.Generat
                    ("y", (batch, cfg.classes)))
 
 
+def _build_efficientnet(cfg: EfficientNetConfig, batch: int, rng: np.random.Generator
+                        ) -> onnx.ModelProto:
+    g = _Graph(rng)
+
+    def silu(x: str) -> str:
+        return g.op("Mul", [x, g.op("Sigmoid", [x], f"{x}.sigmoid")], f"{x}.silu")
+
+    def conv(x: str, name: str, cin: int, cout: int, k: int, stride: int = 1, groups: int = 1,
+             act: bool = True) -> str:
+        w = g.he(f"{name}.weight", (cout, cin // groups, k, k), cin // groups * k * k)
+        y = g.op("Conv", [x, w], name, kernel_shape=[k, k], strides=[stride, stride],
+                 pads=[k // 2] * 4, group=groups)
+        bn = [g.uniform(f"{name}.bn.scale", (cout,), 0.8, 1.2),
+              g.normal(f"{name}.bn.bias", (cout,), 0.05),
+              g.normal(f"{name}.bn.mean", (cout,), 0.05),
+              g.uniform(f"{name}.bn.var", (cout,), 0.5, 1.5)]
+        y = g.op("BatchNormalization", [y, *bn], f"{name}.bn", epsilon=1e-5)
+        return silu(y) if act else y
+
+    def squeeze_excite(x: str, name: str, channels: int, squeezed: int) -> str:
+        s = g.op("GlobalAveragePool", [x], f"{name}.pool")
+        w1 = g.he(f"{name}.reduce.weight", (squeezed, channels, 1, 1), channels)
+        s = silu(g.op("Conv", [s, w1, g.normal(f"{name}.reduce.bias", (squeezed,), 0.05)],
+                      f"{name}.reduce", kernel_shape=[1, 1]))
+        w2 = g.he(f"{name}.expand.weight", (channels, squeezed, 1, 1), squeezed)
+        s = g.op("Conv", [s, w2, g.normal(f"{name}.expand.bias", (channels,), 0.05)],
+                 f"{name}.expand", kernel_shape=[1, 1])
+        return g.op("Mul", [x, g.op("Sigmoid", [s], f"{name}.gate")], f"{name}.scale")
+
+    h = conv("x", "stem", 3, cfg.stem, 3, 2)
+    cin = cfg.stem
+    for i, (expansion, cout, repeats, first_stride, k) in enumerate(cfg.blocks):
+        for j in range(repeats):
+            name, stride, hidden = f"block{i}.{j}", first_stride if j == 0 else 1, cin * expansion
+            y = h if expansion == 1 else conv(h, f"{name}.expand", cin, hidden, 1)
+            y = conv(y, f"{name}.depthwise", hidden, hidden, k, stride, groups=hidden)
+            y = squeeze_excite(y, f"{name}.se", hidden, max(1, cin // 4))
+            y = conv(y, f"{name}.project", hidden, cout, 1, act=False)
+            h = g.op("Add", [h, y], f"{name}.add") if stride == 1 and cin == cout else y
+            cin = cout
+    h = conv(h, "head", cin, cfg.head, 1)
+    h = g.op("Flatten", [g.op("GlobalAveragePool", [h], "pool")], "flatten", axis=1)
+    w = g.he("fc.weight", (cfg.classes, cfg.head), cfg.head)
+    g.op("Gemm", [h, w, g.normal("fc.bias", (cfg.classes,), 0.05)], "y", transB=1)
+    return g.model("efficientnet", ("x", (batch, 3, cfg.image, cfg.image)),
+                   ("y", (batch, cfg.classes)))
+
+
 def _build_seg_head(cfg: SegHeadConfig, batch: int, rng: np.random.Generator
                     ) -> onnx.ModelProto:
     g = _Graph(rng)
@@ -448,6 +536,7 @@ _BUILTIN: dict[str, tuple[type, Callable[..., onnx.ModelProto]]] = {
     "bert": (BertConfig, _build_bert),
     "mobilenet_v2": (MobileNetConfig, _build_mobilenet_v2),
     "seg_head": (SegHeadConfig, _build_seg_head),
+    "efficientnet": (EfficientNetConfig, _build_efficientnet),
 }
 
 # (consumer op, input index) -> how a light model's weight is initialised.
@@ -493,8 +582,8 @@ def load(name: str, batch: int = 1, seed: int = 0, **options: Any) -> onnx.Model
         Seed of the weights; equal seeds give identical models.
     **options
         Fields of the model's config (:class:`MlpConfig`, :class:`ResNetConfig`,
-        :class:`BertConfig`, :class:`MobileNetConfig`, :class:`SegHeadConfig`); the light
-        models take none.
+        :class:`BertConfig`, :class:`MobileNetConfig`, :class:`SegHeadConfig`,
+        :class:`EfficientNetConfig`); the light models take none.
 
     Returns
     -------
