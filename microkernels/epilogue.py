@@ -19,6 +19,7 @@ clamp           float32, int32         ``min(max(x, lo), hi)``
 gelu            float32                ``"erf"``: ``x/2 (1 + erf(x/sqrt 2))``; ``"tanh"``:
                                        ``x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``
 sigmoid         float32                ``1 / (1 + exp(-x))``
+silu            float32                ``x / (1 + exp(-x))`` (``x * sigmoid(x)``, swish)
 scale           float32                ``x * s``; s a constant (``value``) or a vector
 convert         float32 (last op)      bfloat16, round to nearest even
 requantize      int32, float32         uint8/int8: ``sat(rint(float32(x) * s) + zp)``
@@ -92,6 +93,7 @@ KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "clamp": (_ANY, frozenset({"lo", "hi"})),
     "gelu": (_FLOAT, frozenset({"variant"})),
     "sigmoid": (_FLOAT, frozenset()),
+    "silu": (_FLOAT, frozenset()),
     "scale": (_FLOAT, frozenset({"value", "broadcast", "name"})),
     "convert": (_FLOAT, frozenset({"dtype"})),
     "requantize": (_ANY, frozenset({"value", "broadcast", "name", "zero_point", "dtype"})),
@@ -456,6 +458,11 @@ def _sigmoid(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
     return _f32(1.0) / (_f32(1.0) + _exp(-x))
 
 
+@register_expr("silu")
+def _silu(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    return x / (_f32(1.0) + _exp(-x))
+
+
 @register_expr("scale")
 def _scale(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
     return x * (_f32(op.value) if arg is None else arg)
@@ -604,9 +611,10 @@ def _np_float(op: EpilogueOp, x: np.ndarray, arg: np.ndarray | None) -> np.ndarr
         return 0.5 * x * (1.0 + erf(x * math.sqrt(0.5)))
     if op.kind == "gelu":
         return 0.5 * x * (1.0 + np.tanh(_SQRT_2_PI * (x + 0.044715 * x**3)))
-    if op.kind == "sigmoid":
+    if op.kind in ("sigmoid", "silu"):
         with np.errstate(over="ignore"):
-            return 1.0 / (1.0 + np.exp(-x))
+            sigmoid = 1.0 / (1.0 + np.exp(-x))
+        return sigmoid if op.kind == "sigmoid" else x * sigmoid
     return x * (float(np.float32(op.value)) if arg is None else arg)  # scale
 
 

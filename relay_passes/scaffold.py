@@ -13,7 +13,7 @@ Examples
 >>> from tvm.relax.dpl import is_const, is_op, wildcard
 >>> chains = epilogue_patterns(lambda: is_op("relax.nn.conv2d")(wildcard(), is_const()))
 >>> len(chains), chains[0].name("conv2d", {}), chains[-1].name("conv2d", {})
-(24, 'conv2d+bias+residual+relu', 'conv2d')
+(28, 'conv2d+bias+residual+silu', 'conv2d')
 >>> static_shape((2, 3)), Offload("matmul", (4, 8), reason="pattern not matched").kernel
 ((2, 3), None)
 """
@@ -37,6 +37,7 @@ __all__ = [
     "ACTIVATIONS",
     "CLAMP",
     "GELU_SPELLED_OUT",
+    "SILU",
     "EpiloguePattern",
     "KernelAdder",
     "MakeRewriter",
@@ -66,6 +67,8 @@ ACTIVATIONS: Mapping[str, EpilogueOp] = {
 #: chain where a pass accepts it (its constants are checked against ``_GELU_CONSTANTS``).
 GELU_SPELLED_OUT = "gelu_erf"
 _GELU_CONSTANTS = (math.sqrt(2.0), 1.0, 0.5)  # the divisor, the one, the half
+#: ``x * sigmoid(x)`` (SiLU, swish; EfficientNet's activation): the ``silu`` epilogue op.
+SILU = "silu"
 #: ``minimum(maximum(x, lo), hi)`` of scalar constants (ONNX Clip, e.g. MobileNet's ReLU6,
 #: after :func:`relay_passes.prepare.te_extrema_to_ops`): the ``clamp`` epilogue op.
 CLAMP = "clamp"
@@ -359,6 +362,8 @@ class EpiloguePattern(Generic[Anchor]):
         elif self.activation == CLAMP:
             lo, hi = (_scalar(matches[c]) for c in self.constants)
             ops.append(EpilogueOp("clamp", lo=lo, hi=hi))
+        elif self.activation == SILU:
+            ops.append(EpilogueOp("silu"))
         elif self.activation:
             ops.append(ACTIVATIONS[self.activation])
         return tuple(ops)
@@ -407,6 +412,12 @@ def _scalar(const: relax.Expr) -> float | None:
     return float(value.reshape(-1)[0]) if value.size == 1 else None
 
 
+def _silu(node: DFPattern) -> DFPattern:
+    # The same sub-pattern twice: both operands must be the one matched expression.
+    gate = is_op("relax.sigmoid")(node)
+    return is_op("relax.multiply")(node, gate) | is_op("relax.multiply")(gate, node)
+
+
 def _clamp(node: DFPattern) -> tuple[DFPattern, tuple[DFPattern, ...]]:
     lo, hi = is_const(), is_const()
     return is_op("relax.minimum")(is_op("relax.maximum")(node, lo), hi), (lo, hi)
@@ -432,8 +443,9 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
     ``spelled_out_gelu`` the GELU ONNX exporters write out in elementwise ops is an activation
     too (after the relax ones, before none).
     """
-    activations = (*ACTIVATIONS, CLAMP, *([GELU_SPELLED_OUT] if spelled_out_gelu else []),
-                   None)
+    # SiLU before sigmoid: x * sigmoid(x) would otherwise leave its multiply outside.
+    activations = (SILU, *ACTIVATIONS, CLAMP,
+                   *([GELU_SPELLED_OUT] if spelled_out_gelu else []), None)
     out = []
     for activation in activations:
         for with_residual in (True, False):
@@ -446,6 +458,8 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
                     node, constants = _gelu_spelled_out(node)
                 elif activation == CLAMP:
                     node, constants = _clamp(node)
+                elif activation == SILU:
+                    node = _silu(node)
                 elif activation:
                     node = is_op(activation)(node)
                 out.append(EpiloguePattern(node, anchor, bias, residual, activation, constants))

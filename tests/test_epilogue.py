@@ -420,6 +420,7 @@ SINGLE_OPS = {
     "gelu_tanh": (EpilogueOp("gelu", variant="tanh"), "float32"),
     "gelu_erf": (EpilogueOp("gelu", variant="erf"), "float32"),
     "sigmoid": (EpilogueOp("sigmoid"), "float32"),
+    "silu": (EpilogueOp("silu"), "float32"),
     "residual": (EpilogueOp("residual"), "float32"),
     "scale_const": (EpilogueOp("scale", value=-0.37), "float32"),
     "scale_per_column": (EpilogueOp("scale", broadcast="row"), "float32"),

@@ -1,6 +1,6 @@
 """The activations the dense and conv passes absorb into their kernels' epilogues: GELU (erf,
-tanh, and erf spelled out in elementwise ops as ONNX exports it), sigmoid and clamp (ONNX
-Clip: a maximum and a minimum of scalar constants).
+tanh, and erf spelled out in elementwise ops as ONNX exports it), sigmoid, SiLU (``x *
+sigmoid(x)``) and clamp (ONNX Clip: a maximum and a minimum of scalar constants).
 
 Each chain is checked structurally (the rewritten module is the Expected one: a single call_tir
 of the kernel scheduled for the whole chain, on packed constant weights) and numerically (built
@@ -50,6 +50,8 @@ ACTIVATIONS = {
                          lambda x: 0.5 * x * (1 + erf(x / math.sqrt(2)))),
     "sigmoid": (lambda bb, h: relax.op.sigmoid(h), EpilogueOp("sigmoid"),
                 lambda x: 1 / (1 + np.exp(-x))),
+    "silu": (lambda bb, h: relax.op.multiply(h, bb.emit(relax.op.sigmoid(h))), EpilogueOp("silu"),
+             lambda x: x / (1 + np.exp(-x))),
     # ONNX Clip (ReLU6) as prepare.te_extrema_to_ops leaves it.
     "clamp": (lambda bb, h: relax.op.minimum(
         bb.emit(relax.op.maximum(h, relax.const(np.float32(-0.5)))), relax.const(np.float32(0.75))),
