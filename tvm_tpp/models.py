@@ -325,9 +325,16 @@ def _build_mlp(cfg: MlpConfig, batch: int, rng: np.random.Generator) -> onnx.Mod
     return g.model("mlp", ("x", (batch, cfg.dims[0])), ("y", (batch, cfg.dims[-1])))
 
 
-def _conv_bn(g: _Graph, x: str, name: str, cin: int, cout: int, k: int, stride: int) -> str:
-    w = g.he(f"{name}.weight", (cout, cin, k, k), cin * k * k)
-    y = g.op("Conv", [x, w], name, kernel_shape=[k, k], strides=[stride, stride], pads=[k // 2] * 4)
+def _conv_bn(g: _Graph, x: str, name: str, cin: int, cout: int, k: int, stride: int = 1,
+             groups: int = 1, dilation: int = 1) -> str:
+    """A ``k x k`` conv (He-initialized, padded to keep the size at stride 1) and an inference
+    BatchNorm of seeded statistics: every bundled CNN's layer before its activation."""
+    w = g.he(f"{name}.weight", (cout, cin // groups, k, k), cin // groups * k * k)
+    attrs = {"group": groups} if groups > 1 else {}
+    if dilation > 1:
+        attrs["dilations"] = [dilation] * 2
+    y = g.op("Conv", [x, w], name, kernel_shape=[k, k], strides=[stride, stride],
+             pads=[dilation * (k // 2)] * 4, **attrs)
     bn = [
         g.uniform(f"{name}.bn.scale", (cout,), 0.8, 1.2),
         g.normal(f"{name}.bn.bias", (cout,), 0.05),
@@ -344,14 +351,7 @@ def _build_mobilenet_v2(cfg: MobileNetConfig, batch: int, rng: np.random.Generat
 
     def conv(x: str, name: str, cin: int, cout: int, k: int, stride: int = 1,
              groups: int = 1, relu6: bool = True) -> str:
-        w = g.he(f"{name}.weight", (cout, cin // groups, k, k), cin // groups * k * k)
-        y = g.op("Conv", [x, w], name, kernel_shape=[k, k], strides=[stride, stride],
-                 pads=[k // 2] * 4, group=groups)
-        bn = [g.uniform(f"{name}.bn.scale", (cout,), 0.8, 1.2),
-              g.normal(f"{name}.bn.bias", (cout,), 0.05),
-              g.normal(f"{name}.bn.mean", (cout,), 0.05),
-              g.uniform(f"{name}.bn.var", (cout,), 0.5, 1.5)]
-        y = g.op("BatchNormalization", [y, *bn], f"{name}.bn", epsilon=1e-5)
+        y = _conv_bn(g, x, name, cin, cout, k, stride, groups)
         return g.op("Clip", [y, low, high], f"{name}.relu6") if relu6 else y
 
     h = conv("x", "stem", 3, cfg.stem, 3, 2)
@@ -381,14 +381,7 @@ def _build_efficientnet(cfg: EfficientNetConfig, batch: int, rng: np.random.Gene
 
     def conv(x: str, name: str, cin: int, cout: int, k: int, stride: int = 1, groups: int = 1,
              act: bool = True) -> str:
-        w = g.he(f"{name}.weight", (cout, cin // groups, k, k), cin // groups * k * k)
-        y = g.op("Conv", [x, w], name, kernel_shape=[k, k], strides=[stride, stride],
-                 pads=[k // 2] * 4, group=groups)
-        bn = [g.uniform(f"{name}.bn.scale", (cout,), 0.8, 1.2),
-              g.normal(f"{name}.bn.bias", (cout,), 0.05),
-              g.normal(f"{name}.bn.mean", (cout,), 0.05),
-              g.uniform(f"{name}.bn.var", (cout,), 0.5, 1.5)]
-        y = g.op("BatchNormalization", [y, *bn], f"{name}.bn", epsilon=1e-5)
+        y = _conv_bn(g, x, name, cin, cout, k, stride, groups)
         return silu(y) if act else y
 
     def squeeze_excite(x: str, name: str, channels: int, squeezed: int) -> str:
@@ -427,14 +420,7 @@ def _build_seg_head(cfg: SegHeadConfig, batch: int, rng: np.random.Generator
 
     def conv(x: str, name: str, cin: int, cout: int, k: int, stride: int = 1,
              dilation: int = 1) -> str:
-        weight = g.he(f"{name}.weight", (cout, cin, k, k), cin * k * k)
-        y = g.op("Conv", [x, weight], name, kernel_shape=[k, k], strides=[stride] * 2,
-                 pads=[dilation * (k // 2)] * 4, dilations=[dilation] * 2)
-        bn = [g.uniform(f"{name}.bn.scale", (cout,), 0.8, 1.2),
-              g.normal(f"{name}.bn.bias", (cout,), 0.05),
-              g.normal(f"{name}.bn.mean", (cout,), 0.05),
-              g.uniform(f"{name}.bn.var", (cout,), 0.5, 1.5)]
-        y = g.op("BatchNormalization", [y, *bn], f"{name}.bn", epsilon=1e-5)
+        y = _conv_bn(g, x, name, cin, cout, k, stride, dilation=dilation)
         return g.op("Relu", [y], f"{name}.relu")
 
     h = conv(conv("x", "stem1", 3, w // 2, 3, 2), "stem2", w // 2, w, 3, 2)
