@@ -350,26 +350,42 @@ def _build_mobilenet_v2(cfg: MobileNetConfig, batch: int, rng: np.random.Generat
     low, high = g.const("relu6.min", np.float32(0)), g.const("relu6.max", np.float32(6))
 
     def conv(x: str, name: str, cin: int, cout: int, k: int, stride: int = 1,
-             groups: int = 1, relu6: bool = True) -> str:
+             groups: int = 1, act: bool = True) -> str:
         y = _conv_bn(g, x, name, cin, cout, k, stride, groups)
-        return g.op("Clip", [y, low, high], f"{name}.relu6") if relu6 else y
+        return g.op("Clip", [y, low, high], f"{name}.relu6") if act else y
 
+    blocks = tuple((*block, 3) for block in cfg.blocks)  # 3x3 depthwise convs throughout
+    return _inverted_residual_net(g, "mobilenet_v2", conv, blocks, cfg, batch)
+
+
+def _inverted_residual_net(
+    g: _Graph, name: str, conv: Callable[..., str],
+    blocks: Sequence[tuple[int, int, int, int, int]], cfg: MobileNetConfig | EfficientNetConfig,
+    batch: int, excite: Callable[[str, str, int, int], str] | None = None,
+) -> onnx.ModelProto:
+    """MobileNetV2's skeleton, which EfficientNet shares: a stride-2 3x3 stem, per ``(expansion,
+    channels, repeats, stride, kernel)`` block that many inverted residuals (1x1 expansion,
+    depthwise conv, ``excite(y, name, channels, squeezed)`` if given, 1x1 projection without
+    activation, a residual add where shape allows), a 1x1 head conv, global average pooling
+    and a Gemm classifier.  ``conv(x, name, cin, cout, k, stride=1, groups=1, act=True)``
+    is the network's conv + BatchNorm + activation."""
     h = conv("x", "stem", 3, cfg.stem, 3, 2)
     cin = cfg.stem
-    for i, (expansion, cout, repeats, first_stride) in enumerate(cfg.blocks):
+    for i, (expansion, cout, repeats, first_stride, k) in enumerate(blocks):
         for j in range(repeats):
-            name, stride, hidden = f"block{i}.{j}", first_stride if j == 0 else 1, cin * expansion
-            y = h if expansion == 1 else conv(h, f"{name}.expand", cin, hidden, 1)
-            y = conv(y, f"{name}.depthwise", hidden, hidden, 3, stride, groups=hidden)
-            y = conv(y, f"{name}.project", hidden, cout, 1, relu6=False)
-            h = g.op("Add", [h, y], f"{name}.add") if stride == 1 and cin == cout else y
+            block, stride, hidden = f"block{i}.{j}", first_stride if j == 0 else 1, cin * expansion
+            y = h if expansion == 1 else conv(h, f"{block}.expand", cin, hidden, 1)
+            y = conv(y, f"{block}.depthwise", hidden, hidden, k, stride, groups=hidden)
+            if excite is not None:
+                y = excite(y, f"{block}.se", hidden, max(1, cin // 4))
+            y = conv(y, f"{block}.project", hidden, cout, 1, act=False)
+            h = g.op("Add", [h, y], f"{block}.add") if stride == 1 and cin == cout else y
             cin = cout
     h = conv(h, "head", cin, cfg.head, 1)
     h = g.op("Flatten", [g.op("GlobalAveragePool", [h], "pool")], "flatten", axis=1)
     w = g.he("fc.weight", (cfg.classes, cfg.head), cfg.head)
     g.op("Gemm", [h, w, g.normal("fc.bias", (cfg.classes,), 0.05)], "y", transB=1)
-    return g.model("mobilenet_v2", ("x", (batch, 3, cfg.image, cfg.image)),
-                   ("y", (batch, cfg.classes)))
+    return g.model(name, ("x", (batch, 3, cfg.image, cfg.image)), ("y", (batch, cfg.classes)))
 
 
 def _build_efficientnet(cfg: EfficientNetConfig, batch: int, rng: np.random.Generator
@@ -394,23 +410,8 @@ def _build_efficientnet(cfg: EfficientNetConfig, batch: int, rng: np.random.Gene
                  f"{name}.expand", kernel_shape=[1, 1])
         return g.op("Mul", [x, g.op("Sigmoid", [s], f"{name}.gate")], f"{name}.scale")
 
-    h = conv("x", "stem", 3, cfg.stem, 3, 2)
-    cin = cfg.stem
-    for i, (expansion, cout, repeats, first_stride, k) in enumerate(cfg.blocks):
-        for j in range(repeats):
-            name, stride, hidden = f"block{i}.{j}", first_stride if j == 0 else 1, cin * expansion
-            y = h if expansion == 1 else conv(h, f"{name}.expand", cin, hidden, 1)
-            y = conv(y, f"{name}.depthwise", hidden, hidden, k, stride, groups=hidden)
-            y = squeeze_excite(y, f"{name}.se", hidden, max(1, cin // 4))
-            y = conv(y, f"{name}.project", hidden, cout, 1, act=False)
-            h = g.op("Add", [h, y], f"{name}.add") if stride == 1 and cin == cout else y
-            cin = cout
-    h = conv(h, "head", cin, cfg.head, 1)
-    h = g.op("Flatten", [g.op("GlobalAveragePool", [h], "pool")], "flatten", axis=1)
-    w = g.he("fc.weight", (cfg.classes, cfg.head), cfg.head)
-    g.op("Gemm", [h, w, g.normal("fc.bias", (cfg.classes,), 0.05)], "y", transB=1)
-    return g.model("efficientnet", ("x", (batch, 3, cfg.image, cfg.image)),
-                   ("y", (batch, cfg.classes)))
+    return _inverted_residual_net(g, "efficientnet", conv, cfg.blocks, cfg, batch,
+                                  squeeze_excite)
 
 
 def _build_seg_head(cfg: SegHeadConfig, batch: int, rng: np.random.Generator
