@@ -123,6 +123,23 @@ class ResNetConfig:
             raise ValueError(f"classes must be a positive int, got {self.classes!r}")
 
 
+def _check_inverted_residuals(cfg: Any, fields: str) -> None:
+    """The checks MobileNetConfig and EfficientNetConfig share: positive sizes, ``blocks`` as
+    tuples of positive ints named by ``fields`` (an odd last one where it names a kernel),
+    and an image no smaller than the total stride.  Normalizes ``blocks`` to tuples."""
+    object.__setattr__(cfg, "blocks", tuple(tuple(b) for b in cfg.blocks))
+    for name in ("image", "stem", "head", "classes"):
+        if not _is_pos_int(getattr(cfg, name)):
+            raise ValueError(f"{name} must be a positive int, got {getattr(cfg, name)!r}")
+    width, kernel = fields.count(",") + 1, "kernel" in fields
+    if not cfg.blocks or not all(len(b) == width and all(_is_pos_int(v) for v in b)
+                                 and (not kernel or b[-1] % 2) for b in cfg.blocks):
+        raise ValueError(f"blocks must be {fields} tuples of positive ints, got {cfg.blocks!r}")
+    strides = 2 * math.prod(b[3] for b in cfg.blocks)
+    if cfg.image < strides:
+        raise ValueError(f"image must be >= the total stride {strides}, got {cfg.image}")
+
+
 @dataclass(frozen=True)
 class MobileNetConfig:
     """Shape of ``"mobilenet_v2"``: MobileNetV2's inverted residual blocks, scaled down.
@@ -146,17 +163,7 @@ class MobileNetConfig:
     classes: int = 10
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "blocks", tuple(tuple(b) for b in self.blocks))
-        for name in ("image", "stem", "head", "classes"):
-            if not _is_pos_int(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if not self.blocks or not all(len(b) == 4 and all(_is_pos_int(v) for v in b)
-                                      for b in self.blocks):
-            raise ValueError(f"blocks must be (expansion, channels, repeats, stride) tuples "
-                             f"of positive ints, got {self.blocks!r}")
-        strides = 2 * math.prod(b[3] for b in self.blocks)
-        if self.image < strides:
-            raise ValueError(f"image must be >= the total stride {strides}, got {self.image}")
+        _check_inverted_residuals(self, "(expansion, channels, repeats, stride)")
 
 
 @dataclass(frozen=True)
@@ -185,17 +192,7 @@ class EfficientNetConfig:
     classes: int = 10
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "blocks", tuple(tuple(b) for b in self.blocks))
-        for name in ("image", "stem", "head", "classes"):
-            if not _is_pos_int(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if not self.blocks or not all(len(b) == 5 and all(_is_pos_int(v) for v in b)
-                                      and b[4] % 2 for b in self.blocks):
-            raise ValueError(f"blocks must be (expansion, channels, repeats, stride, odd "
-                             f"kernel) tuples of positive ints, got {self.blocks!r}")
-        strides = 2 * math.prod(b[3] for b in self.blocks)
-        if self.image < strides:
-            raise ValueError(f"image must be >= the total stride {strides}, got {self.image}")
+        _check_inverted_residuals(self, "(expansion, channels, repeats, stride, odd kernel)")
 
 
 @dataclass(frozen=True)
