@@ -278,8 +278,9 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     depthwise kernel, which calls no BRGEMM (None).  Filter taps that read only padding are
     left out where it is zeros (:meth:`~schedules.conv.ConvGeometry.without_dead_taps`).
     """
-    trimmed = problem.without_dead_taps()
-    if pad_value == 0 and trimmed is not problem:  # (a zero point is folded over every tap)
+    # A zero point's padding keeps every tap: its fold into the bias covers them all.
+    trimmed = problem.without_dead_taps() if pad_value == 0 else problem
+    if trimmed is not problem:
         rows, cols = problem.live_taps()
         problem, weight = trimmed, weight[:, :, rows, cols]
     if isinstance(problem, DepthwiseProblem):
