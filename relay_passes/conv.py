@@ -55,8 +55,16 @@ from microkernels.brgemm import LAYOUTS, BrgemmShape
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules import depthwise
-from schedules.conv import ConvConfig, ConvProblem, pack_weight, schedule, unfold_weight
+from schedules.conv import (
+    ConvConfig,
+    ConvProblem,
+    default_config,
+    pack_weight,
+    schedule,
+    unfold_weight,
+)
 from schedules.depthwise import DepthwiseConfig, DepthwiseProblem
+from schedules.loop_spec import LoopSpecError
 from schedules.operands import OPERANDS
 from schedules.tuner import TaskCollector, Tuner, config_for
 
@@ -65,6 +73,8 @@ from .layouts import TO_NCHW, TO_NHWC, simplify_layouts
 from .prepare import sum_to_add
 from .scaffold import (
     Offload,
+    batched_shape,
+    call_kernel,
     dispatched_brgemm,
     epilogue_patterns,
     is_call_to,
@@ -78,8 +88,8 @@ from .scaffold import (
 if TYPE_CHECKING:  # annotations only
     from .scaffold import EpiloguePattern, KernelAdder
 
-__all__ = ["rewrite_conv", "conv_problem", "emit_conv", "to_matrix", "unsupported_geometry",
-           "is_depthwise", "offload"]
+__all__ = ["rewrite_conv", "conv_problem", "conv_batch", "emit_conv", "to_matrix",
+           "unsupported_geometry", "is_depthwise", "offload"]
 
 #: Convs with fewer input channels than this get their width taps unfolded into channels.
 _UNFOLD_BELOW = 16
@@ -146,9 +156,10 @@ def unsupported_geometry(call: relax.Call, dtype: str = "float32") -> str | None
     layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
     if layouts != ("NCHW", "OIHW", "NCHW"):
         return f"layouts {'/'.join(layouts)}: only NCHW/OIHW/NCHW is routed to TPP"
-    shape = static_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
-    if shape is None or len(shape) != 4:
-        return "input shape is symbolic or not 4-D"
+    batched = batched_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
+    if batched is None or len(batched[0]) != 4:
+        return "input shape is symbolic beyond its batch, or not 4-D"
+    shape = batched[0]
     groups = int(attrs.groups)
     alpha = LAYOUTS[OPERANDS[dtype][1]][0]
     if groups > 1 and not is_depthwise(call) and (shape[1] // groups) % alpha:
@@ -164,9 +175,21 @@ def is_depthwise(call: relax.Call) -> bool:
     x, w = call.args
     if groups == 1 or not all(isinstance(a.ty, relax.TensorType) for a in (x, w)):
         return False
-    x_shape, w_shape = static_shape(x.ty.shape), static_shape(w.ty.shape)
+    x_shape, w_shape = _sizes(x.ty.shape), static_shape(w.ty.shape)
     return (x_shape is not None and w_shape is not None and len(x_shape) == 4
             and len(w_shape) == 4 and x_shape[1] == groups == w_shape[0] and w_shape[1] == 1)
+
+
+def _sizes(shape) -> tuple[int, ...] | None:
+    """A shape's static sizes, a symbolic batch counted as one image."""
+    batched = batched_shape(shape)
+    return None if batched is None else batched[0]
+
+
+def conv_batch(call: relax.Call) -> tvm.ir.PrimExpr | None:
+    """The run-time batch of a conv2d call whose input's first dimension is symbolic (its
+    :func:`conv_problem` is then one image's), else None."""
+    return batched_shape(call.args[0].ty.shape)[1]
 
 
 def _channel_vector(bias: np.ndarray, k: int) -> np.ndarray | None:
@@ -195,7 +218,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
             return orig
         operands.append(relax.const(bias))
     if pattern.residual is not None:
-        if not pattern.residual_fits(matches, static_shape(call.ty.shape)):
+        if not pattern.residual_fits(matches, tuple(call.ty.shape)):
             return orig
         operands.append(to_matrix(matches[pattern.residual]))
     problem = conv_problem(call, dtype, pattern.epilogue(matches))
@@ -208,7 +231,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
             (*problem.epilogue.ops, EpilogueOp("convert", dtype="bfloat16"))))
     x = call.args[0] if dtype == "float32" else relax.op.astype(call.args[0], dtype)
     out, kernel, brgemm = emit_conv(x, problem, call.args[1].value.numpy(), operands,
-                                    add_kernel, target, tuner)
+                                    add_kernel, target, tuner, batch=conv_batch(call))
     report.append(offload(pattern.name("conv2d", matches), problem, kernel, brgemm, target))
     return relax.op.astype(out, "float32") if handoff else out
 
@@ -243,8 +266,9 @@ def offload(op: str, problem: ConvProblem | DepthwiseProblem, kernel: str,
 def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue
                  ) -> ConvProblem | DepthwiseProblem:
     """The :class:`~schedules.conv.ConvProblem` of a (supported) ``conv2d`` call, or the
-    :class:`~schedules.depthwise.DepthwiseProblem` of a depthwise one."""
-    n, c, h, w = static_shape(call.args[0].ty.shape)
+    :class:`~schedules.depthwise.DepthwiseProblem` of a depthwise one (of one image where the
+    batch is symbolic: :func:`conv_batch`)."""
+    n, c, h, w = _sizes(call.args[0].ty.shape)
     k, _, r, s = static_shape(call.args[1].ty.shape)
     attrs = call.attrs
     geometry = {"stride": tuple(int(v) for v in attrs.strides),
@@ -259,14 +283,14 @@ def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue
 
 def to_matrix(y: relax.Expr) -> relax.Expr:
     """An NCHW tensor as the kernels' ``[N*H*W, C]`` output matrix (a residual operand)."""
-    n, c, h, w = static_shape(y.ty.shape)
+    n, c, h, w = y.ty.shape
     return relax.op.reshape(relax.op.permute_dims(y, TO_NHWC), (n * h * w, c))
 
 
 def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
               operands: Sequence[relax.Expr], add_kernel: KernelAdder, target: Target,
-              tuner: Tuner | TaskCollector | None, pad_value: float | int = 0
-              ) -> tuple[relax.Expr, str, BrgemmShape | None]:
+              tuner: Tuner | TaskCollector | None, pad_value: float | int = 0,
+              batch: tvm.ir.PrimExpr | None = None) -> tuple[relax.Expr, str, BrgemmShape | None]:
     """The TPP kernel of ``problem`` applied to NCHW ``x`` (in ``problem.dtype``): its NCHW
     result, the kernel's name with its loop_spec (for the report), and its BRGEMM.
 
@@ -277,6 +301,8 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     :class:`~schedules.depthwise.DepthwiseProblem` (``weight`` ``[C, 1, R, S]``) becomes the
     depthwise kernel, which calls no BRGEMM (None).  Filter taps that read only padding are
     left out where it is zeros (:meth:`~schedules.conv.ConvGeometry.without_dead_taps`).
+    With a run-time ``batch`` (a symbolic size of ``x``'s first dimension) ``problem`` is one
+    image's and the kernel loops over ``batch`` of them.
     """
     # A zero point's padding keeps every tap: its fold into the bias covers them all.
     trimmed = problem.without_dead_taps() if pad_value == 0 else problem
@@ -285,54 +311,75 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
         problem, weight = trimmed, weight[:, :, rows, cols]
     if isinstance(problem, DepthwiseProblem):
         return _emit_depthwise(x, problem, weight, operands, add_kernel, target, tuner,
-                               pad_value)
+                               pad_value, batch)
     # Few input channels (an RGB stem): unfold the S taps into the channels, so that each
     # BRGEMM call reduces S*C values instead of C.
     unfold = problem.c < _UNFOLD_BELOW and problem.s > 1 and problem.groups == 1
     kernel_problem = problem.unfold_width() if unfold else problem
     config = config_for(kernel_problem, target, tuner)  # the problem the kernel computes
+    isa = machine_of(target).isa
+    try:
+        func, brgemm = _kernel(kernel_problem, config, isa.name, batch is not None)
+    except LoopSpecError:  # a tuned nest that splits the images: the default does not
+        config = default_config(kernel_problem, machine_of(target))
+        func, brgemm = _kernel(kernel_problem, config, isa.name, batch is not None)
     sh, sw = problem.stride
-    name = (f"tpp_conv2d_{problem.n}x{problem.c}x{problem.h}x{problem.w}_"
+    name = (f"tpp_conv2d_{_images(problem, batch)}x{problem.c}x{problem.h}x{problem.w}_"
             f"{problem.k}x{problem.r}x{problem.s}_s{sh}x{sw}" + _geometry_tag(problem)
             + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
             + _DTYPE_TAGS[problem.dtype])
-    func, brgemm = _kernel(kernel_problem, config, machine_of(target).isa.name)
     gv = add_kernel(func, name)
     packed = (_unfold_input(x, problem, pad_value) if unfold
-              else _pack_input(x, problem, pad_value))
+              else _pack_input(x, problem, pad_value, batch))
     filters = unfold_weight(weight) if unfold else weight
     args = [packed, relax.const(pack_weight(filters, config.bk, kernel_problem)), *operands]
-    out = relax.call_tir(gv, args, relax.TensorType((problem.rows, problem.k),
-                                                    problem.out_dtype))
-    nhwc = relax.op.reshape(out, (problem.n, problem.p, problem.q, problem.k))
+    out = call_kernel(gv, args, (_times(batch, problem.rows), problem.k), problem.out_dtype,
+                      batch)
+    nhwc = relax.op.reshape(out, (_times(batch, problem.n), problem.p, problem.q, problem.k))
     return relax.op.permute_dims(nhwc, TO_NCHW), f"{name} [{config.spec}]", brgemm
+
+
+def _times(batch: tvm.ir.PrimExpr | None, size: int) -> tvm.ir.PrimExpr | int:
+    """``size`` per image times a run-time batch (``size`` itself without one)."""
+    return size if batch is None else batch * size
+
+
+def _images(problem: ConvProblem | DepthwiseProblem, batch: tvm.ir.PrimExpr | None) -> str:
+    """The kernel name's image count: ``n`` for a run-time batch."""
+    return str(problem.n) if batch is None else "n"
 
 
 def _emit_depthwise(x: relax.Expr, problem: DepthwiseProblem, weight: np.ndarray,
                     operands: Sequence[relax.Expr], add_kernel: KernelAdder, target: Target,
-                    tuner: Tuner | TaskCollector | None, pad_value: float | int
-                    ) -> tuple[relax.Expr, str, None]:
+                    tuner: Tuner | TaskCollector | None, pad_value: float | int,
+                    batch: tvm.ir.PrimExpr | None) -> tuple[relax.Expr, str, None]:
     """:func:`emit_conv` of a depthwise conv: padded NHWC in, ``[N*P*Q, C]`` out."""
     config = config_for(problem, target, tuner)
     sh, sw = problem.stride
-    name = (f"tpp_dwconv2d_{problem.n}x{problem.c}x{problem.h}x{problem.w}_"
+    name = (f"tpp_dwconv2d_{_images(problem, batch)}x{problem.c}x{problem.h}x{problem.w}_"
             f"{problem.r}x{problem.s}_s{sh}x{sw}" + _geometry_tag(problem)
             + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
             + _DTYPE_TAGS[problem.dtype])
-    gv = add_kernel(_depthwise_kernel(problem, config, machine_of(target).isa.name), name)
+    gv = add_kernel(_depthwise_kernel(problem, config, machine_of(target).isa.name,
+                                      batch is not None), name)
     args = [_padded_nhwc(x, problem, pad_value),
             relax.const(depthwise.pack_weight(weight, problem)), *operands]
-    out = relax.call_tir(gv, args, relax.TensorType((problem.rows, problem.c),
-                                                    problem.out_dtype))
-    nhwc = relax.op.reshape(out, (problem.n, problem.p, problem.q, problem.c))
+    out = call_kernel(gv, args, (_times(batch, problem.rows), problem.c), problem.out_dtype,
+                      batch)
+    nhwc = relax.op.reshape(out, (_times(batch, problem.n), problem.p, problem.q, problem.c))
     kind = f"bq={config.bq} bc={config.bc}" + (" C" if config.parallel_channels else "")
     return relax.op.permute_dims(nhwc, TO_NCHW), f"{name} [{kind}]", None
 
 
 @functools.lru_cache(maxsize=256)
-def _depthwise_kernel(problem: DepthwiseProblem, config: DepthwiseConfig, isa: str
-                      ) -> tvm.tirx.PrimFunc:
-    return depthwise.schedule(problem, config, isa).mod["main"]
+def _depthwise_kernel(problem: DepthwiseProblem, config: DepthwiseConfig, isa: str,
+                      run_time_batch: bool) -> tvm.tirx.PrimFunc:
+    return depthwise.schedule(problem, config, isa, _batch_var(run_time_batch)).mod["main"]
+
+
+def _batch_var(run_time_batch: bool) -> tvm.tirx.Var | None:
+    """The kernel's own batch parameter, where it takes one."""
+    return tvm.tirx.Var("batch", "int32") if run_time_batch else None
 
 
 def _geometry_tag(problem: ConvProblem | DepthwiseProblem) -> str:
@@ -347,11 +394,11 @@ _DTYPE_TAGS = {"float32": "", "bfloat16": "_bf16", "uint8": "_u8s8"}
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel(problem: ConvProblem, config: ConvConfig, isa: str
+def _kernel(problem: ConvProblem, config: ConvConfig, isa: str, run_time_batch: bool
             ) -> tuple[tvm.tirx.PrimFunc, BrgemmShape | None]:
     """The scheduled PrimFunc and the BRGEMM it calls, built once per distinct layer (a
-    ResNet repeats its blocks)."""
-    sch = schedule(problem, config, isa)
+    ResNet repeats its blocks); with a ``run_time_batch`` parameter where asked."""
+    sch = schedule(problem, config, isa, _batch_var(run_time_batch))
     return sch.mod["main"], dispatched_brgemm(sch)
 
 
@@ -382,14 +429,15 @@ def _unfold_input(x, problem: ConvProblem, pad_value: float | int):
                             problem.unfold_width().padded_c, pad_value)
 
 
-def _pack_input(x, problem: ConvProblem, pad_value: float | int):
+def _pack_input(x, problem: ConvProblem, pad_value: float | int,
+                batch: tvm.ir.PrimExpr | None = None):
     """NCHW ``x`` -> the kernel's padded ``[N, Hp, Wq, sw*C']`` (see :mod:`schedules.conv`)."""
     _, left, _, right = problem.padding
     y = _padded_nhwc(x, problem, pad_value,
                      problem.wq * problem.stride[1] - (problem.w + left + right))
     y = _padded_channels(y, problem.c, problem.padded_c, pad_value)
     if problem.stride[1] > 1:
-        y = relax.op.reshape(y, problem.input_shape)
+        y = relax.op.reshape(y, (_times(batch, problem.n), *problem.input_shape[1:]))
     return y
 
 

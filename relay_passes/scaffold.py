@@ -43,7 +43,9 @@ __all__ = [
     "MakeRewriter",
     "Offload",
     "add_kernel",
+    "batched_shape",
     "call_flops",
+    "call_kernel",
     "dispatched_brgemm",
     "epilogue_patterns",
     "is_call_to",
@@ -232,6 +234,48 @@ def static_shape(shape: Any) -> tuple[int, ...] | None:
         return None
 
 
+def batched_shape(shape: Any) -> tuple[tuple[int, ...], tvm.ir.PrimExpr | None] | None:
+    """A Relax shape as static sizes and its run-time batch: ``(sizes, None)`` when it is
+    static, ``((1, *rest), batch)`` when only its first dimension is symbolic (the kernels
+    then loop over that many copies of the static rest), None otherwise.
+
+    Examples
+    --------
+    >>> from tvm import tirx
+    >>> n = tirx.Var("n", "int64")
+    >>> batched_shape([4, 8]), batched_shape([n, 8]), batched_shape([8, n])
+    (((4, 8), None), ((1, 8), n), None)
+    """
+    if shape is None:
+        return None
+    dims = list(shape)
+    sizes = static_shape(dims)
+    if sizes is not None:
+        return sizes, None
+    rest = static_shape(dims[1:])
+    return None if not dims or rest is None else ((1, *rest), dims[0])
+
+
+def call_kernel(kernel: tvm.ir.GlobalVar, args: Sequence[relax.Expr], shape: Sequence[Any],
+                dtype: str, batch: tvm.ir.PrimExpr | None = None) -> relax.Call:
+    """``call_tir`` of a kernel writing a ``shape`` tensor of ``dtype``; a kernel built for a
+    run-time batch (its parameter before the output) is passed ``batch``, the graph's
+    symbolic size.
+
+    Examples
+    --------
+    >>> from tvm import tirx
+    >>> gv, n = tvm.ir.GlobalVar("k"), tirx.Var("n", "int64")
+    >>> call = call_kernel(gv, [], [n * 4, 8], "float32", n)
+    >>> call.ty_args[0]
+    R.Tensor((n * 4, 8), dtype="float32")
+    """
+    # The kernels' batch parameter is an int32 like their static extents (index arithmetic
+    # of one type); Relax's shapes are int64.
+    extra = [] if batch is None else [relax.prim_value(tvm.tirx.Cast("int32", batch))]
+    return relax.call_tir(kernel, [*args, *extra], relax.TensorType(list(shape), dtype))
+
+
 def readers(func: relax.Function) -> Callable[[relax.Expr], list[relax.Expr] | None]:
     """For a value bound in ``func``: the bound values that read it (one entry per read), or
     None when the function returns it or it is not bound (a reader no pass can see).
@@ -312,8 +356,14 @@ def is_tensor_of(expr: relax.Expr, shape: tuple[int, ...]) -> bool:
     """
     return (not isinstance(expr, tvm.ir.expr.Constant)
             and isinstance(expr.ty, relax.TensorType)
-            and static_shape(expr.ty.shape) == shape
+            and expr.ty.shape is not None and len(expr.ty.shape) == len(shape)
+            and all(_same_size(a, b) for a, b in zip(expr.ty.shape, shape, strict=True))
             and expr.ty.dtype == "float32")
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two dimensions are the same size, static or symbolic."""
+    return tvm.sym.Analyzer().can_prove_equal(a, b)
 
 
 def _add_patterns(node: DFPattern, with_bias: bool,

@@ -92,11 +92,11 @@ from microkernels.pack import Packing, padded
 from .blocking import divisors, near_divisors, pick_divisor
 from .gemm import _k_block, _tile_blocks, _tile_rows, _weight_values
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
-from .nest import check_exact, finish_nest, nest_loops
+from .nest import check_exact, check_run_time_loop, finish_nest, nest_loops
 from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
-    from tvm import s_tir
+    from tvm import s_tir, tirx
     from tvm.tirx import PrimFunc
 
 __all__ = [
@@ -507,8 +507,10 @@ def weight_shape(problem: ConvProblem, bk: int) -> tuple[int, ...]:
     return (k // bk, r, s, c // alpha, bk, alpha)
 
 
-def workload(problem: ConvProblem, bk: int) -> PrimFunc:
-    """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc).
+def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None) -> PrimFunc:
+    """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc);
+    with a run-time ``batch`` (a symbolic batch: the parameter before the output) it has
+    ``batch * problem.n`` images.
 
     Products are taken in the accumulator's dtype; an epilogue starting in float32 from an
     int32 accumulator reads it converted (dequantization), in the ``view`` stage the
@@ -521,7 +523,9 @@ def workload(problem: ConvProblem, bk: int) -> PrimFunc:
     sh, sw = problem.stride
     dh, dw = problem.dilation
     acc = problem.acc_dtype
-    x = te.placeholder(problem.input_shape, problem.dtype, name="X")
+    images = problem.n if batch is None else batch * problem.n
+    rows = images * p * q
+    x = te.placeholder((images, *problem.input_shape[1:]), problem.dtype, name="X")
     w = te.placeholder(weight_shape(problem, bk), problem.weight_dtype, name="W")
     rr = te.reduce_axis((0, problem.r), name="r")
     rs = te.reduce_axis((0, problem.s), name="s")
@@ -542,14 +546,15 @@ def workload(problem: ConvProblem, bk: int) -> PrimFunc:
             return value * weight(o)
         return value.astype(acc) * weight(o).astype(acc)
 
-    conv = te.compute((problem.n, p, q, k),
+    conv = te.compute((images, p, q, k),
                       lambda n, i, j, o: te.sum(product(n, i, j, o), axis=[rr, rs, rc]),
                       name="conv")
     start = problem.epilogue_dtype
-    extra = {op.name: te.placeholder(op.shape(problem.rows, k), op.dtype, name=op.name)
+    extra = {op.name: te.placeholder(op.shape(rows, k), op.dtype, name=op.name)
              for op in problem.epilogue.inputs(start)}
+    scalars = [] if batch is None else [batch]
     if not problem.epilogue.ops:
-        return te.create_prim_func([x, w, conv])
+        return te.create_prim_func([x, w, *scalars, conv])
     # The epilogue is a 2-D chain: it reads the conv through a [rows, K] view (converted
     # to float32 when it dequantizes), which the schedule inlines once the conv's buffer
     # itself is laid out as that matrix.
@@ -558,16 +563,18 @@ def workload(problem: ConvProblem, bk: int) -> PrimFunc:
         value = conv[i // (p * q), i // q % p, i % q, o]
         return value if start == acc else value.astype(start)
 
-    view = te.compute((problem.rows, k), view_value, name="view")
+    view = te.compute((rows, k), view_value, name="view")
     y = apply_te(problem.epilogue, view, extra)
-    return te.create_prim_func([x, w, *extra.values(), y])
+    return te.create_prim_func([x, w, *extra.values(), *scalars, y])
 
 
-def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "avx2"
-             ) -> s_tir.Schedule:
+def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "avx2",
+             batch: tirx.Var | None = None) -> s_tir.Schedule:
     """The scheduled convolution: loop_spec outer loops around the ISA's BRGEMM for the
     problem's dtype and layout (:func:`microkernels.brgemm.dispatch`; on ``amx`` the tile
-    kernel when the blocks are tile-shaped, else the AVX-512 one).
+    kernel when the blocks are tile-shaped, else the AVX-512 one).  With a run-time
+    ``batch`` (a symbolic batch: the parameter before the output) the images loop runs
+    ``batch * problem.n`` times around the static rest.
 
     Raises
     ------
@@ -580,8 +587,10 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
 
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
     spec = config.parse(problem)
+    if batch is not None:
+        check_run_time_loop(spec, "a")
     pq = problem.p * problem.q
-    sch = s_tir.Schedule(workload(problem, config.bk))
+    sch = s_tir.Schedule(workload(problem, config.bk, batch))
     conv = sch.get_sblock("conv")
     # The accumulator (or the output itself) as the [N*P*Q, K] matrix the epilogue reads:
     # the view stage then inlines to plain 2-D indices.

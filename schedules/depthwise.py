@@ -62,7 +62,7 @@ from .conv import ConvGeometry, _input_values, _pad_scalar
 from .gemm import _weight_values
 
 if TYPE_CHECKING:
-    from tvm import s_tir
+    from tvm import s_tir, tirx
     from tvm.tirx import PrimFunc
 
 __all__ = ["DepthwiseProblem", "DepthwiseConfig", "workload", "schedule", "default_config",
@@ -169,8 +169,10 @@ class DepthwiseConfig:
                 raise ValueError(f"{name}={block} does not divide {what}={dim}")
 
 
-def workload(problem: DepthwiseProblem) -> PrimFunc:
-    """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc)."""
+def workload(problem: DepthwiseProblem, batch: tirx.Var | None = None) -> PrimFunc:
+    """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc);
+    with a run-time ``batch`` (a symbolic batch: the parameter before the output) it has
+    ``batch * problem.n`` images."""
     from tvm import te
 
     from microkernels.epilogue import apply_te
@@ -178,7 +180,9 @@ def workload(problem: DepthwiseProblem) -> PrimFunc:
     p, q, c = problem.p, problem.q, problem.c
     (sh, sw), (dh, dw) = problem.stride, problem.dilation
     acc = problem.acc_dtype
-    x = te.placeholder(problem.input_shape, problem.dtype, name="X")
+    images = problem.n if batch is None else batch * problem.n
+    rows = images * p * q
+    x = te.placeholder((images, *problem.input_shape[1:]), problem.dtype, name="X")
     w = te.placeholder(problem.weight_shape, problem.weight_dtype, name="W")
     rr = te.reduce_axis((0, problem.r), name="r")
     rs = te.reduce_axis((0, problem.s), name="s")
@@ -191,28 +195,31 @@ def workload(problem: DepthwiseProblem) -> PrimFunc:
             return value * weight
         return value.astype(acc) * weight.astype(acc)
 
-    conv = te.compute((problem.n, p, q, c),
+    conv = te.compute((images, p, q, c),
                       lambda n, i, j, o: te.sum(product(n, i, j, o), axis=[rr, rs]),
                       name="conv")
     start = problem.epilogue_dtype
-    extra = {op.name: te.placeholder(op.shape(problem.rows, c), op.dtype, name=op.name)
+    extra = {op.name: te.placeholder(op.shape(rows, c), op.dtype, name=op.name)
              for op in problem.epilogue.inputs(start)}
+    scalars = [] if batch is None else [batch]
     if not problem.epilogue.ops:
-        return te.create_prim_func([x, w, conv])
+        return te.create_prim_func([x, w, *scalars, conv])
 
     def view_value(i, o):
         value = conv[i // (p * q), i // q % p, i % q, o]
         return value if start == acc else value.astype(start)
 
-    view = te.compute((problem.rows, c), view_value, name="view")
+    view = te.compute((rows, c), view_value, name="view")
     y = apply_te(problem.epilogue, view, extra)
-    return te.create_prim_func([x, w, *extra.values(), y])
+    return te.create_prim_func([x, w, *extra.values(), *scalars, y])
 
 
 def schedule(problem: DepthwiseProblem, config: DepthwiseConfig,
-             isa: str | _isa.Isa = "avx2") -> s_tir.Schedule:
+             isa: str | _isa.Isa = "avx2", batch: tirx.Var | None = None) -> s_tir.Schedule:
     """The scheduled depthwise convolution (module doc).  ``isa`` is accepted for the tuner's
     interface; the code is plain vectorized TIR, LLVM picks the instructions of the target.
+    With a run-time ``batch`` (a symbolic batch: the parameter before the output) the
+    images loop runs ``batch * problem.n`` times.
 
     Raises
     ------
@@ -225,7 +232,7 @@ def schedule(problem: DepthwiseProblem, config: DepthwiseConfig,
         _isa.from_name(isa)  # a known ISA
     config.check(problem)
     pq = problem.p * problem.q
-    sch = s_tir.Schedule(workload(problem))
+    sch = s_tir.Schedule(workload(problem, batch))
     conv = sch.get_sblock("conv")
     sch.transform_layout(conv, ("write", 0),
                          lambda n, i, j, o: (n * pq + i * problem.q + j, o))

@@ -113,12 +113,12 @@ from microkernels.pack import Packing, mmla_k_block, pack_mmla, padded
 from .blocking import divisors, pick_divisor
 from .cost_model import predict
 from .loop_spec import LoopSpec, LoopSpecError, parse
-from .nest import check_exact, finish_nest, nest_loops
+from .nest import check_exact, check_run_time_loop, finish_nest, nest_loops
 from .operands import OPERANDS, TypedProblem
 from .space import BlockedGemm, Candidate, generate, heuristic
 
 if TYPE_CHECKING:
-    from tvm import s_tir
+    from tvm import s_tir, tirx
     from tvm.s_tir import LoopRV, SBlockRV
     from tvm.tirx import PrimFunc
 
@@ -441,10 +441,11 @@ def _weight_values(w: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def workload(problem: GemmProblem, config_or_bn: GemmConfig | int,
-             isa: str | _isa.Isa | None = None) -> PrimFunc:
+             isa: str | _isa.Isa | None = None, batch: tirx.Var | None = None) -> PrimFunc:
     """The unscheduled PrimFunc ``(X, Wp, *epilogue operands, Y)``; ``Wp`` is packed with
     the config's ``bn`` as :func:`pack_weight` packs it (for ``isa``, binding an unbound
-    problem).
+    problem).  With a run-time ``batch`` (a symbolic batch: the parameter before the output),
+    M is ``batch * problem.m``: ``problem.m`` rows per unit of the batch.
 
     An MMLA problem reads X through a copy in MMLA blocks (``X_packed[M'/2, K'/kb, 2, kb]``,
     zero-padded), multiplies into a ``C[M', N']`` of whole row and column pairs and crops it
@@ -458,6 +459,10 @@ def workload(problem: GemmProblem, config_or_bn: GemmConfig | int,
     bn = config_or_bn.bn if isinstance(config_or_bn, GemmConfig) else config_or_bn
     m, n, k, alpha = problem.m, problem.n, problem.padded_k, problem.alpha
     mp, np_ = problem.padded_m, problem.padded_n
+    if batch is not None:
+        if mp != m:
+            raise ValueError("a run-time M cannot be padded to the MMLA row pairs")
+        m = mp = batch * problem.m
     acc = problem.acc_dtype
     x = te.placeholder((m, problem.k), problem.dtype, name="X")
     a = x  # the GEMM's A
@@ -512,7 +517,7 @@ def workload(problem: GemmProblem, config_or_bn: GemmConfig | int,
     extra = {op.name: te.placeholder(op.shape(m, n), op.dtype, name=op.name)
              for op in problem.epilogue.inputs(start)}
     y = apply_te(problem.epilogue, c, extra, name=_EPILOGUE) if problem.epilogue.ops else c
-    return te.create_prim_func([x, wp, *extra.values(), y])
+    return te.create_prim_func([x, wp, *extra.values(), *([batch] if batch is not None else []), y])
 
 
 #: The block copying X with K zero-padded to whole VNNI groups.
@@ -523,9 +528,14 @@ _PACKED_X = "X_packed"
 _EPILOGUE = "epilogue"
 
 
-def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "avx2"
-             ) -> s_tir.Schedule:
+def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "avx2",
+             batch: tirx.Var | None = None) -> s_tir.Schedule:
     """The scheduled GEMM: loop_spec outer loops around the ISA's BRGEMM microkernel.
+
+    With a run-time ``batch`` (a symbolic batch dimension: the parameter before the output),
+    M is ``batch * problem.m``: the loop over M blocks runs ``batch * m / bm`` times and
+    everything below it stays static (``problem.m`` is the M the configuration was chosen
+    for, e.g. one sample's rows).
 
     Raises
     ------
@@ -541,7 +551,9 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     problem = problem.on(isa_name)
     spec = config.candidate.parse(*config.blocked(problem).trips)
     check_exact(spec)
-    sch = s_tir.Schedule(workload(problem, config.bn))
+    if batch is not None:
+        check_run_time_loop(spec, "b")
+    sch = s_tir.Schedule(workload(problem, config.bn, batch=batch))
     cropped = (problem.padded_m, problem.padded_n) != (problem.m, problem.n)
     if problem.epilogue.ops and (problem.epilogue_dtype != problem.acc_dtype or cropped):
         sch.compute_inline(sch.get_sblock("dequantize"))

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from tvm import s_tir
     from tvm.s_tir import LoopRV, SBlockRV
 
-__all__ = ["check_exact", "nest_loops", "finish_nest"]
+__all__ = ["check_exact", "check_run_time_loop", "nest_loops", "finish_nest"]
 
 
 def check_exact(spec: LoopSpec) -> None:
@@ -29,6 +29,26 @@ def check_exact(spec: LoopSpec) -> None:
         if o.grid is not None and o.trips % o.grid[1]:
             raise LoopSpecError(f"{o.grid[1]} {o.grid[0]}-teams do not divide the "
                                 f"{o.trips} iterations of {o.var}", spec.text, o.position)
+
+
+def check_run_time_loop(spec: LoopSpec, letter: str) -> None:
+    """LoopSpecError unless loop ``letter`` can take a run-time extent (a symbolic batch): it
+    appears once and is not split among threads, so the nest never splits it by a constant
+    that might not divide the extent (TVM would predicate the tensorized body).
+
+    Examples
+    --------
+    >>> from schedules.loop_spec import parse
+    >>> check_run_time_loop(parse("BCa", 3), "b")
+    >>> check_run_time_loop(parse("bCab", 3), "b")
+    Traceback (most recent call last):
+    ...
+    schedules.loop_spec.LoopSpecError: ...
+    """
+    occurrences = spec.occurrences_of(letter)
+    if len(occurrences) > 1 or any(o.grid is not None for o in occurrences):
+        raise LoopSpecError(f"loop {letter} takes the run-time batch: it may appear only once "
+                            "and outside thread grids", spec.text, occurrences[-1].position)
 
 
 def nest_loops(sch: s_tir.Schedule, spec: LoopSpec, logical: Mapping[str, LoopRV]
