@@ -7,8 +7,11 @@ tensor of the output's shape, and ReLU / GELU / sigmoid.  The weights are packed
 time into the BRGEMM's blocked layout, the activations of rank > 2 are viewed as ``[M, K]``,
 and the whole chain becomes one scheduled PrimFunc (:mod:`schedules.gemm`).
 
-What does not fit (non-float32, symbolic shapes) is left to TVM's own lowering and listed in
-the report with the reason; matmuls of two activations (attention's ``Q @ K^T``) are
+A symbolic first dimension (the batch) is a run-time loop extent of the kernel around static
+blocks: a ``[n, S, K]`` input multiplies ``n`` samples of ``S`` rows; a ``[n, K]`` one blocks
+of :data:`ROW_BLOCK` rows, its last block padded with zeros and the padding cropped from the
+output.  What does not fit (non-float32, other symbolic sizes) is left to TVM's own lowering
+and listed in the report with the reason; matmuls of two activations (attention's ``Q @ K^T``) are
 :mod:`relay_passes.batch_matmul`'s.
 
 Precision (:data:`PRECISIONS`): ``"float32"`` computes in float32; ``"bf16"`` multiplies in
@@ -52,27 +55,33 @@ from tvm.target import Target
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
-from schedules.gemm import GemmProblem, pack_weight, schedule
+from schedules.gemm import GemmProblem, default_config, pack_weight, schedule
+from schedules.loop_spec import LoopSpecError
 from schedules.tuner import Tuner, config_for
 
 from .scaffold import (
     Offload,
+    batched_shape,
+    call_kernel,
     dispatched_brgemm,
     epilogue_patterns,
     is_call_to,
     offload_patterns,
     readers,
     reads_through_bf16_cast,
-    static_shape,
 )
 
 if TYPE_CHECKING:  # annotations only
     from .scaffold import EpiloguePattern, KernelAdder
 
-__all__ = ["rewrite_dense", "PRECISIONS"]
+__all__ = ["rewrite_dense", "PRECISIONS", "ROW_BLOCK"]
 
 #: ``precision`` of the dense layers -> the GEMM problem's dtype (X's, W's follows).
 PRECISIONS: dict[str, str] = {"float32": "float32", "bf16": "bfloat16"}
+#: Rows per run-time block of a ``[n, K]`` input with a symbolic ``n``: a register tile's
+#: worth, so that batch 1 computes at most this many padded rows, and the weight panels
+#: stay in cache across blocks anyway.
+ROW_BLOCK = 8
 
 
 @dataclass(frozen=True)
@@ -116,9 +125,10 @@ def rewrite_dense(
 
 def _unsupported(x: relax.Expr, weight: np.ndarray) -> str | None:
     """Why ``x @ weight`` cannot become a TPP kernel (None if it can)."""
-    shape = static_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
-    if shape is None or len(shape) < 2:
-        return "activation shape is symbolic or not a matrix"
+    batched = batched_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
+    if batched is None or len(batched[0]) < 2:
+        return "activation shape is symbolic beyond its batch, or not a matrix"
+    shape = batched[0]
     if x.ty.dtype != "float32" or weight.dtype != np.float32:
         return f"dtype {x.ty.dtype} x {weight.dtype}: only float32 dense is routed to TPP"
     if weight.ndim != 2 or weight.shape[0] != shape[-1]:
@@ -150,9 +160,9 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         weight = weight.T
     if _unsupported(x, weight) is not None or not pattern.constants_match(matches):
         return orig
-    x_shape = static_shape(x.ty.shape)
+    x_shape, batch = batched_shape(x.ty.shape)
     k, n = weight.shape
-    out_shape = (*x_shape[:-1], n)
+    out_shape = (*list(x.ty.shape)[:-1], n)
     bias = matches[pattern.bias].value.numpy() if pattern.bias is not None else None
     if bias is not None and (bias.size != n or bias.shape[-1] != n):
         return orig
@@ -160,7 +170,12 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if not pattern.residual_fits(matches, out_shape):
         return orig
 
-    m = int(np.prod(x_shape[:-1]))
+    # With a symbolic batch the kernel runs ``units`` blocks of m rows: samples of a rank > 2
+    # input, else ROW_BLOCK rows of a matrix padded to whole blocks.
+    padded = batch is not None and len(x_shape) == 2
+    m = ROW_BLOCK if padded else int(np.prod(x_shape[:-1]))
+    units = (tvm.tirx.floordiv(batch + m - 1, m) if padded else batch)
+    rows = m if units is None else units * m
     isa = machine_of(target).isa
     # Bound to the ISA: the operands' layout (VNNI, MMLA) is that of the ISA's kernels.
     epilogue = pattern.epilogue(matches)
@@ -172,12 +187,19 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         epilogue = Epilogue((*epilogue.ops, EpilogueOp("convert", dtype="bfloat16")))
     problem = GemmProblem(m, n, k, dtype, epilogue).on(isa)
     config = config_for(problem, target, tuner)
-    name = (f"tpp_dense_{m}x{n}x{k}" + (f"_{problem.epilogue.name}" if pattern.ops(matches) else "")
+    kernel_batch = None if units is None else tvm.tirx.Var("batch", "int32")
+    try:
+        sch = schedule(problem, config, isa, kernel_batch)
+    except LoopSpecError:  # a tuned nest that splits the run-time loop: the default does not
+        config = default_config(problem, machine_of(target))
+        sch = schedule(problem, config, isa, kernel_batch)
+    name = (f"tpp_dense_{'' if units is None else 'n'}{m}x{n}x{k}"
+            + (f"_{problem.epilogue.name}" if pattern.ops(matches) else "")
             + ("_bf16" if dtype == "bfloat16" else ""))
-    sch = schedule(problem, config, isa)
     gv = add_kernel(sch.mod["main"], name)
 
-    x_matrix = _as_matrix(x, m, k)
+    x_matrix = (_padded_rows(x, batch, rows, k, "float32") if padded
+                else _as_matrix(x, rows, k))
     if dtype != "float32":
         # Cancelled against a bf16 producer's float32 view of its bf16 output (see above).
         x_matrix = relax.op.astype(x_matrix, dtype)
@@ -185,12 +207,17 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if bias is not None:
         args.append(relax.const(bias.reshape(n).astype(np.float32)))
     if residual is not None:
-        args.append(_as_matrix(residual, m, n))
-    out = relax.call_tir(gv, args, relax.TensorType((m, n), problem.out_dtype))
+        args.append(_padded_rows(residual, batch, rows, n, "float32") if padded
+                    else _as_matrix(residual, rows, n))
+    out = call_kernel(gv, args, (rows, n), problem.out_dtype, units)
+    if padded:
+        out = relax.op.strided_slice(out, axes=[0], begin=[0], end=[batch])
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
+    # A symbolic batch counts the FLOPs of one sample (the share on kernels is the same).
+    flops = problem.flops // m if padded else problem.flops
     report.append(Offload.routed(pattern.name("matmul", matches), (m, n, k),  # matmul+bias+relu
                                  f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch),
-                                 problem.flops))
+                                 flops))
     out = out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
     return relax.op.astype(out, "float32") if handoff else out
 
@@ -213,6 +240,15 @@ def _why_left(call: relax.Call) -> str | None:
     return _unsupported(x, w.value.numpy()) or "pattern not matched"
 
 
-def _as_matrix(expr: relax.Expr, rows: int, cols: int) -> relax.Expr:
-    shape = static_shape(expr.ty.shape)
-    return expr if shape == (rows, cols) else relax.op.reshape(expr, (rows, cols))
+def _as_matrix(expr: relax.Expr, rows: tvm.ir.PrimExpr | int, cols: int) -> relax.Expr:
+    shape = expr.ty.shape
+    same = len(shape) == 2 and tvm.sym.Analyzer().can_prove_equal(shape[0], rows)
+    return expr if same and int(shape[1]) == cols else relax.op.reshape(expr, (rows, cols))
+
+
+def _padded_rows(matrix: relax.Expr, batch: tvm.ir.PrimExpr, rows: tvm.ir.PrimExpr, cols: int,
+                 dtype: str) -> relax.Expr:
+    """A ``[batch, cols]`` matrix with zero rows appended up to the kernel's ``rows`` (the
+    kernel's last run-time block)."""
+    zeros = relax.op.zeros(relax.ShapeExpr([rows - batch, cols]), dtype)
+    return relax.op.concat([matrix, zeros], axis=0)
