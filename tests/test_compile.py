@@ -118,10 +118,15 @@ def test_time_returns_samples(dense_model):
     assert len(samples) == 3 and all(s > 0 for s in samples)
 
 
-def test_symbolic_batch_needs_shape():
+def test_symbolic_dimension_after_the_batch_needs_shape():
     model = make_dense_model(batch_dim="N")
-    with pytest.raises(ModelError, match="symbolic dimension \\(N\\).*--shape x="):
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_param = "K"
+    with pytest.raises(ModelError, match="symbolic dimension \\(K\\).*--shape x="):
         tvm_tpp.compile(model)
+
+
+def test_symbolic_batch_given_a_size_compiles_static():
+    model = make_dense_model(batch_dim="N")
     compiled = tvm_tpp.compile(model, input_shapes={"x": (3, 24)})
     assert compiled.inputs[0].shape == (3, 24)
     _check_against_ort(compiled, make_dense_model(m=3))

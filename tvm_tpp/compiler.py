@@ -158,9 +158,12 @@ class CompiledModel:
                 f"missing {missing}, unexpected {extra}"
             )
         args = []
+        batches: dict[str, int] = {}  # a symbolic batch's size, as the first input sets it
         for spec in self.inputs:
             # Not np.ascontiguousarray: it makes a 0-d array (a scalar input) 1-d.
             array = np.require(arrays[spec.name], requirements="C")
+            if spec.batch is not None and array.ndim == len(spec.shape) and array.shape[0] >= 1:
+                spec = spec.at(batches.setdefault(spec.batch, array.shape[0]))
             if tuple(array.shape) != spec.shape or array.dtype != np.dtype(spec.dtype):
                 raise ValueError(
                     f"input {spec.name!r} must be {spec.dtype}{list(spec.shape)}, "
@@ -462,9 +465,12 @@ def _relax_inputs(
     specs = []
     for param in mod["main"].params:
         ty = param.ty
-        dims = shapes[param.name] if shapes and param.name in shapes else ty.shape
+        dims = list(shapes[param.name] if shapes and param.name in shapes else ty.shape)
+        if dims and isinstance(dims[0], tvm.tirx.Var):
+            dims[0] = dims[0].name  # a symbolic batch: the kernels take any size
         try:
-            shape = tuple(int(d) for d in dims)
+            shape = tuple(d if isinstance(d, str) and i == 0 else int(d)
+                          for i, d in enumerate(dims))
         except (TypeError, ValueError):
             raise ModelError(
                 f"Relax input {param.name!r} has a symbolic shape {ty.shape}; pass input_shapes"

@@ -553,7 +553,7 @@ def names() -> list[str]:
     return [*_BUILTIN, *_light_names()]
 
 
-def load(name: str, batch: int = 1, seed: int = 0, **options: Any) -> onnx.ModelProto:
+def load(name: str, batch: int | str = 1, seed: int = 0, **options: Any) -> onnx.ModelProto:
     """Build bundled model ``name`` for ``batch`` samples with weights drawn from ``seed``.
 
     Parameters
@@ -561,7 +561,9 @@ def load(name: str, batch: int = 1, seed: int = 0, **options: Any) -> onnx.Model
     name
         One of :func:`names`.
     batch
-        The first dimension of the input (and of every batch-carrying Reshape).
+        The first dimension of the input (and of every batch-carrying Reshape); a name
+        (e.g. ``"N"``) makes it symbolic, as exporters write a dynamic batch: the model
+        then runs at any batch size.
     seed
         Seed of the weights; equal seeds give identical models.
     **options
@@ -580,8 +582,11 @@ def load(name: str, batch: int = 1, seed: int = 0, **options: Any) -> onnx.Model
     >>> input_shapes(model)
     {'hidden_states': (1, 16, 64)}
     """
-    if not _is_pos_int(batch):
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    symbolic = batch if isinstance(batch, str) and batch.isidentifier() else None
+    if symbolic is None and not _is_pos_int(batch):
+        raise ValueError(f"batch must be a positive int or a dimension name, got {batch!r}")
+    if symbolic is not None:
+        return _with_symbolic_batch(load(name, 1, seed, **options), symbolic)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     rng = np.random.default_rng(seed)
@@ -650,6 +655,36 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray
 def _real_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
     inits = {t.name for t in graph.initializer}
     return [vi for vi in graph.input if vi.name not in inits]
+
+
+def _with_symbolic_batch(model: onnx.ModelProto, dim: str) -> onnx.ModelProto:
+    """``model`` (built for batch 1) with a symbolic batch named ``dim``: the first dimension
+    of its inputs and outputs, and the batch of its data-path Reshapes' constant targets
+    (1 there becomes 0: "copy the input's size")."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    weights = {t.name: t for t in g.initializer}
+    for node in g.node:
+        target = weights.get(node.input[1]) if node.op_type == "Reshape" else None
+        if target is None or node.input[0] in weights:
+            continue
+        values = numpy_helper.to_array(target).copy()
+        if values.size and values[0] == 1:
+            values[0] = 0
+            node.input[1] = f"{target.name}_any_batch"
+            if node.input[1] not in weights:
+                weights[node.input[1]] = numpy_helper.from_array(values, node.input[1])
+                g.initializer.append(weights[node.input[1]])
+    used = {x for node in g.node for x in node.input}
+    kept = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    for value in (*g.input, *g.output):
+        if value.name not in weights:
+            value.type.tensor_type.shape.dim[0].dim_param = dim
+    del g.value_info[:]
+    return out
 
 
 def _materialize_light(name: str, batch: int, rng: np.random.Generator) -> onnx.ModelProto:

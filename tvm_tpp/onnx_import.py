@@ -1,5 +1,9 @@
 """ONNX models in: loading with clear errors, static input shapes, conversion to Relax.
 
+A symbolic first dimension (the batch, ``dim_param`` in ONNX) stays symbolic: the model
+compiles once and runs at any batch size (:attr:`TensorSpec.batch`); any other symbolic
+dimension needs a size given.
+
 Files exporters write compute shapes in the graph (``Shape -> Gather/Slice/Cast/Mul ->
 Concat -> Reshape/Resize``); TVM's importer folds only some of these chains.  With the input
 shapes fixed, ONNX Runtime's basic graph optimizations fold them into constants first
@@ -35,15 +39,36 @@ SHAPE_OPS = frozenset({"Shape", "Size"})
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Name, static shape and dtype of one model input."""
+    """Name, shape and dtype of one model input: static sizes, except that the first may be
+    the name of a symbolic batch (:attr:`batch`), which :meth:`at` fixes.
+
+    Examples
+    --------
+    >>> spec = TensorSpec("x", ("N", 3, 8, 8), "float32")
+    >>> spec.batch, spec.at(4).shape
+    ('N', (4, 3, 8, 8))
+    """
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[int | str, ...]
     dtype: str
 
     def __post_init__(self) -> None:
-        if any(not isinstance(d, int) or d < 0 for d in self.shape):
+        dims = self.shape[1:] if self.batch is not None else self.shape
+        if any(not isinstance(d, int) or d < 0 for d in dims):
             raise ModelError(f"input {self.name!r} has a non-static shape {self.shape}")
+
+    @property
+    def batch(self) -> str | None:
+        """The name of the symbolic first dimension, or None for a static shape."""
+        first = self.shape[0] if self.shape else None
+        return first if isinstance(first, str) else None
+
+    def at(self, batch: int) -> TensorSpec:
+        """This input at ``batch`` (itself if its shape is static)."""
+        if self.batch is None:
+            return self
+        return TensorSpec(self.name, (batch, *self.shape[1:]), self.dtype)
 
 
 def load_onnx(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelProto:
@@ -76,10 +101,11 @@ def load_onnx(model: str | os.PathLike | bytes | onnx.ModelProto) -> onnx.ModelP
 def input_specs(
     proto: onnx.ModelProto, shapes: Mapping[str, Sequence[int]] | None = None
 ) -> list[TensorSpec]:
-    """The real graph inputs (initializers excluded) with their static shapes.
+    """The real graph inputs (initializers excluded) with their shapes.
 
-    ``shapes`` overrides or fills in shapes by input name; a dimension that stays symbolic or
-    unknown is an error naming the input, so the user knows which shape to pass.
+    ``shapes`` overrides or fills in shapes by input name.  A symbolic first dimension stays
+    symbolic (its name in :attr:`TensorSpec.shape`); any other dimension that stays symbolic
+    or unknown is an error naming the input, so the user knows which shape to pass.
     """
     shapes = dict(shapes or {})
     initializers = {i.name for i in proto.graph.initializer}
@@ -94,7 +120,10 @@ def input_specs(
             _fits_declared(value.name, shape, tensor)
         else:
             dims = []
-            for dim in tensor.shape.dim:
+            for axis, dim in enumerate(tensor.shape.dim):
+                if axis == 0 and dim.dim_param and not dim.HasField("dim_value"):
+                    dims.append(dim.dim_param)  # the batch: compiled for any size
+                    continue
                 if not dim.HasField("dim_value") or dim.dim_value <= 0:
                     what = dim.dim_param or "unknown"
                     raise ModelError(
@@ -141,7 +170,10 @@ def _with_input_shapes(proto: onnx.ModelProto, specs: Sequence[TensorSpec]) -> o
             dims = value.type.tensor_type.shape.dim
             del dims[:]
             for d in by_name[value.name].shape:
-                dims.add().dim_value = d
+                if isinstance(d, str):
+                    dims.add().dim_param = d
+                else:
+                    dims.add().dim_value = d
     return model
 
 
@@ -215,9 +247,11 @@ def to_relax(proto: onnx.ModelProto, specs: Sequence[TensorSpec]):
     said = io.StringIO()  # the frontend prints which operator failed, with its inputs' IR
     try:
         with contextlib.redirect_stdout(said):
+            # An input with a symbolic batch keeps the model's own declaration (its
+            # dim_param becomes a symbolic size in Relax).
             return from_onnx(
                 proto,
-                shape_dict={s.name: list(s.shape) for s in specs},
+                shape_dict={s.name: list(s.shape) for s in specs if s.batch is None},
                 dtype_dict={s.name: s.dtype for s in specs},
             )
     except Exception as err:

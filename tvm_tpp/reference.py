@@ -23,11 +23,13 @@ from .onnx_import import TensorSpec
 __all__ = ["random_inputs", "run_onnxruntime", "max_errors"]
 
 
-def random_inputs(specs: Sequence[TensorSpec], seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded inputs: standard normal floats, small non-negative integers (ids, indices)."""
+def random_inputs(specs: Sequence[TensorSpec], seed: int = 0, batch: int = 1
+                  ) -> dict[str, np.ndarray]:
+    """Seeded inputs: standard normal floats, small non-negative integers (ids, indices);
+    ``batch`` images or samples where the batch is symbolic."""
     rng = np.random.default_rng(seed)
     inputs = {}
-    for spec in specs:
+    for spec in (s.at(batch) for s in specs):
         if np.issubdtype(np.dtype(spec.dtype), np.floating):
             inputs[spec.name] = rng.standard_normal(spec.shape).astype(spec.dtype)
         else:
