@@ -48,17 +48,20 @@ from tvm.target import Target
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
-from schedules.batch_gemm import BatchGemmProblem, schedule
+from schedules.batch_gemm import BatchGemmProblem, schedule, stored_shapes
 from schedules.tuner import Tuner, config_for
 
 from .dense import PRECISIONS
 from .scaffold import (
     KernelAdder,
     Offload,
+    batched_shape,
+    call_kernel,
     dispatched_brgemm,
     is_call_to,
     offload_name,
     offload_patterns,
+    same_dims,
     static_shape,
 )
 
@@ -208,11 +211,13 @@ def _operand(expr, bindings: dict, transposable: bool):
             best = (node, *form)
 
 
-def _static_f32(expr) -> tuple[int, ...] | None:
+def _f32_batched(expr) -> tuple[tuple[int, ...], tvm.ir.PrimExpr | None] | None:
+    """A float32 tensor's :func:`~relay_passes.scaffold.batched_shape`, else None."""
     ty = expr.ty
     if not isinstance(ty, relax.TensorType) or ty.dtype != "float32":
         return None
-    return static_shape(ty.shape)
+    return batched_shape(ty.shape)
+
 
 
 def _unsupported(call: relax.Call) -> str | None:
@@ -220,9 +225,14 @@ def _unsupported(call: relax.Call) -> str | None:
     x, y = call.args
     if isinstance(y, tvm.ir.expr.Constant):
         return "constant right operand: a dense layer the dense pass did not take"
-    xs, ys, outs = _static_f32(x), _static_f32(y), _static_f32(call)
-    if xs is None or ys is None or outs is None:
-        return "operands and result must be float32 with static shapes"
+    shapes = [_f32_batched(e) for e in (x, y, call)]
+    if any(s is None for s in shapes):
+        return "operands and result must be float32, static beyond a symbolic batch"
+    batches = [b for _, b in shapes]
+    if (None in batches and batches != [None] * 3) or (
+            None not in batches and not same_dims(batches, batches[:1] * 3)):
+        return "operands and result must share their symbolic batch"
+    xs, ys, _ = (sizes for sizes, _ in shapes)
     if len(xs) < 2 or len(xs) != len(ys):
         return f"operand ranks {len(xs)} and {len(ys)}: need equal ranks >= 2"
     if xs[:-2] != ys[:-2]:
@@ -249,8 +259,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     call = matches[pattern.matmul]
     if _unsupported(call) is not None:
         return orig
-    xs = static_shape(call.args[0].ty.shape)
-    lead, (m, k), n = xs[:-2], xs[-2:], static_shape(call.args[1].ty.shape)[-1]
+    xs, run_batch = batched_shape(call.args[0].ty.shape)
+    lead, (m, k), n = xs[:-2], xs[-2:], int(call.args[1].ty.shape[-1])
     batch = int(np.prod(lead, dtype=np.int64))
     quant = None
     x_arg, y_arg = call.args
@@ -287,7 +297,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         if quant is not None or pattern.scale is not None:
             ops.append(EpilogueOp("scale", value=factor))
         if pattern.addend is not None:
-            added = _addend(matches[pattern.addend], (*lead, m, n), batch * m, n,
+            rows = batch * m if run_batch is None else run_batch * (batch * m)
+            added = _addend(matches[pattern.addend], list(call.ty.shape), rows, n,
                             heads if y_inter else 1)
             if added is None:
                 return orig
@@ -302,16 +313,18 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
                                y_interleaved=y_inter, dtype=dtype,
                                zero_points=quant.zero_points if quant else (0, 0))
     config = config_for(problem, target, tuner)
-    name = f"tpp_batch_matmul_{problem.name}"
-    sch = schedule(problem, config, machine_of(target).isa)
+    name = f"tpp_batch_matmul_{'n' if run_batch is not None else ''}{problem.name}"
+    kernel_batch = None if run_batch is None else tvm.tirx.Var("batch", "int32")
+    sch = schedule(problem, config, machine_of(target).isa, kernel_batch)
     gv = add_kernel(sch.mod["main"], name)
-    args = [_view(x_src, problem.x_shape), _view(b_src, problem.b_shape), *extra]
-    out = relax.call_tir(gv, args, relax.TensorType(problem.y_shape, problem.out_dtype))
+    x_shape, b_shape, y_shape = stored_shapes(problem, run_batch)
+    args = [_view(x_src, x_shape), _view(b_src, b_shape), *extra]
+    out = call_kernel(gv, args, y_shape, problem.out_dtype, run_batch)
     anchor = "batch_matmul_qdq" if quant is not None else "batch_matmul"
     report.append(Offload.routed(offload_name(anchor, ops), (batch, m, n, k), name,
                                  dispatched_brgemm(sch), problem.flops))
-    shape = static_shape(orig.ty.shape)
-    return out if shape == problem.y_shape else relax.op.reshape(out, shape)
+    shape = list(orig.ty.shape)
+    return out if same_dims(shape, y_shape) else relax.op.reshape(out, shape)
 
 
 @dataclass(frozen=True)
@@ -360,10 +373,11 @@ def _integral_scalar(const) -> int | None:
     return int(value.reshape(()))
 
 
-def _addend(expr, out_shape: tuple[int, ...], rows: int, n: int, heads: int):
+def _addend(expr, out_shape: list, rows, n: int, heads: int):
     """(EpilogueOp, argument) adding ``expr`` to the ``[rows, heads * n]`` stored result, or
     None: a scalar or ``[N]`` constant (tiled over interleaved heads), an ``[N]`` tensor, or a
-    tensor of the output's shape (not when the result is stored interleaved)."""
+    tensor of the output's shape (not when the result is stored interleaved).  ``out_shape``
+    and ``rows`` may hold a symbolic batch."""
     if isinstance(expr, tvm.ir.expr.Constant):
         value = expr.value.numpy()
         if value.dtype != np.float32:
@@ -373,21 +387,21 @@ def _addend(expr, out_shape: tuple[int, ...], rows: int, n: int, heads: int):
         if value.size == n and value.shape[-1] == n:
             row = np.tile(value.reshape(n), heads)
             return EpilogueOp("bias"), relax.const(np.ascontiguousarray(row))
-        if value.shape == out_shape and heads == 1:
+        if value.shape == static_shape(out_shape) and heads == 1:
             return EpilogueOp("residual"), relax.const(value.reshape(rows, n))
         return None
-    shape = _static_f32(expr)
-    if shape is None or heads > 1:
+    if _f32_batched(expr) is None or heads > 1:
         return None
-    if shape == out_shape:
+    if same_dims(list(expr.ty.shape), out_shape):
         return EpilogueOp("residual"), _view(expr, (rows, n))
-    if shape[-1:] == (n,) and int(np.prod(shape)) == n:
+    shape = static_shape(expr.ty.shape)
+    if shape is not None and shape[-1:] == (n,) and int(np.prod(shape)) == n:
         return EpilogueOp("bias"), _view(expr, (n,))
     return None
 
 
-def _view(expr, shape: tuple[int, ...]):
-    return expr if static_shape(expr.ty.shape) == tuple(shape) else relax.op.reshape(expr, shape)
+def _view(expr, shape: tuple):
+    return expr if same_dims(list(expr.ty.shape), shape) else relax.op.reshape(expr, shape)
 
 
 def _why_left(call: relax.Call) -> str | None:

@@ -69,6 +69,7 @@ from .scaffold import (
     offload_patterns,
     readers,
     reads_through_bf16_cast,
+    same_dims,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -241,9 +242,8 @@ def _why_left(call: relax.Call) -> str | None:
 
 
 def _as_matrix(expr: relax.Expr, rows: tvm.ir.PrimExpr | int, cols: int) -> relax.Expr:
-    shape = expr.ty.shape
-    same = len(shape) == 2 and tvm.sym.Analyzer().can_prove_equal(shape[0], rows)
-    return expr if same and int(shape[1]) == cols else relax.op.reshape(expr, (rows, cols))
+    same = same_dims(list(expr.ty.shape), (rows, cols))
+    return expr if same else relax.op.reshape(expr, (rows, cols))
 
 
 def _padded_rows(matrix: relax.Expr, batch: tvm.ir.PrimExpr, rows: tvm.ir.PrimExpr, cols: int,

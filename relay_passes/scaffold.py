@@ -53,6 +53,7 @@ __all__ = [
     "offload_name",
     "offload_patterns",
     "report_leftovers",
+    "same_dims",
     "tpp_flops_fraction",
     "rewrite_patterns",
     "static_shape",
@@ -137,8 +138,8 @@ class Offload:
 
 def call_flops(call: relax.Call) -> int | None:
     """Twice the multiply-adds of a ``matmul``, ``conv2d`` or ``conv2d_transpose`` call (None:
-    a symbolic shape, or another operator): what :attr:`Offload.flops` counts for the
-    operators left to TVM.
+    a shape symbolic beyond its batch, or another operator): what :attr:`Offload.flops` counts
+    for the operators left to TVM.  A symbolic batch counts one sample, as the kernels do.
 
     Examples
     --------
@@ -151,18 +152,21 @@ def call_flops(call: relax.Call) -> int | None:
     >>> call_flops(bb.get()["main"].body.blocks[0].bindings[0].value)  # 2 * 16*81 * 2*3*3
     46656
     """
-    out = static_shape(call.ty.shape) if isinstance(call.ty, relax.TensorType) else None
-    operand = call.args[1].ty if len(call.args) > 1 else None
-    reduced = static_shape(operand.shape) if isinstance(operand, relax.TensorType) else None
+    def sizes(ty: Any) -> tuple[int, ...] | None:
+        batched = batched_shape(ty.shape) if isinstance(ty, relax.TensorType) else None
+        return None if batched is None else batched[0]
+
+    out = sizes(call.ty)
+    reduced = sizes(call.args[1].ty) if len(call.args) > 1 else None
     if out is None or reduced is None:
         return None
     if is_call_to(call, "relax.matmul"):
-        x = static_shape(call.args[0].ty.shape)
+        x = sizes(call.args[0].ty)
         return None if x is None else 2 * math.prod(out) * x[-1]
     if is_call_to(call, "relax.nn.conv2d"):
         return 2 * math.prod(out) * math.prod(reduced[1:])  # OIHW: I is C/groups already
     if is_call_to(call, "relax.nn.conv2d_transpose"):  # each input pixel scatters its taps
-        x = static_shape(call.args[0].ty.shape)
+        x = sizes(call.args[0].ty)
         return None if x is None else 2 * math.prod(x) * math.prod(reduced[1:])  # IOHW
     return None
 
@@ -356,14 +360,23 @@ def is_tensor_of(expr: relax.Expr, shape: tuple[int, ...]) -> bool:
     """
     return (not isinstance(expr, tvm.ir.expr.Constant)
             and isinstance(expr.ty, relax.TensorType)
-            and expr.ty.shape is not None and len(expr.ty.shape) == len(shape)
-            and all(_same_size(a, b) for a, b in zip(expr.ty.shape, shape, strict=True))
+            and expr.ty.shape is not None and same_dims(list(expr.ty.shape), shape)
             and expr.ty.dtype == "float32")
 
 
-def _same_size(a: Any, b: Any) -> bool:
-    """Whether two dimensions are the same size, static or symbolic."""
-    return tvm.sym.Analyzer().can_prove_equal(a, b)
+def same_dims(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two shapes are equal dimension by dimension, static sizes or symbolic.
+
+    Examples
+    --------
+    >>> from tvm import tirx
+    >>> n = tirx.Var("n", "int64")
+    >>> same_dims([n * 4, 8], [n * 4, 8]), same_dims([n, 8], [4, 8])
+    (True, False)
+    """
+    analyzer = tvm.sym.Analyzer()
+    return len(a) == len(b) and all(analyzer.can_prove_equal(x, y)
+                                    for x, y in zip(a, b, strict=True))
 
 
 def _add_patterns(node: DFPattern, with_bias: bool,

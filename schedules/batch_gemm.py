@@ -88,12 +88,12 @@ from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
     import numpy as np
-    from tvm import s_tir
+    from tvm import s_tir, tirx
     from tvm.s_tir import SBlockRV
     from tvm.tirx import PrimExpr, PrimFunc
 
 __all__ = ["OPERANDS", "BatchGemmProblem", "BatchGemmConfig", "default_config", "candidates",
-           "workload", "schedule", "reference"]
+           "workload", "schedule", "reference", "stored_shapes"]
 
 
 _SHORT = {"bfloat16": "bf16", "uint8": "u8"}
@@ -392,9 +392,27 @@ def _bf16(x: PrimExpr) -> PrimExpr:
     return tirx.reinterpret("bfloat16", half)
 
 
-def workload(problem: BatchGemmProblem, bn: int) -> PrimFunc:
+def stored_shapes(problem: BatchGemmProblem, batch: tirx.PrimExpr | None = None
+                  ) -> tuple[tuple, tuple, tuple]:
+    """The stored shapes of X, B and Y for ``batch`` copies of ``problem`` (a run-time batch:
+    each first dimension, proportional to ``problem.batch``, times ``batch``).
+
+    Examples
+    --------
+    >>> stored_shapes(BatchGemmProblem(4, 8, 16, 32))
+    ((32, 32), (4, 32, 16), (32, 16))
+    """
+    shapes = (problem.x_shape, problem.b_shape, problem.y_shape)
+    if batch is None:
+        return shapes
+    return tuple((batch * shape[0], *shape[1:]) for shape in shapes)
+
+
+def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None) -> PrimFunc:
     """The unscheduled PrimFunc ``(X, B, *epilogue operands, Y)`` with the packing stage ``Bp``,
-    the GEMM ``C`` over the stored Y's ``[rows, cols]`` and the stage ``epilogue`` (if any).
+    the GEMM ``C`` over the stored Y's ``[rows, cols]`` and the stage ``epilogue`` (if any);
+    with a run-time ``batch`` (a symbolic batch: the parameter before the output) it
+    computes ``batch * problem.batch`` GEMMs.
 
     bfloat16 problems add ``Xc``, X's rows converted to bf16 (K padded to even); uint8 ones
     ``Xc`` only for a K padded to whole VNNI-4 groups, and, for non-zero zero points, the sums
@@ -409,8 +427,10 @@ def workload(problem: BatchGemmProblem, bn: int) -> PrimFunc:
     m, n, k, kp, alpha = p.m, p.n, p.k, p.padded_k, p.alpha
     acc = p.acc_dtype
     hx, hb, hy = (p._h(f) for f in (p.x_interleaved, p.b_interleaved, p.y_interleaved))
-    x = te.placeholder(p.x_shape, p.io_dtype, name="X")
-    b_in = te.placeholder(p.b_shape, p.io_dtype, name="B")
+    gemms = p.batch if batch is None else batch * p.batch
+    x_shape, b_shape, y_shape = stored_shapes(p, batch)
+    x = te.placeholder(x_shape, p.io_dtype, name="X")
+    b_in = te.placeholder(b_shape, p.io_dtype, name="B")
 
     def b_at(b, r, j):  # B[b][r, j]
         o, h = b // hb, b % hb
@@ -430,7 +450,7 @@ def workload(problem: BatchGemmProblem, bn: int) -> PrimFunc:
 
     b_dtype = {"float32": "float32", "bfloat16": "bfloat16", "uint8": "int8"}[p.dtype]
     if alpha == 1:
-        bp = te.compute((p.batch, n // bn, k, bn),
+        bp = te.compute((gemms, n // bn, k, bn),
                         lambda b, jo, r, ji: b_at(b, r, jo * bn + ji), name="Bp")
     else:
         def group(b, jo, kq, ji, t):
@@ -438,7 +458,7 @@ def workload(problem: BatchGemmProblem, bn: int) -> PrimFunc:
             value = packed(b_at(b, tirx.min(r, k - 1), jo * bn + ji))
             return value if kp == k else tirx.if_then_else(r < k, value,
                                                            tirx.const(0, b_dtype))
-        bp = te.compute((p.batch, n // bn, kp // alpha, bn, alpha), group, name="Bp")
+        bp = te.compute((gemms, n // bn, kp // alpha, bn, alpha), group, name="Bp")
 
     # A: X in place, or its rows converted (bf16) / zero-padded (K not whole VNNI groups).
     xc = None
@@ -450,7 +470,7 @@ def workload(problem: BatchGemmProblem, bn: int) -> PrimFunc:
             value = _bf16(value) if p.dtype == "bfloat16" else value
             return value if kp == k else tirx.if_then_else(r < k, value,
                                                            tirx.const(0, a_dtype))
-        xc = te.compute((p.batch, m, kp), row, name="Xc")
+        xc = te.compute((gemms, m, kp), row, name="Xc")
     r = te.reduce_axis((0, kp), name="k")
 
     def coords(row, col):
@@ -459,7 +479,7 @@ def workload(problem: BatchGemmProblem, bn: int) -> PrimFunc:
         return b, row % m, col % n
 
     # uint8: the accumulator starts from the zero points' fold instead of 0.
-    init = _zero_point_fold(p, coords, x_at, b_at)
+    init = _zero_point_fold(p, coords, x_at, b_at, gemms, y_shape)
 
     def gemm(row, col):
         b, i, j = coords(row, col)
@@ -474,21 +494,22 @@ def workload(problem: BatchGemmProblem, bn: int) -> PrimFunc:
         return te.sum(a.astype(acc) * w.astype(acc), axis=r,
                       init=None if init is None else init(row, col))
 
-    c = te.compute(p.y_shape, gemm, name="C")
+    c = te.compute(y_shape, gemm, name="C")
     start = p.epilogue_dtype
     if start != acc:
-        c = te.compute(p.y_shape, lambda i, j: c[i, j].astype(start), name="dequantize")
-    extra = {op.name: te.placeholder(op.shape(*p.y_shape), op.dtype, name=op.name)
+        c = te.compute(y_shape, lambda i, j: c[i, j].astype(start), name="dequantize")
+    extra = {op.name: te.placeholder(op.shape(*y_shape), op.dtype, name=op.name)
              for op in p.epilogue.inputs(start)}
     y = apply_te(p.epilogue, c, extra) if p.epilogue.ops else c
-    return te.create_prim_func([x, b_in, *extra.values(), y])
+    scalars = [] if batch is None else [batch]
+    return te.create_prim_func([x, b_in, *extra.values(), *scalars, y])
 
 
-def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at):
+def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at, gemms, y_shape):
     """``init(row, col)``: where the int32 accumulator of ``sum_k a (b - 128)`` starts so that
     it ends as ``sum_k (a - za)(b - zb)``: ``(128 - zb) rowsum_a[i] - za colsum_b[j] + K za zb``
     per batch element, the sums as stages of their own (``rowsum``, ``colsum``); None when
-    all of it is 0."""
+    all of it is 0.  ``gemms`` and ``y_shape`` are the function's (a run-time batch's)."""
     from tvm import te, tirx
 
     if p.dtype != "uint8":
@@ -500,12 +521,12 @@ def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at):
     terms = []
     if row_coef:
         r = te.reduce_axis((0, p.k), name="kr")
-        rowsum = te.compute((p.batch, p.m), lambda b, i: te.sum(
+        rowsum = te.compute((gemms, p.m), lambda b, i: te.sum(
             x_at(b, i, r).astype("int32"), axis=r), name="rowsum")
         terms.append(lambda b, i, j: rowsum[b, i] * tirx.const(row_coef, "int32"))
     if col_coef:
         r = te.reduce_axis((0, p.k), name="kc")
-        colsum = te.compute((p.batch, p.n), lambda b, j: te.sum(
+        colsum = te.compute((gemms, p.n), lambda b, j: te.sum(
             b_at(b, r, j).astype("int32"), axis=r), name="colsum")
         terms.append(lambda b, i, j: colsum[b, j] * tirx.const(col_coef, "int32"))
 
@@ -516,14 +537,16 @@ def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at):
         return value
 
     # TE takes a reduction's init from a tensor only: the stage ``zero_fold``, of Y's shape.
-    zero_fold = te.compute(p.y_shape, lambda row, col: fold(*coords(row, col)),
+    zero_fold = te.compute(y_shape, lambda row, col: fold(*coords(row, col)),
                            name="zero_fold")
     return lambda row, col: zero_fold[row, col]
 
 
 def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
-             isa: str | _isa.Isa = "avx2") -> s_tir.Schedule:
-    """The scheduled batch GEMM (module docstring) with the ISA's BRGEMM microkernel.
+             isa: str | _isa.Isa = "avx2", batch: tirx.Var | None = None) -> s_tir.Schedule:
+    """The scheduled batch GEMM (module docstring) with the ISA's BRGEMM microkernel; with a
+    run-time ``batch`` (a symbolic batch: the parameter before the output) the loop over
+    GEMMs runs ``batch * problem.batch`` times.
 
     Raises
     ------
@@ -542,7 +565,7 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     config.check(problem)
     p, bm, bn = problem, config.bm, config.bn
     hy = p._h(p.y_interleaved)
-    sch = s_tir.Schedule(workload(p, bn))
+    sch = s_tir.Schedule(workload(p, bn, batch))
     stages = _stages(sch)
     if "zero_fold" in stages:
         # The accumulator starts from the fold; a new schedule sees the new dependency.
@@ -552,7 +575,7 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
         sch.compute_inline(sch.get_sblock("dequantize"))
     gemm = sch.get_sblock("C")
     row, col, kk = sch.get_loops(gemm)
-    o, io, ii = sch.split(row, [p.batch // hy, p.m // bm, bm])
+    o, io, ii = sch.split(row, [None, p.m // bm, bm])
     h, jo, ji = sch.split(col, [hy, p.n // bn, bn])
     ko, ki = sch.split(kk, [1, None])  # a one-trip K loop: where C is zeroed
     sch.reorder(o, h, jo, io, ko, ii, ji, ki)
