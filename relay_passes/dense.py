@@ -55,9 +55,9 @@ from tvm.target import Target
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
-from schedules.gemm import GemmProblem, default_config, pack_weight, schedule
+from schedules.gemm import GemmConfig, GemmProblem, default_config, pack_weight, schedule
 from schedules.loop_spec import LoopSpecError
-from schedules.tuner import Tuner, config_for
+from schedules.tuner import TaskCollector, Tuner, config_for
 
 from .scaffold import (
     Offload,
@@ -73,9 +73,11 @@ from .scaffold import (
 )
 
 if TYPE_CHECKING:  # annotations only
+    from tvm import s_tir
+
     from .scaffold import EpiloguePattern, KernelAdder
 
-__all__ = ["rewrite_dense", "PRECISIONS", "ROW_BLOCK"]
+__all__ = ["rewrite_dense", "PRECISIONS", "ROW_BLOCK", "DenseRows", "scheduled"]
 
 #: ``precision`` of the dense layers -> the GEMM problem's dtype (X's, W's follows).
 PRECISIONS: dict[str, str] = {"float32": "float32", "bf16": "bfloat16"}
@@ -83,6 +85,94 @@ PRECISIONS: dict[str, str] = {"float32": "float32", "bf16": "bfloat16"}
 #: worth, so that batch 1 computes at most this many padded rows, and the weight panels
 #: stay in cache across blocks anyway.
 ROW_BLOCK = 8
+
+
+@dataclass(frozen=True)
+class DenseRows:
+    """How a dense layer's ``[..., K]`` activation becomes its kernel's ``[rows, K]`` A: with a
+    static shape, all rows at once (``m`` of them); with a symbolic batch, ``units`` run-time
+    blocks of ``m`` rows: samples of a rank > 2 input, else :data:`ROW_BLOCK` rows of a
+    matrix padded to whole blocks (the padding cropped from the result).
+
+    Examples
+    --------
+    >>> from tvm import tirx
+    >>> n = tirx.Var("n", "int64")
+    >>> DenseRows.of([n, 5, 24]).m, DenseRows.of([n, 24]).padded, DenseRows.of([4, 24]).m
+    (5, True, 4)
+    """
+
+    shape: tuple  # the activation's Relax shape
+    m: int
+    batch: tvm.ir.PrimExpr | None = None
+    padded: bool = False
+
+    @classmethod
+    def of(cls, shape) -> DenseRows | None:
+        """The rows of an activation of ``shape`` (None: symbolic beyond its batch, or not
+        a matrix)."""
+        batched = batched_shape(shape)
+        if batched is None or len(batched[0]) < 2:
+            return None
+        sizes, batch = batched
+        padded = batch is not None and len(sizes) == 2
+        m = ROW_BLOCK if padded else int(np.prod(sizes[:-1]))
+        return cls(tuple(shape), m, batch, padded)
+
+    @property
+    def units(self) -> tvm.ir.PrimExpr | None:
+        """The kernel's run-time count of ``m``-row blocks (None: static)."""
+        if self.batch is None:
+            return None
+        return tvm.tirx.floordiv(self.batch + self.m - 1, self.m) if self.padded else self.batch
+
+    @property
+    def rows(self) -> tvm.ir.PrimExpr | int:
+        """Rows of the kernel's A and C."""
+        return self.m if self.units is None else self.units * self.m
+
+    @property
+    def sample_rows(self) -> int:
+        """Rows of one sample (what the report's FLOPs count for a symbolic batch)."""
+        return 1 if self.padded else self.m
+
+    def matrix(self, expr: relax.Expr, cols: int) -> relax.Expr:
+        """``expr`` (of the activation's leading shape, ``cols`` columns) as a ``[rows,
+        cols]`` kernel operand: reshaped, or padded with zero rows to whole blocks."""
+        if not self.padded:
+            same = same_dims(list(expr.ty.shape), (self.rows, cols))
+            return expr if same else relax.op.reshape(expr, (self.rows, cols))
+        zeros = relax.op.zeros(relax.ShapeExpr([self.rows - self.batch, cols]), expr.ty.dtype)
+        return relax.op.concat([expr, zeros], axis=0)
+
+    def result(self, out: relax.Expr, cols: int) -> relax.Expr:
+        """The kernel's ``[rows, cols]`` result in the activation's leading shape."""
+        if self.padded:
+            # In bounds by construction; unassumed, the shape would carry clamps that TVM's
+            # FuseOps cannot type once the crop is fused with what reads it.
+            return relax.op.strided_slice(out, axes=[0], begin=[0], end=[self.batch],
+                                          assume_inbound=True)
+        shape = (*self.shape[:-1], cols)
+        return out if len(shape) == 2 else relax.op.reshape(out, shape)
+
+    def name(self) -> str:
+        """The kernel name's rows: ``n<m>`` for run-time blocks of m rows."""
+        return str(self.m) if self.batch is None else f"n{self.m}"
+
+
+def scheduled(problem: GemmProblem, target: Target, tuner: Tuner | TaskCollector | None,
+              rows: DenseRows) -> tuple[s_tir.Schedule, GemmConfig]:
+    """``problem`` scheduled with its configuration (a tuned one that splits the run-time
+    row loop gives way to the default), taking ``rows``' run-time blocks if it has them."""
+    config = config_for(problem, target, tuner)
+    batch = None if rows.units is None else tvm.tirx.Var("batch", "int32")
+    try:
+        return schedule(problem, config, machine_of(target).isa, batch), config
+    except LoopSpecError:
+        if batch is None:
+            raise
+        config = default_config(problem, machine_of(target))
+        return schedule(problem, config, machine_of(target).isa, batch), config
 
 
 @dataclass(frozen=True)
@@ -126,10 +216,10 @@ def rewrite_dense(
 
 def _unsupported(x: relax.Expr, weight: np.ndarray) -> str | None:
     """Why ``x @ weight`` cannot become a TPP kernel (None if it can)."""
-    batched = batched_shape(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
-    if batched is None or len(batched[0]) < 2:
+    rows = DenseRows.of(x.ty.shape) if isinstance(x.ty, relax.TensorType) else None
+    if rows is None:
         return "activation shape is symbolic beyond its batch, or not a matrix"
-    shape = batched[0]
+    shape = batched_shape(x.ty.shape)[0]
     if x.ty.dtype != "float32" or weight.dtype != np.float32:
         return f"dtype {x.ty.dtype} x {weight.dtype}: only float32 dense is routed to TPP"
     if weight.ndim != 2 or weight.shape[0] != shape[-1]:
@@ -161,7 +251,6 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         weight = weight.T
     if _unsupported(x, weight) is not None or not pattern.constants_match(matches):
         return orig
-    x_shape, batch = batched_shape(x.ty.shape)
     k, n = weight.shape
     out_shape = (*list(x.ty.shape)[:-1], n)
     bias = matches[pattern.bias].value.numpy() if pattern.bias is not None else None
@@ -171,12 +260,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if not pattern.residual_fits(matches, out_shape):
         return orig
 
-    # With a symbolic batch the kernel runs ``units`` blocks of m rows: samples of a rank > 2
-    # input, else ROW_BLOCK rows of a matrix padded to whole blocks.
-    padded = batch is not None and len(x_shape) == 2
-    m = ROW_BLOCK if padded else int(np.prod(x_shape[:-1]))
-    units = (tvm.tirx.floordiv(batch + m - 1, m) if padded else batch)
-    rows = m if units is None else units * m
+    rows = DenseRows.of(x.ty.shape)
     isa = machine_of(target).isa
     # Bound to the ISA: the operands' layout (VNNI, MMLA) is that of the ISA's kernels.
     epilogue = pattern.epilogue(matches)
@@ -186,21 +270,14 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     handoff = bool(found) and all(_reads_as_bf16_dense(r) for r in found)
     if handoff:
         epilogue = Epilogue((*epilogue.ops, EpilogueOp("convert", dtype="bfloat16")))
-    problem = GemmProblem(m, n, k, dtype, epilogue).on(isa)
-    config = config_for(problem, target, tuner)
-    kernel_batch = None if units is None else tvm.tirx.Var("batch", "int32")
-    try:
-        sch = schedule(problem, config, isa, kernel_batch)
-    except LoopSpecError:  # a tuned nest that splits the run-time loop: the default does not
-        config = default_config(problem, machine_of(target))
-        sch = schedule(problem, config, isa, kernel_batch)
-    name = (f"tpp_dense_{'' if units is None else 'n'}{m}x{n}x{k}"
+    problem = GemmProblem(rows.m, n, k, dtype, epilogue).on(isa)
+    sch, config = scheduled(problem, target, tuner, rows)
+    name = (f"tpp_dense_{rows.name()}x{n}x{k}"
             + (f"_{problem.epilogue.name}" if pattern.ops(matches) else "")
             + ("_bf16" if dtype == "bfloat16" else ""))
     gv = add_kernel(sch.mod["main"], name)
 
-    x_matrix = (_padded_rows(x, batch, rows, k, "float32") if padded
-                else _as_matrix(x, rows, k))
+    x_matrix = rows.matrix(x, k)
     if dtype != "float32":
         # Cancelled against a bf16 producer's float32 view of its bf16 output (see above).
         x_matrix = relax.op.astype(x_matrix, dtype)
@@ -208,18 +285,14 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if bias is not None:
         args.append(relax.const(bias.reshape(n).astype(np.float32)))
     if residual is not None:
-        args.append(_padded_rows(residual, batch, rows, n, "float32") if padded
-                    else _as_matrix(residual, rows, n))
-    out = call_kernel(gv, args, (rows, n), problem.out_dtype, units)
-    if padded:
-        out = relax.op.strided_slice(out, axes=[0], begin=[0], end=[batch])
+        args.append(rows.matrix(residual, n))
+    out = call_kernel(gv, args, (rows.rows, n), problem.out_dtype, rows.units)
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
     # A symbolic batch counts the FLOPs of one sample (the share on kernels is the same).
-    flops = problem.flops // m if padded else problem.flops
-    report.append(Offload.routed(pattern.name("matmul", matches), (m, n, k),  # matmul+bias+relu
+    report.append(Offload.routed(pattern.name("matmul", matches), (rows.m, n, k),  # +bias+relu
                                  f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch),
-                                 flops))
-    out = out if len(out_shape) == 2 else relax.op.reshape(out, out_shape)
+                                 problem.flops // rows.m * rows.sample_rows))
+    out = rows.result(out, n)
     return relax.op.astype(out, "float32") if handoff else out
 
 
@@ -239,16 +312,3 @@ def _why_left(call: relax.Call) -> str | None:
     if not isinstance(w, tvm.ir.expr.Constant):
         return None  # activations on both sides: relay_passes.batch_matmul reports these
     return _unsupported(x, w.value.numpy()) or "pattern not matched"
-
-
-def _as_matrix(expr: relax.Expr, rows: tvm.ir.PrimExpr | int, cols: int) -> relax.Expr:
-    same = same_dims(list(expr.ty.shape), (rows, cols))
-    return expr if same else relax.op.reshape(expr, (rows, cols))
-
-
-def _padded_rows(matrix: relax.Expr, batch: tvm.ir.PrimExpr, rows: tvm.ir.PrimExpr, cols: int,
-                 dtype: str) -> relax.Expr:
-    """A ``[batch, cols]`` matrix with zero rows appended up to the kernel's ``rows`` (the
-    kernel's last run-time block)."""
-    zeros = relax.op.zeros(relax.ShapeExpr([rows - batch, cols]), dtype)
-    return relax.op.concat([matrix, zeros], axis=0)

@@ -67,17 +67,20 @@ from tvm.target import Target
 from microkernels.brgemm import BrgemmShape
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
-from schedules.gemm import GemmProblem, pack_weight, schedule
-from schedules.tuner import TaskCollector, Tuner, config_for
+from schedules.gemm import GemmProblem, pack_weight
+from schedules.tuner import TaskCollector, Tuner
 
-from .conv import conv_problem, emit_conv, offload, to_matrix, unsupported_geometry
-from .dense import ONE_COLUMN
+from .conv import conv_batch, conv_problem, emit_conv, offload, to_matrix, unsupported_geometry
+from .dense import ONE_COLUMN, DenseRows, scheduled
 from .scaffold import (
     Offload,
+    batched_shape,
     call_flops,
+    call_kernel,
     dispatched_brgemm,
     is_call_to,
     rewrite_patterns,
+    same_dims,
     static_shape,
 )
 
@@ -346,7 +349,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
         if residual is None:
             return orig  # the layer alone, then TVM's add
     xq = matches[chain.xq]
-    x_shape = static_shape(xq.ty.shape)
+    x_shape = tuple(xq.ty.shape)
     zx_expr = matches[chain.zx]
     rescale = matches[chain.rescale] if chain.rescale is not None else None
     sx = 1.0
@@ -389,25 +392,25 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     if residual is not None:
         epilogue = Epilogue(epilogue.ops + residual.ops(output))
     emit = _emit_dense if chain.anchor == "matmul" else _emit_conv
-    out, shape, kernel, brgemm = emit(xq, x_shape, layer, weights, transposed, epilogue,
-                                      operands, residual and residual.tensor, int(zx),
-                                      add_kernel, target, tuner)
+    out, shape, kernel, brgemm, flops = emit(xq, x_shape, layer, weights, transposed, epilogue,
+                                             operands, residual and residual.tensor, int(zx),
+                                             add_kernel, target, tuner)
     name = chain.name(output.dtype if output else "float32")
-    report.append(Offload.routed(name, shape, kernel, brgemm, 2 * math.prod(shape))
+    report.append(Offload.routed(name, shape, kernel, brgemm, flops)
                   if chain.anchor == "matmul"  # shape (m, n, k)
                   else offload(name, conv_problem(layer, "uint8", epilogue), kernel, brgemm,
                                target))
-    want = static_shape(orig.ty.shape)  # a residual add may have reshaped the layer's output
-    return out if want == _emitted_shape(chain, x_shape, weights, layer) else \
+    want = list(orig.ty.shape)  # a residual add may have reshaped the layer's output
+    return out if same_dims(want, _emitted_shape(chain, x_shape, weights, layer)) else \
         relax.op.reshape(out, want)
 
 
-def _emitted_shape(chain: _Chain, x_shape: tuple[int, ...], weights: _Weights,
-                   layer: relax.Call) -> tuple[int, ...]:
+def _emitted_shape(chain: _Chain, x_shape: tuple, weights: _Weights, layer: relax.Call
+                   ) -> list:
     """The shape of what the chain's emitter returns: the layer's own output shape."""
     if chain.anchor == "conv2d":
-        return static_shape(layer.ty.shape)
-    return (*x_shape[:-1], weights.scale.size)
+        return list(layer.ty.shape)
+    return [*x_shape[:-1], weights.scale.size]
 
 
 def _weight_axes(chain: _Chain, transposed: bool) -> tuple[int, int]:
@@ -425,40 +428,37 @@ def _reduced(chain: _Chain, weights: _Weights, layer: relax.Call) -> int:
     return weights.values.shape[1] * int(layer.attrs.groups)
 
 
-def _emit_dense(xq: relax.Expr, x_shape: tuple[int, ...], _layer: relax.Call,
+def _emit_dense(xq: relax.Expr, x_shape: tuple, _layer: relax.Call,
                 weights: _Weights, transposed: bool,
                 epilogue: Epilogue, operands: list[relax.Expr],
                 residual: relax.Expr | None, _zx: int,
                 add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None
-                ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None]:
-    """The int8 GEMM of a QDQ matmul: (its result, the report's shape, kernel, BRGEMM)."""
+                ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None, int]:
+    """The int8 GEMM of a QDQ matmul: (its result, the report's shape, kernel, BRGEMM, FLOPs
+    (of one sample where the batch is symbolic))."""
     w = np.ascontiguousarray(weights.values.T if transposed else weights.values)  # [K, N]
     k, n = w.shape
-    m = int(np.prod(x_shape[:-1]))
+    rows = DenseRows.of(x_shape)
     # Bound to the ISA: its layout (VNNI-4, or MMLA on neon_i8mm) decides the packing.
-    problem = GemmProblem(m, n, k, "uint8", epilogue).on(machine_of(target).isa)
-    config = config_for(problem, target, tuner)
-    name = f"tpp_qdq_dense_{m}x{n}x{k}_{problem.epilogue.name}"
-    sch = schedule(problem, config, machine_of(target).isa)
+    problem = GemmProblem(rows.m, n, k, "uint8", epilogue).on(machine_of(target).isa)
+    sch, config = scheduled(problem, target, tuner, rows)
+    name = f"tpp_qdq_dense_{rows.name()}x{n}x{k}_{problem.epilogue.name}"
     gv = add_kernel(sch.mod["main"], name)
-    args = [_as_matrix(xq, x_shape, m, k), relax.const(pack_weight(w, config.bn, problem)),
-            *operands]
+    args = [rows.matrix(xq, k), relax.const(pack_weight(w, config.bn, problem)), *operands]
     if residual is not None:  # the epilogue's last operand
-        args.append(_as_matrix(residual, static_shape(residual.ty.shape), m, n))
-    out = relax.call_tir(gv, args, relax.TensorType((m, n), problem.out_dtype))
+        args.append(rows.matrix(residual, n))
+    out = call_kernel(gv, args, (rows.rows, n), problem.out_dtype, rows.units)
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
-    out_shape = (*x_shape[:-1], n)
-    if len(out_shape) != 2:
-        out = relax.op.reshape(out, out_shape)
-    return out, (m, n, k), f"{name} [{config.spec}{packed}]", dispatched_brgemm(sch)
+    return (rows.result(out, n), (rows.m, n, k), f"{name} [{config.spec}{packed}]",
+            dispatched_brgemm(sch), 2 * rows.sample_rows * n * k)
 
 
-def _emit_conv(xq: relax.Expr, _x_shape: tuple[int, ...], layer: relax.Call,
+def _emit_conv(xq: relax.Expr, _x_shape: tuple, layer: relax.Call,
                weights: _Weights, _transposed: bool,
                epilogue: Epilogue, operands: list[relax.Expr],
                residual: relax.Expr | None, zx: int,
                add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None
-               ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None]:
+               ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None, int]:
     """The int8 conv kernel of a QDQ conv2d: borders pad with the zero point (real zeros).
     A depthwise conv gets the u8 x s8 -> s32 depthwise kernel (its ``[C, 1, R, S]`` weight's
     ``colsum`` is each channel's filter sum), with the same epilogues."""
@@ -466,8 +466,9 @@ def _emit_conv(xq: relax.Expr, _x_shape: tuple[int, ...], layer: relax.Call,
     out, kernel, brgemm = emit_conv(xq, problem, weights.values,
                                     [*operands, *([] if residual is None
                                                   else [to_matrix(residual)])],
-                                    add_kernel, target, tuner, pad_value=zx)
-    return out, problem.output_shape, kernel, brgemm
+                                    add_kernel, target, tuner, pad_value=zx,
+                                    batch=conv_batch(layer))
+    return out, problem.output_shape, kernel, brgemm, problem.flops
 
 
 def _is_scalar(expr: relax.Expr, dtype: str) -> bool:
@@ -642,9 +643,9 @@ def _activation_problem(dequantized: relax.Call, channels: int, axis: int) -> st
     # A scale and zero point computed at run time (dynamic quantization) are scalars.
     if not (_is_scalar(sx, "float32") and _is_scalar(zx, str(xq.ty.dtype))):
         return "activation is not quantized per tensor (a scalar scale and zero point)"
-    shape = static_shape(xq.ty.shape)
-    if shape is None or len(shape) < 2 or shape[axis] != channels:
-        return "activation shape is symbolic or does not fit this weight"
+    batched = batched_shape(xq.ty.shape)
+    if batched is None or len(batched[0]) < 2 or batched[0][axis] != channels:
+        return "activation shape is symbolic beyond its batch, or does not fit this weight"
     return None
 
 
@@ -692,6 +693,3 @@ def _report_left(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr],
                           reason=f"{why or 'pattern not matched'}; left dequantized to float32",
                           flops=call_flops(expr)))
 
-
-def _as_matrix(expr: relax.Expr, shape: tuple[int, ...], rows: int, cols: int) -> relax.Expr:
-    return expr if shape == (rows, cols) else relax.op.reshape(expr, (rows, cols))
