@@ -136,13 +136,16 @@ class DenseRows:
         """Rows of one sample (what the report's FLOPs count for a symbolic batch)."""
         return 1 if self.padded else self.m
 
-    def matrix(self, expr: relax.Expr, cols: int) -> relax.Expr:
-        """``expr`` (of the activation's leading shape, ``cols`` columns) as a ``[rows,
-        cols]`` kernel operand: reshaped, or padded with zero rows to whole blocks."""
+    def matrix(self, expr: relax.Expr, cols: int, dtype: str) -> relax.Expr:
+        """``expr`` (of the activation's leading shape, ``cols`` columns of ``dtype``) as a
+        ``[rows, cols]`` kernel operand: reshaped, or padded with zero rows to whole blocks."""
         if not self.padded:
-            same = same_dims(list(expr.ty.shape), (self.rows, cols))
+            # A new expression's type is not inferred yet: it has the activation's shape.
+            typed = isinstance(expr.ty, relax.TensorType) and expr.ty.shape is not None
+            shape = list(expr.ty.shape) if typed else (*self.shape[:-1], cols)
+            same = same_dims(shape, (self.rows, cols))
             return expr if same else relax.op.reshape(expr, (self.rows, cols))
-        zeros = relax.op.zeros(relax.ShapeExpr([self.rows - self.batch, cols]), expr.ty.dtype)
+        zeros = relax.op.zeros(relax.ShapeExpr([self.rows - self.batch, cols]), dtype)
         return relax.op.concat([expr, zeros], axis=0)
 
     def result(self, out: relax.Expr, cols: int) -> relax.Expr:
@@ -277,7 +280,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
             + ("_bf16" if dtype == "bfloat16" else ""))
     gv = add_kernel(sch.mod["main"], name)
 
-    x_matrix = rows.matrix(x, k)
+    x_matrix = rows.matrix(x, k, "float32")
     if dtype != "float32":
         # Cancelled against a bf16 producer's float32 view of its bf16 output (see above).
         x_matrix = relax.op.astype(x_matrix, dtype)
@@ -285,7 +288,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if bias is not None:
         args.append(relax.const(bias.reshape(n).astype(np.float32)))
     if residual is not None:
-        args.append(rows.matrix(residual, n))
+        args.append(rows.matrix(residual, n, "float32"))
     out = call_kernel(gv, args, (rows.rows, n), problem.out_dtype, rows.units)
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
     # A symbolic batch counts the FLOPs of one sample (the share on kernels is the same).

@@ -444,9 +444,10 @@ def _emit_dense(xq: relax.Expr, x_shape: tuple, _layer: relax.Call,
     sch, config = scheduled(problem, target, tuner, rows)
     name = f"tpp_qdq_dense_{rows.name()}x{n}x{k}_{problem.epilogue.name}"
     gv = add_kernel(sch.mod["main"], name)
-    args = [rows.matrix(xq, k), relax.const(pack_weight(w, config.bn, problem)), *operands]
+    args = [rows.matrix(xq, k, "uint8"), relax.const(pack_weight(w, config.bn, problem)),
+            *operands]
     if residual is not None:  # the epilogue's last operand
-        args.append(rows.matrix(residual, n))
+        args.append(rows.matrix(residual, n, str(residual.ty.dtype)))
     out = call_kernel(gv, args, (rows.rows, n), problem.out_dtype, rows.units)
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
     return (rows.result(out, n), (rows.m, n, k), f"{name} [{config.spec}{packed}]",

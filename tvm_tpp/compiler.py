@@ -384,9 +384,11 @@ def _sidecar(meta_path: Path) -> dict:
         if not (isinstance(i, dict) and isinstance(i.get("name"), str)
                 and isinstance(i.get("shape"), list)
                 and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                        for d in i["shape"])
+                        or index == 0 and isinstance(d, str) and d.isidentifier()
+                        for index, d in enumerate(i["shape"]))
                 and isinstance(i.get("dtype"), str)):
-            raise bad(f"input {i!r} is not a name, a shape of sizes and a dtype")
+            raise bad(f"input {i!r} is not a name, a shape of sizes (the first may be a "
+                      "symbolic batch's name) and a dtype")
         try:
             np.dtype(i["dtype"])
         except TypeError:

@@ -52,6 +52,7 @@ __all__ = [
     "load",
     "names",
     "random_inputs",
+    "symbolic_batch",
 ]
 
 _LIGHT_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
@@ -586,7 +587,7 @@ def load(name: str, batch: int | str = 1, seed: int = 0, **options: Any) -> onnx
     if symbolic is None and not _is_pos_int(batch):
         raise ValueError(f"batch must be a positive int or a dimension name, got {batch!r}")
     if symbolic is not None:
-        return _with_symbolic_batch(load(name, 1, seed, **options), symbolic)
+        return symbolic_batch(load(name, 1, seed, **options), symbolic)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     rng = np.random.default_rng(seed)
@@ -657,10 +658,16 @@ def _real_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
     return [vi for vi in graph.input if vi.name not in inits]
 
 
-def _with_symbolic_batch(model: onnx.ModelProto, dim: str) -> onnx.ModelProto:
-    """``model`` (built for batch 1) with a symbolic batch named ``dim``: the first dimension
-    of its inputs and outputs, and the batch of its data-path Reshapes' constant targets
-    (1 there becomes 0: "copy the input's size")."""
+def symbolic_batch(model: onnx.ModelProto, dim: str = "N") -> onnx.ModelProto:
+    """``model``, built for batch 1, with a symbolic batch named ``dim`` as exporters write a
+    dynamic batch: the first dimension of its inputs and outputs, and the batch of its
+    data-path Reshapes' constant targets (1 there becomes 0: "copy the input's size").
+
+    Examples
+    --------
+    >>> symbolic_batch(load("mlp")).graph.input[0].type.tensor_type.shape.dim[0].dim_param
+    'N'
+    """
     out = onnx.ModelProto()
     out.CopyFrom(model)
     g = out.graph

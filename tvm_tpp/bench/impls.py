@@ -137,14 +137,43 @@ def _model_tpp(job: Job, workload: ModelWorkload, say: Say) -> Built:
 
     proto, _, inputs = workload.load()
     start = time.perf_counter()
-    compiled = compiler.compile(proto, target=f"tpp -num-cores={job.threads}",
-                                input_shapes=workload.input_shapes, untuned=True,
-                                precision=_compile_precision(job))
+    target = f"tpp -num-cores={job.threads}"
+    if workload.input_shapes:  # a symbolic batch: one build serves every batch size
+        compiled, built_here = _symbolic_build(job, proto, target)
+        how = "one symbolic-batch build for every batch" + ("" if built_here else " (reused)")
+    else:
+        compiled = compiler.compile(proto, target=target, untuned=True,
+                                    precision=_compile_precision(job))
+        how = ""
     routed = sum(1 for o in compiled.report if o.kernel)
+    notes = (f"{job.precision}: {routed}/{len(compiled.report)} matched operators on TPP "
+             "kernels" if compiled.report else job.precision) + (f"; {how}" if how else "")
     return _vm_built(compiled.executable, inputs, time.perf_counter() - start,
-                     target=str(compiled.target),
-                     notes=f"{job.precision}: {routed}/{len(compiled.report)} matched operators "
-                     "on TPP kernels" if compiled.report else job.precision)
+                     target=str(compiled.target), notes=notes)
+
+
+def _symbolic_build(job: Job, proto, target: str):
+    """(the model compiled with its batch symbolic, whether it was built now): exported to
+    ``work_dir/builds`` under a hash of the model and the build's settings, so that the
+    workers of the other batch sizes load it instead of compiling again."""
+    import hashlib
+
+    from .. import compiler
+    from ..errors import ModelError
+
+    settings = f"{target}|{job.precision}".encode()
+    digest = hashlib.sha256(proto.SerializeToString() + settings).hexdigest()[:16]
+    path = Path(job.work_dir) / "builds" / f"tpp_{digest}.so"
+    if path.exists():
+        try:
+            return compiler.load(path), False
+        except ModelError:
+            pass  # an interrupted or stale export: built again below
+    compiled = compiler.compile(proto, target=target, untuned=True,
+                                precision=_compile_precision(job))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compiled.export(path)
+    return compiled, True
 
 
 def _model_tpp_tuned(job: Job, workload: ModelWorkload, say: Say) -> Built:
