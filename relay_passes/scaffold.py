@@ -44,6 +44,7 @@ __all__ = [
     "Offload",
     "add_kernel",
     "call_flops",
+    "depends_on",
     "dispatched_brgemm",
     "epilogue_patterns",
     "is_call_to",
@@ -288,6 +289,37 @@ def reads_through_bf16_cast(reader: relax.Expr) -> bool:
     return bool(casts) and sorted(map(id, uses)) == sorted(map(id, casts))
 
 
+def depends_on(expr: relax.Expr, target: relax.Expr,
+               bound: Mapping[relax.Var, relax.Expr]) -> bool:
+    """Whether computing ``expr`` reads ``target``, through the bindings ``bound``.
+
+    Examples
+    --------
+    >>> x = relax.Var("x", relax.TensorType((2,), "float32"))
+    >>> bb = relax.BlockBuilder()
+    >>> with bb.function("main", [x]):
+    ...     a = bb.emit(relax.op.exp(x))
+    ...     b = bb.emit(relax.op.add(a, x))
+    ...     _ = bb.emit_func_output(b)
+    >>> bound = relax.analysis.get_var2val(bb.get()["main"])
+    >>> depends_on(b, bound[a], bound), depends_on(x, bound[a], bound)
+    (True, False)
+    """
+    seen: set[relax.Var] = set()
+    stack, found = [expr], False
+
+    def visit(e: relax.Expr) -> None:
+        nonlocal found
+        found = found or e.same_as(target)
+        if isinstance(e, relax.Var) and e in bound and e not in seen:
+            seen.add(e)
+            stack.append(bound[e])
+
+    while stack and not found:
+        relax.analysis.post_order_visit(stack.pop(), visit)
+    return found
+
+
 def is_call_to(expr: relax.Expr, name: str) -> bool:
     """Whether ``expr`` calls the Relax operator ``name`` (e.g. ``"relax.matmul"``).
 
@@ -342,11 +374,13 @@ class EpiloguePattern(Generic[Anchor]):
     """An anchor operator (matmul, conv2d) followed by ``+ bias``, ``+ residual`` and an
     activation, each optional: the pattern ``root`` to match and the parts to read a match by.
 
-    ``anchor`` holds the pass's own sub-patterns of the anchor operator (its operands).
+    ``anchor`` holds the pass's own sub-patterns of the anchor operator (its operands),
+    ``result`` the pattern of the anchor's result among them.
     """
 
     root: DFPattern
     anchor: Anchor
+    result: DFPattern
     bias: DFPattern | None
     residual: DFPattern | None
     activation: str | None
@@ -376,11 +410,18 @@ class EpiloguePattern(Generic[Anchor]):
         """The report's name of the chain, e.g. ``matmul+bias+gelu_erf``."""
         return offload_name(anchor_op, self.ops(matches))
 
-    def residual_fits(self, matches: Mapping[DFPattern, relax.Expr],
-                      shape: tuple[int, ...]) -> bool:
+    def residual_fits(self, matches: Mapping[DFPattern, relax.Expr], shape: tuple[int, ...],
+                      bound: Mapping[relax.Var, relax.Expr]) -> bool:
         """Whether the matched residual, where the chain has one, is a float32 graph tensor
-        of the output's ``shape`` (see :func:`is_tensor_of`)."""
-        return self.residual is None or is_tensor_of(matches[self.residual], shape)
+        of the output's ``shape`` (see :func:`is_tensor_of`) that is not computed from the
+        anchor's own result (``h + f(h)``, e.g. a GELU's ``h + 0.044715 h^3`` whose constants
+        are not GELU's: as a residual, ``h`` would be computed twice); ``bound`` is the
+        function's bindings (:func:`relax.analysis.get_var2val`)."""
+        if self.residual is None:
+            return True
+        residual = matches[self.residual]
+        return (is_tensor_of(residual, shape)
+                and not depends_on(residual, matches[self.result], bound))
 
     def constants_match(self, matches: Mapping[DFPattern, relax.Expr]) -> bool:
         """Whether the matched constants are what the activation needs: GELU's own for a
@@ -462,7 +503,8 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
                     node = _silu(node)
                 elif activation:
                     node = is_op(activation)(node)
-                out.append(EpiloguePattern(node, anchor, bias, residual, activation, constants))
+                out.append(EpiloguePattern(node, anchor, result, bias, residual, activation,
+                                           constants))
     return out
 
 

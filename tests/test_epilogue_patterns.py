@@ -149,6 +149,34 @@ def test_dense_erf_chain_with_another_divisor_is_not_gelu():
     assert [r.op for r in report] == ["matmul"]
 
 
+def test_dense_residual_computed_from_its_own_result_is_not_a_residual():
+    """``h + exp(h)``, h = x @ W + b: exp(h) is no residual of h's kernel (h would be computed
+    twice, once for exp); the kernel stops at the bias and the add stays."""
+    w = RNG.standard_normal((K, N)).astype("float32")
+    b = RNG.standard_normal(N).astype("float32")
+
+    def body(bb, x):
+        h = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b)))
+        return relax.op.add(h, bb.emit(relax.op.exp(h)))
+
+    report = []
+    after = rewrite_dense(_module((M, K), body), TARGET, report)
+    problem = gemm.GemmProblem(M, N, K, epilogue=Epilogue((EpilogueOp("bias"),)))
+    config = config_for(problem, TARGET)
+    bb = relax.BlockBuilder()
+    kernel = add_kernel(bb, gemm.schedule(problem, config, machine_of(TARGET).isa).mod["main"],
+                        f"tpp_dense_{M}x{N}x{K}_bias")
+    x = relax.Var("x", relax.TensorType((M, K), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            args = [x, relax.const(gemm.pack_weight(w, config.bn)), relax.const(b)]
+            h = bb.emit(relax.call_tir(kernel, args, relax.TensorType((M, N), "float32")))
+            out = bb.emit_output(relax.op.add(h, bb.emit(relax.op.exp(h))))
+        bb.emit_func_output(out)
+    tvm.ir.assert_structural_equal(after, bb.get())
+    assert [r.op for r in report] == ["matmul+bias"]
+
+
 # --- conv: act(conv2d(x, W) + b) -------------------------------------------------------------
 
 X_SHAPE, W_SHAPE = (1, 16, 7, 9), (8, 16, 3, 3)  # 16 channels: no tap unfolding; odd H and W
