@@ -37,6 +37,7 @@ __all__ = [
     "ACTIVATIONS",
     "CLAMP",
     "GELU_SPELLED_OUT",
+    "GELU_TANH_SPELLED_OUT",
     "SILU",
     "EpiloguePattern",
     "KernelAdder",
@@ -68,6 +69,13 @@ ACTIVATIONS: Mapping[str, EpilogueOp] = {
 #: chain where a pass accepts it (its constants are checked against ``_GELU_CONSTANTS``).
 GELU_SPELLED_OUT = "gelu_erf"
 _GELU_CONSTANTS = (math.sqrt(2.0), 1.0, 0.5)  # the divisor, the one, the half
+#: GPT-2's GELU, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, spelled out (the cube a
+#: ``power``; either operand order of every add and multiply): its constants are checked
+#: against ``_GELU_TANH_CONSTANTS``.
+GELU_TANH_SPELLED_OUT = "gelu_tanh"
+_GELU_TANH_CONSTANTS = (3.0, 0.044715, math.sqrt(2 / math.pi), 1.0, 0.5)
+_SPELLED_OUT_GELUS = {GELU_SPELLED_OUT: ("erf", _GELU_CONSTANTS),
+                      GELU_TANH_SPELLED_OUT: ("tanh", _GELU_TANH_CONSTANTS)}
 #: ``x * sigmoid(x)`` (SiLU, swish; EfficientNet's activation): the ``silu`` epilogue op.
 SILU = "silu"
 #: ``minimum(maximum(x, lo), hi)`` of scalar constants (ONNX Clip, e.g. MobileNet's ReLU6,
@@ -391,8 +399,8 @@ class EpiloguePattern(Generic[Anchor]):
         ops = [EpilogueOp(kind) for kind, part in (("bias", self.bias),
                                                    ("residual", self.residual))
                if part is not None]
-        if self.activation == GELU_SPELLED_OUT:
-            ops.append(EpilogueOp("gelu", variant="erf"))
+        if self.activation in _SPELLED_OUT_GELUS:
+            ops.append(EpilogueOp("gelu", variant=_SPELLED_OUT_GELUS[self.activation][0]))
         elif self.activation == CLAMP:
             lo, hi = (_scalar(matches[c]) for c in self.constants)
             ops.append(EpilogueOp("clamp", lo=lo, hi=hi))
@@ -430,10 +438,11 @@ class EpiloguePattern(Generic[Anchor]):
         if self.activation == CLAMP:
             return (None not in values and values[0] <= values[1]
                     and all(str(matches[c].ty.dtype) == "float32" for c in self.constants))
-        if self.activation != GELU_SPELLED_OUT:
+        if self.activation not in _SPELLED_OUT_GELUS:
             return True
+        wanted = _SPELLED_OUT_GELUS[self.activation][1]
         return all(value is not None and abs(value - want) <= 1e-6 * want
-                   for value, want in zip(values, _GELU_CONSTANTS, strict=True))
+                   for value, want in zip(values, wanted, strict=True))
 
 
 def offload_name(anchor_op: str, ops: Iterable[EpilogueOp]) -> str:
@@ -472,6 +481,21 @@ def _gelu_spelled_out(node: DFPattern) -> tuple[DFPattern, tuple[DFPattern, ...]
     return gelu, (div, one, half)
 
 
+def _gelu_tanh_spelled_out(node: DFPattern) -> tuple[DFPattern, tuple[DFPattern, ...]]:
+    three, coef, sqrt_2_pi, one, half = (is_const() for _ in range(5))
+
+    def mul(a: DFPattern, b: DFPattern) -> DFPattern:
+        return is_op("relax.multiply")(a, b) | is_op("relax.multiply")(b, a)
+
+    def add(a: DFPattern, b: DFPattern) -> DFPattern:
+        return is_op("relax.add")(a, b) | is_op("relax.add")(b, a)
+
+    # ``node`` recurs: every use must be the one matched expression.
+    cubic = mul(is_op("relax.power")(node, three), coef)
+    one_plus = add(is_op("relax.tanh")(mul(add(node, cubic), sqrt_2_pi)), one)
+    return mul(mul(node, half), one_plus), (three, coef, sqrt_2_pi, one, half)
+
+
 def epilogue_patterns(make_anchor: Callable[[], Anchor],
                       spelled_out_gelu: bool = False,
                       root_of: Callable[[Anchor], DFPattern] | None = None,
@@ -481,12 +505,12 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
 
     ``make_anchor()`` builds the anchor's sub-patterns (a new set per chain); ``root_of`` gives
     the pattern of the anchor's result in them (the sub-patterns themselves by default).  With
-    ``spelled_out_gelu`` the GELU ONNX exporters write out in elementwise ops is an activation
-    too (after the relax ones, before none).
+    ``spelled_out_gelu`` the GELUs ONNX exporters write out in elementwise ops (erf and tanh)
+    are activations too (after the relax ones, before none).
     """
     # SiLU before sigmoid: x * sigmoid(x) would otherwise leave its multiply outside.
     activations = (SILU, *ACTIVATIONS, CLAMP,
-                   *([GELU_SPELLED_OUT] if spelled_out_gelu else []), None)
+                   *(_SPELLED_OUT_GELUS if spelled_out_gelu else ()), None)
     out = []
     for activation in activations:
         for with_residual in (True, False):
@@ -497,6 +521,8 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
                 constants: tuple[DFPattern, ...] = ()
                 if activation == GELU_SPELLED_OUT:
                     node, constants = _gelu_spelled_out(node)
+                elif activation == GELU_TANH_SPELLED_OUT:
+                    node, constants = _gelu_tanh_spelled_out(node)
                 elif activation == CLAMP:
                     node, constants = _clamp(node)
                 elif activation == SILU:
