@@ -1,9 +1,10 @@
 """The networks of issue 15 whole (float32): each compiles with at least 95 % of its matmul and
 conv FLOPs on TPP kernels and matches ONNX Runtime at batch 1 and 8 (normwise 1e-4): an
 EfficientNet-B0-style network (depthwise 3x3 and 5x5, SiLU, squeeze-excite's broadcast
-multiply), a DeepLab-style head (dilated convs, concat), MobileNetV2 (depthwise, ReLU6) and the
-ShuffleNet of the ``onnx`` package (grouped convs, channel shuffle, concat).  The default suite
-builds scaled-down variants; the bundled sizes run in the slow suite."""
+multiply), a DeepLab-style head (dilated convs, concat), MobileNetV2 (depthwise, ReLU6), the
+ShuffleNet of the ``onnx`` package (grouped convs, channel shuffle, concat), GoogLeNet-style
+Inception blocks (parallel 1x1/3x3/5x5 or factorized 1x7-7x1 and pooled branches, concat).
+The default suite builds scaled-down variants; the bundled sizes run in the slow suite."""
 
 import pytest
 
@@ -11,19 +12,27 @@ import tvm_tpp
 from tvm_tpp import models
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
+#: Case id -> (bundled model, options of its scaled-down variant).
 SMALL = {
-    "efficientnet": dict(image=32, stem=8, blocks=((1, 8, 1, 1, 3), (4, 16, 2, 2, 5)),
-                         head=32),
-    "seg_head": dict(image=32, width=16, rates=(2, 4, 12)),
-    "mobilenet_v2": dict(image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)), head=32),
+    "efficientnet": ("efficientnet", dict(image=32, stem=8,
+                                          blocks=((1, 8, 1, 1, 3), (4, 16, 2, 2, 5)), head=32)),
+    "seg_head": ("seg_head", dict(image=32, width=16, rates=(2, 4, 12))),
+    "mobilenet_v2": ("mobilenet_v2", dict(image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)),
+                                          head=32)),
+    "inception": ("inception", dict(image=32, stem=8, factorized=True,
+                                    blocks=((4, 4, 8, 2, 4, 4), (8, 8, 12, 4, 8, 4)))),
 }
 #: The default suite's batch of each small variant; the other one runs in the slow suite.
-DEFAULT_BATCH = {"efficientnet": 8, "seg_head": 1, "mobilenet_v2": 8}
-CASES = [pytest.param(name, options, batch, id=f"{name}-small-b{batch}",
-                      marks=() if batch == DEFAULT_BATCH[name] else pytest.mark.slow)
-         for name, options in SMALL.items() for batch in (1, 8)]
-CASES += [pytest.param(name, {}, batch, id=f"{name}-b{batch}", marks=pytest.mark.slow)
-          for name in (*SMALL, "shufflenet") for batch in (1, 8)]
+DEFAULT_BATCH = {"efficientnet": 8, "seg_head": 1, "mobilenet_v2": 8, "inception": 1}
+CASES = [pytest.param(name, options, batch, id=f"{case}-small-b{batch}",
+                      marks=() if batch == DEFAULT_BATCH[case] else pytest.mark.slow)
+         for case, (name, options) in SMALL.items() for batch in (1, 8)]
+CASES += [pytest.param(name, options, batch, id=f"{case}-b{batch}", marks=pytest.mark.slow)
+          for case, name, options in [
+              *((n, n, {}) for n in ("efficientnet", "seg_head", "mobilenet_v2", "shufflenet",
+                                     "inception")),
+              ("inception-factorized", "inception", dict(factorized=True))]
+          for batch in (1, 8)]
 
 
 @pytest.mark.parametrize("name, options, batch", CASES)
@@ -34,3 +43,4 @@ def test_network_runs_on_tpp_kernels_and_matches_onnxruntime(name, options, batc
     inputs = random_inputs(compiled.inputs, seed=batch)
     _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
     assert rel <= 1e-4
+

@@ -15,12 +15,14 @@ from tvm.relax.frontend.onnx import from_onnx
 
 from tvm_tpp import models
 
-BUILTIN = ["mlp", "resnet_small", "bert", "mobilenet_v2", "seg_head", "efficientnet"]
+BUILTIN = ["mlp", "resnet_small", "bert", "mobilenet_v2", "seg_head", "efficientnet",
+           "inception"]
 NAMES = models.names()
 LIGHT = [n for n in NAMES if n not in BUILTIN]
 # Output shapes at batch 1; squeezenet and densenet121 end in a 1x1 spatial map.
 OUT_SHAPE = {"mlp": (1, 512), "resnet_small": (1, 10), "bert": (1, 128, 768),
-             "mobilenet_v2": (1, 10), "seg_head": (1, 21, 16, 16), "efficientnet": (1, 10)}
+             "mobilenet_v2": (1, 10), "seg_head": (1, 21, 16, 16), "efficientnet": (1, 10),
+             "inception": (1, 10)}
 OUT_SHAPE |= {
     n: (1, 1000, 1, 1) if n in ("squeezenet", "densenet121") else (1, 1000) for n in LIGHT
 }
@@ -81,6 +83,9 @@ def test_unknown_name_lists_known_models() -> None:
         ("mlp", {"dims": (8,)}, ValueError),
         ("mlp", {"dims": (8, 4), "gemm_layer": 1}, ValueError),
         ("resnet_small", {"image": 4, "widths": (8, 8, 8)}, ValueError),
+        ("inception", {"blocks": ((4, 4, 8, 2, 4),)}, ValueError),
+        ("inception", {"image": 8, "blocks": ((4, 4, 8, 2, 4, 4),) * 3}, ValueError),
+        ("inception", {"factorized": 1}, ValueError),
     ],
 )
 def test_bad_arguments_raise(name: str, kwargs: dict, error: type[Exception]) -> None:
@@ -129,6 +134,7 @@ def test_imports_into_relax(model, name: str) -> None:
         ("mlp", {}),
         ("resnet_small", {}),
         ("bert", SMALL_BERT),
+        ("inception", {}),
         ("squeezenet", {}),
         ("shufflenet", {}),
         ("inception_v1", {}),
@@ -152,6 +158,7 @@ def test_batch_is_per_sample(name: str, options: dict) -> None:
         ("mlp", {}),
         ("resnet_small", {}),
         ("bert", SMALL_BERT),
+        ("inception", {}),
         ("squeezenet", {}),
         ("densenet121", {}),
         ("inception_v1", {}),
@@ -235,3 +242,4 @@ def test_relax_build_matches_onnxruntime(model, name: str) -> None:
     vm = relax.VirtualMachine(ex, tvm.cpu())
     out = vm["main"](*(tvm.runtime.tensor(v) for v in x.values())).numpy()
     assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
+
