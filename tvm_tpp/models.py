@@ -13,7 +13,9 @@ These networks are written here with :mod:`onnx.helper` (each shaped by its conf
 - ``"efficientnet"``: EfficientNet-B0's MBConv blocks (depthwise 3x3/5x5, SiLU,
   squeeze-excite), scaled down;
 - ``"inception"``: GoogLeNet's Inception blocks (parallel 1x1, 3x3, 5x5 or factorized 1x7/7x1,
-  and pooled branches concatenated on channels), scaled down.
+  and pooled branches concatenated on channels), scaled down;
+- ``"gpt2"``: one GPT-2 small decoder layer (pre-LayerNorm, fused QKV projection, causal
+  self-attention, tanh-GELU MLP) on float32 hidden states.
 
 The others are the real architectures the ``onnx`` wheel ships as
 ``onnx/backend/test/data/light/light_<name>.onnx`` (resnet50, squeezenet, vgg19, ...).  Every weight
@@ -49,6 +51,7 @@ from onnx import TensorProto, helper, numpy_helper
 __all__ = [
     "BertConfig",
     "EfficientNetConfig",
+    "Gpt2Config",
     "InceptionConfig",
     "MlpConfig",
     "MobileNetConfig",
@@ -298,6 +301,48 @@ class BertConfig:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class Gpt2Config:
+    """Shape of ``"gpt2"``, one pre-LayerNorm decoder layer; defaults are GPT-2 small's.
+
+    ``gelu`` is the MLP's activation as exporters spell it out: ``"tanh"``, GPT-2's
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, or ``"erf"``, the exact
+    ``x (1 + erf(x / sqrt 2)) 0.5``.  ``mask`` is how the causal mask reaches the scores:
+    ``"where"``, ``Where(tril, scores, float32 min)`` as Hugging Face's GPT-2 exports it, or
+    ``"add"``, an added constant that is 0 on and below the diagonal and -1e4 above.
+
+    Examples
+    --------
+    >>> Gpt2Config(seq=16, hidden=64, heads=4, ffn=256, gelu="erf").head_dim
+    16
+    """
+
+    seq: int = 128
+    hidden: int = 768
+    heads: int = 12
+    ffn: int = 3072
+    gelu: str = "tanh"
+    mask: str = "where"
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("seq", "hidden", "heads", "ffn"):
+            if not _is_pos_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.gelu not in ("tanh", "erf"):
+            raise ValueError(f"gelu must be 'tanh' or 'erf', got {self.gelu!r}")
+        if self.mask not in ("where", "add"):
+            raise ValueError(f"mask must be 'where' or 'add', got {self.mask!r}")
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps!r}")
 
@@ -602,6 +647,77 @@ def _build_bert(cfg: BertConfig, batch: int, rng: np.random.Generator) -> onnx.M
     return g.model("bert", ("hidden_states", (b, s, hid)), ("y", (b, s, hid)))
 
 
+def _build_gpt2(cfg: Gpt2Config, batch: int, rng: np.random.Generator) -> onnx.ModelProto:
+    g = _Graph(rng)
+    b, s, hid, nh, d = batch, cfg.seq, cfg.hidden, cfg.heads, cfg.head_dim
+    f32 = np.float32
+
+    def dense(x: str, name: str, k: int, n: int) -> str:
+        # GPT-2's initializer: N(0, 0.02) weights.
+        w = g.normal(f"{name}.weight", (k, n), 0.02)
+        return g.op(
+            "Add",
+            [g.op("MatMul", [x, w], f"{name}.matmul"), g.normal(f"{name}.bias", (n,), 0.05)],
+            name,
+        )
+
+    def layer_norm(x: str, name: str) -> str:
+        gamma = g.uniform(f"{name}.gamma", (hid,), 0.8, 1.2)
+        beta = g.normal(f"{name}.beta", (hid,), 0.05)
+        return g.op("LayerNormalization", [x, gamma, beta], name, axis=-1, epsilon=cfg.eps)
+
+    def gelu(x: str) -> str:
+        if cfg.gelu == "erf":
+            erf = g.op("Erf", [g.op("Div", [x, g.const("sqrt2", f32(math.sqrt(2.0)))],
+                                    "gelu.div")], "gelu.erf")
+            y = g.op("Mul", [x, g.op("Add", [erf, g.const("one", f32(1))], "gelu.add")],
+                     "gelu.mul")
+            return g.op("Mul", [y, g.const("half", f32(0.5))], "gelu")
+        # Hugging Face's NewGELUActivation, op for op as torch.onnx exports it.
+        cube = g.op("Pow", [x, g.const("three", f32(3))], "gelu.pow")
+        inner = g.op("Add", [x, g.op("Mul", [cube, g.const("coef", f32(0.044715))],
+                                     "gelu.cubic")], "gelu.inner")
+        z = g.op("Mul", [inner, g.const("sqrt_2_pi", f32(math.sqrt(2 / math.pi)))], "gelu.z")
+        one_plus = g.op("Add", [g.op("Tanh", [z], "gelu.tanh"), g.const("one", f32(1))],
+                        "gelu.add")
+        return g.op("Mul", [g.op("Mul", [x, g.const("half", f32(0.5))], "gelu.half"), one_plus],
+                    "gelu")
+
+    heads_shape = g.const("heads_shape", np.array([b, s, nh, d], np.int64))
+    hidden_shape = g.const("hidden_shape", np.array([b, s, hid], np.int64))
+
+    def split_heads(x: str, name: str, perm: list[int]) -> str:
+        return g.op(
+            "Transpose", [g.op("Reshape", [x, heads_shape], f"{name}.split")], name, perm=perm
+        )
+
+    x = "hidden_states"
+    qkv = dense(layer_norm(x, "ln_1"), "c_attn", hid, 3 * hid)  # GPT-2's fused projection
+    splits = [f"{name}.proj" for name in "qkv"]
+    g.nodes.append(helper.make_node("Split", [qkv, g.const("qkv_split", np.full(3, hid))],
+                                    splits, name="qkv_split", axis=-1))
+    q = split_heads(splits[0], "q", [0, 2, 1, 3])  # [b, nh, s, d]
+    k = split_heads(splits[1], "k", [0, 2, 3, 1])  # [b, nh, d, s]
+    v = split_heads(splits[2], "v", [0, 2, 1, 3])  # [b, nh, s, d]
+    scores = g.op("Div", [g.op("MatMul", [q, k], "qk"), g.const("sqrt_d", f32(math.sqrt(d)))],
+                  "scores")
+    causal = np.tril(np.ones((1, 1, s, s), bool))
+    if cfg.mask == "where":
+        scores = g.op("Where", [g.const("causal", causal), scores,
+                                g.const("mask_value", f32(np.finfo(f32).min))], "masked")
+    else:
+        scores = g.op("Add", [scores, g.const("causal_bias", np.where(causal, 0, -1e4)
+                                                 .astype(f32))], "masked")
+    probs = g.op("Softmax", [scores], "probs", axis=-1)
+    ctx = g.op("Transpose", [g.op("MatMul", [probs, v], "ctx.heads")], "ctx.t", perm=[0, 2, 1, 3])
+    ctx = g.op("Reshape", [ctx, hidden_shape], "ctx")
+    h1 = g.op("Add", [x, dense(ctx, "c_proj", hid, hid)], "attn_residual")
+    out = dense(gelu(dense(layer_norm(h1, "ln_2"), "mlp.c_fc", hid, cfg.ffn)), "mlp.c_proj",
+                cfg.ffn, hid)
+    g.op("Add", [h1, out], "y")
+    return g.model("gpt2", ("hidden_states", (b, s, hid)), ("y", (b, s, hid)))
+
+
 _BUILTIN: dict[str, tuple[type, Callable[..., onnx.ModelProto]]] = {
     "mlp": (MlpConfig, _build_mlp),
     "resnet_small": (ResNetConfig, _build_resnet_small),
@@ -610,6 +726,7 @@ _BUILTIN: dict[str, tuple[type, Callable[..., onnx.ModelProto]]] = {
     "seg_head": (SegHeadConfig, _build_seg_head),
     "efficientnet": (EfficientNetConfig, _build_efficientnet),
     "inception": (InceptionConfig, _build_inception),
+    "gpt2": (Gpt2Config, _build_gpt2),
 }
 
 # (consumer op, input index) -> how a light model's weight is initialised.
@@ -656,8 +773,8 @@ def load(name: str, batch: int = 1, seed: int = 0, **options: Any) -> onnx.Model
     **options
         Fields of the model's config (:class:`MlpConfig`, :class:`ResNetConfig`,
         :class:`BertConfig`, :class:`MobileNetConfig`, :class:`SegHeadConfig`,
-        :class:`EfficientNetConfig`, :class:`InceptionConfig`); the light models
-        take none.
+        :class:`EfficientNetConfig`, :class:`InceptionConfig`, :class:`Gpt2Config`); the light
+        models take none.
 
     Returns
     -------
