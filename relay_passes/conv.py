@@ -118,9 +118,9 @@ def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
     dtype = PRECISIONS[precision]
 
     def make_rewriter(add_kernel, pattern, func):
-        read_by = readers(func)
+        read_by, bound = readers(func), relax.analysis.get_var2val(func)
         return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
-                                              report, dtype, read_by)
+                                              report, dtype, read_by, bound)
 
     mod = offload_patterns(sum_to_add(mod), epilogue_patterns(_conv), make_rewriter, report,
                            "relax.nn.conv2d", _why_left, then=simplify_layouts)
@@ -202,7 +202,8 @@ def _channel_vector(bias: np.ndarray, k: int) -> np.ndarray | None:
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
              pattern: EpiloguePattern[DFPattern], add_kernel: KernelAdder,
              target: Target, tuner: Tuner | None, report: list[Offload], dtype: str,
-             read_by: Callable[[relax.Expr], list[relax.Expr] | None]) -> relax.Expr:
+             read_by: Callable[[relax.Expr], list[relax.Expr] | None],
+             bound: Mapping[relax.Var, relax.Expr]) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, with _why_left().
     call = matches[pattern.anchor]
@@ -218,7 +219,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
             return orig
         operands.append(relax.const(bias))
     if pattern.residual is not None:
-        if not pattern.residual_fits(matches, tuple(call.ty.shape)):
+        if not pattern.residual_fits(matches, tuple(call.ty.shape), bound):
             return orig
         operands.append(to_matrix(matches[pattern.residual]))
     problem = conv_problem(call, dtype, pattern.epilogue(matches))

@@ -209,9 +209,9 @@ def rewrite_dense(
     dtype = PRECISIONS[precision]
 
     def make_rewriter(add_kernel, pattern, func):
-        read_by = readers(func)
+        read_by, bound = readers(func), relax.analysis.get_var2val(func)
         return lambda orig, matches: _rewrite(orig, matches, pattern, add_kernel, target, tuner,
-                                              report, dtype, read_by)
+                                              report, dtype, read_by, bound)
 
     chains = epilogue_patterns(_matmul, spelled_out_gelu=True, root_of=lambda a: a.matmul)
     return offload_patterns(mod, chains, make_rewriter, report, "relax.matmul", _why_left)
@@ -244,7 +244,8 @@ ONE_TERM = "K = 1: an outer product (nothing to reduce), left to TVM's elementwi
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
              pattern: EpiloguePattern[_Matmul], add_kernel: KernelAdder,
              target: Target, tuner: Tuner | None, report: list[Offload], dtype: str,
-             read_by: Callable[[relax.Expr], list[relax.Expr] | None]) -> relax.Expr:
+             read_by: Callable[[relax.Expr], list[relax.Expr] | None],
+             bound: Mapping[relax.Var, relax.Expr]) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
     # reported once, with _why_left().
     mm = pattern.anchor
@@ -260,7 +261,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if bias is not None and (bias.size != n or bias.shape[-1] != n):
         return orig
     residual = matches[pattern.residual] if pattern.residual is not None else None
-    if not pattern.residual_fits(matches, out_shape):
+    if not pattern.residual_fits(matches, out_shape, bound):
         return orig
 
     rows = DenseRows.of(x.ty.shape)

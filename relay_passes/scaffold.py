@@ -37,6 +37,7 @@ __all__ = [
     "ACTIVATIONS",
     "CLAMP",
     "GELU_SPELLED_OUT",
+    "GELU_TANH_SPELLED_OUT",
     "SILU",
     "EpiloguePattern",
     "KernelAdder",
@@ -46,6 +47,7 @@ __all__ = [
     "batched_shape",
     "call_flops",
     "call_kernel",
+    "depends_on",
     "dispatched_brgemm",
     "epilogue_patterns",
     "is_call_to",
@@ -70,6 +72,13 @@ ACTIVATIONS: Mapping[str, EpilogueOp] = {
 #: chain where a pass accepts it (its constants are checked against ``_GELU_CONSTANTS``).
 GELU_SPELLED_OUT = "gelu_erf"
 _GELU_CONSTANTS = (math.sqrt(2.0), 1.0, 0.5)  # the divisor, the one, the half
+#: GPT-2's GELU, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, spelled out (the cube a
+#: ``power``; either operand order of every add and multiply): its constants are checked
+#: against ``_GELU_TANH_CONSTANTS``.
+GELU_TANH_SPELLED_OUT = "gelu_tanh"
+_GELU_TANH_CONSTANTS = (3.0, 0.044715, math.sqrt(2 / math.pi), 1.0, 0.5)
+_SPELLED_OUT_GELUS = {GELU_SPELLED_OUT: ("erf", _GELU_CONSTANTS),
+                      GELU_TANH_SPELLED_OUT: ("tanh", _GELU_TANH_CONSTANTS)}
 #: ``x * sigmoid(x)`` (SiLU, swish; EfficientNet's activation): the ``silu`` epilogue op.
 SILU = "silu"
 #: ``minimum(maximum(x, lo), hi)`` of scalar constants (ONNX Clip, e.g. MobileNet's ReLU6,
@@ -336,6 +345,37 @@ def reads_through_bf16_cast(reader: relax.Expr) -> bool:
     return bool(casts) and sorted(map(id, uses)) == sorted(map(id, casts))
 
 
+def depends_on(expr: relax.Expr, target: relax.Expr,
+               bound: Mapping[relax.Var, relax.Expr]) -> bool:
+    """Whether computing ``expr`` reads ``target``, through the bindings ``bound``.
+
+    Examples
+    --------
+    >>> x = relax.Var("x", relax.TensorType((2,), "float32"))
+    >>> bb = relax.BlockBuilder()
+    >>> with bb.function("main", [x]):
+    ...     a = bb.emit(relax.op.exp(x))
+    ...     b = bb.emit(relax.op.add(a, x))
+    ...     _ = bb.emit_func_output(b)
+    >>> bound = relax.analysis.get_var2val(bb.get()["main"])
+    >>> depends_on(b, bound[a], bound), depends_on(x, bound[a], bound)
+    (True, False)
+    """
+    seen: set[relax.Var] = set()
+    stack, found = [expr], False
+
+    def visit(e: relax.Expr) -> None:
+        nonlocal found
+        found = found or e.same_as(target)
+        if isinstance(e, relax.Var) and e in bound and e not in seen:
+            seen.add(e)
+            stack.append(bound[e])
+
+    while stack and not found:
+        relax.analysis.post_order_visit(stack.pop(), visit)
+    return found
+
+
 def is_call_to(expr: relax.Expr, name: str) -> bool:
     """Whether ``expr`` calls the Relax operator ``name`` (e.g. ``"relax.matmul"``).
 
@@ -405,11 +445,13 @@ class EpiloguePattern(Generic[Anchor]):
     """An anchor operator (matmul, conv2d) followed by ``+ bias``, ``+ residual`` and an
     activation, each optional: the pattern ``root`` to match and the parts to read a match by.
 
-    ``anchor`` holds the pass's own sub-patterns of the anchor operator (its operands).
+    ``anchor`` holds the pass's own sub-patterns of the anchor operator (its operands),
+    ``result`` the pattern of the anchor's result among them.
     """
 
     root: DFPattern
     anchor: Anchor
+    result: DFPattern
     bias: DFPattern | None
     residual: DFPattern | None
     activation: str | None
@@ -420,8 +462,8 @@ class EpiloguePattern(Generic[Anchor]):
         ops = [EpilogueOp(kind) for kind, part in (("bias", self.bias),
                                                    ("residual", self.residual))
                if part is not None]
-        if self.activation == GELU_SPELLED_OUT:
-            ops.append(EpilogueOp("gelu", variant="erf"))
+        if self.activation in _SPELLED_OUT_GELUS:
+            ops.append(EpilogueOp("gelu", variant=_SPELLED_OUT_GELUS[self.activation][0]))
         elif self.activation == CLAMP:
             lo, hi = (_scalar(matches[c]) for c in self.constants)
             ops.append(EpilogueOp("clamp", lo=lo, hi=hi))
@@ -439,11 +481,18 @@ class EpiloguePattern(Generic[Anchor]):
         """The report's name of the chain, e.g. ``matmul+bias+gelu_erf``."""
         return offload_name(anchor_op, self.ops(matches))
 
-    def residual_fits(self, matches: Mapping[DFPattern, relax.Expr],
-                      shape: tuple[int, ...]) -> bool:
+    def residual_fits(self, matches: Mapping[DFPattern, relax.Expr], shape: tuple[int, ...],
+                      bound: Mapping[relax.Var, relax.Expr]) -> bool:
         """Whether the matched residual, where the chain has one, is a float32 graph tensor
-        of the output's ``shape`` (see :func:`is_tensor_of`)."""
-        return self.residual is None or is_tensor_of(matches[self.residual], shape)
+        of the output's ``shape`` (see :func:`is_tensor_of`) that is not computed from the
+        anchor's own result (``h + f(h)``, e.g. a GELU's ``h + 0.044715 h^3`` whose constants
+        are not GELU's: as a residual, ``h`` would be computed twice); ``bound`` is the
+        function's bindings (:func:`relax.analysis.get_var2val`)."""
+        if self.residual is None:
+            return True
+        residual = matches[self.residual]
+        return (is_tensor_of(residual, shape)
+                and not depends_on(residual, matches[self.result], bound))
 
     def constants_match(self, matches: Mapping[DFPattern, relax.Expr]) -> bool:
         """Whether the matched constants are what the activation needs: GELU's own for a
@@ -452,10 +501,11 @@ class EpiloguePattern(Generic[Anchor]):
         if self.activation == CLAMP:
             return (None not in values and values[0] <= values[1]
                     and all(str(matches[c].ty.dtype) == "float32" for c in self.constants))
-        if self.activation != GELU_SPELLED_OUT:
+        if self.activation not in _SPELLED_OUT_GELUS:
             return True
+        wanted = _SPELLED_OUT_GELUS[self.activation][1]
         return all(value is not None and abs(value - want) <= 1e-6 * want
-                   for value, want in zip(values, _GELU_CONSTANTS, strict=True))
+                   for value, want in zip(values, wanted, strict=True))
 
 
 def offload_name(anchor_op: str, ops: Iterable[EpilogueOp]) -> str:
@@ -494,6 +544,21 @@ def _gelu_spelled_out(node: DFPattern) -> tuple[DFPattern, tuple[DFPattern, ...]
     return gelu, (div, one, half)
 
 
+def _gelu_tanh_spelled_out(node: DFPattern) -> tuple[DFPattern, tuple[DFPattern, ...]]:
+    three, coef, sqrt_2_pi, one, half = (is_const() for _ in range(5))
+
+    def mul(a: DFPattern, b: DFPattern) -> DFPattern:
+        return is_op("relax.multiply")(a, b) | is_op("relax.multiply")(b, a)
+
+    def add(a: DFPattern, b: DFPattern) -> DFPattern:
+        return is_op("relax.add")(a, b) | is_op("relax.add")(b, a)
+
+    # ``node`` recurs: every use must be the one matched expression.
+    cubic = mul(is_op("relax.power")(node, three), coef)
+    one_plus = add(is_op("relax.tanh")(mul(add(node, cubic), sqrt_2_pi)), one)
+    return mul(mul(node, half), one_plus), (three, coef, sqrt_2_pi, one, half)
+
+
 def epilogue_patterns(make_anchor: Callable[[], Anchor],
                       spelled_out_gelu: bool = False,
                       root_of: Callable[[Anchor], DFPattern] | None = None,
@@ -503,12 +568,12 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
 
     ``make_anchor()`` builds the anchor's sub-patterns (a new set per chain); ``root_of`` gives
     the pattern of the anchor's result in them (the sub-patterns themselves by default).  With
-    ``spelled_out_gelu`` the GELU ONNX exporters write out in elementwise ops is an activation
-    too (after the relax ones, before none).
+    ``spelled_out_gelu`` the GELUs ONNX exporters write out in elementwise ops (erf and tanh)
+    are activations too (after the relax ones, before none).
     """
     # SiLU before sigmoid: x * sigmoid(x) would otherwise leave its multiply outside.
     activations = (SILU, *ACTIVATIONS, CLAMP,
-                   *([GELU_SPELLED_OUT] if spelled_out_gelu else []), None)
+                   *(_SPELLED_OUT_GELUS if spelled_out_gelu else ()), None)
     out = []
     for activation in activations:
         for with_residual in (True, False):
@@ -519,13 +584,16 @@ def epilogue_patterns(make_anchor: Callable[[], Anchor],
                 constants: tuple[DFPattern, ...] = ()
                 if activation == GELU_SPELLED_OUT:
                     node, constants = _gelu_spelled_out(node)
+                elif activation == GELU_TANH_SPELLED_OUT:
+                    node, constants = _gelu_tanh_spelled_out(node)
                 elif activation == CLAMP:
                     node, constants = _clamp(node)
                 elif activation == SILU:
                     node = _silu(node)
                 elif activation:
                     node = is_op(activation)(node)
-                out.append(EpiloguePattern(node, anchor, bias, residual, activation, constants))
+                out.append(EpiloguePattern(node, anchor, result, bias, residual, activation,
+                                           constants))
     return out
 
 

@@ -1,5 +1,5 @@
 """The activations the dense and conv passes absorb into their kernels' epilogues: GELU (erf,
-tanh, and erf spelled out in elementwise ops as ONNX exports it), sigmoid, SiLU (``x *
+tanh, and both spelled out in elementwise ops as ONNX exports them), sigmoid, SiLU (``x *
 sigmoid(x)``) and clamp (ONNX Clip: a maximum and a minimum of scalar constants).
 
 Each chain is checked structurally (the rewritten module is the Expected one: a single call_tir
@@ -39,15 +39,33 @@ def _spelled_out_gelu(bb: relax.BlockBuilder, h: relax.Expr) -> relax.Expr:
                              relax.const(np.float32(0.5)))
 
 
+def _spelled_out_gelu_tanh(bb: relax.BlockBuilder, h: relax.Expr, coef: float = 0.044715,
+                           ) -> relax.Expr:
+    """``h * 0.5 * (1 + tanh(sqrt(2/pi) * (h + coef * h**3)))`` as the ONNX importer leaves
+    GPT-2's GELU, some operands in the other order (exporters differ there)."""
+    def c(v):
+        return relax.const(np.float32(v))
+
+    cubic = bb.emit(relax.op.multiply(c(coef), bb.emit(relax.op.power(h, c(3)))))
+    z = bb.emit(relax.op.multiply(bb.emit(relax.op.add(h, cubic)), c(math.sqrt(2 / math.pi))))
+    one_plus = bb.emit(relax.op.add(c(1), bb.emit(relax.op.tanh(z))))
+    return relax.op.multiply(bb.emit(relax.op.multiply(h, c(0.5))), one_plus)
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
 # name -> (emit the activation of h, the epilogue op the kernel applies, numpy's function)
 ACTIVATIONS = {
     "gelu": (lambda bb, h: relax.op.nn.gelu(h), EpilogueOp("gelu", variant="erf"),
              lambda x: 0.5 * x * (1 + erf(x / math.sqrt(2)))),
     "gelu_tanh": (lambda bb, h: relax.op.nn.gelu_tanh(h), EpilogueOp("gelu", variant="tanh"),
-                  lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi)
-                                                   * (x + 0.044715 * x**3)))),
+                  _gelu_tanh),
     "gelu_spelled_out": (_spelled_out_gelu, EpilogueOp("gelu", variant="erf"),
                          lambda x: 0.5 * x * (1 + erf(x / math.sqrt(2)))),
+    "gelu_tanh_spelled_out": (_spelled_out_gelu_tanh, EpilogueOp("gelu", variant="tanh"),
+                              _gelu_tanh),
     "sigmoid": (lambda bb, h: relax.op.sigmoid(h), EpilogueOp("sigmoid"),
                 lambda x: 1 / (1 + np.exp(-x))),
     "silu": (lambda bb, h: relax.op.multiply(h, bb.emit(relax.op.sigmoid(h))), EpilogueOp("silu"),
@@ -147,6 +165,53 @@ def test_dense_erf_chain_with_another_divisor_is_not_gelu():
     report = []
     rewrite_dense(_module((M, K), body), TARGET, report)
     assert [r.op for r in report] == ["matmul"]
+
+
+def test_dense_tanh_chain_with_another_coefficient_is_not_gelu():
+    """GPT-2's GELU spelled out with 0.05 for 0.044715 is not GELU: only the bias joins."""
+    w = RNG.standard_normal((K, N)).astype("float32")
+    b = RNG.standard_normal(N).astype("float32")
+
+    def body(bb, x):
+        h = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b)))
+        return _spelled_out_gelu_tanh(bb, h, coef=0.05)
+
+    report = []
+    after = rewrite_dense(_module((M, K), body), TARGET, report)
+    assert [r.op for r in report] == ["matmul+bias"]
+    ops = []
+    relax.analysis.post_order_visit(after["main"], lambda e: ops.append(e.op.name)
+                                    if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op)
+                                    else None)
+    assert "relax.tanh" in ops and "relax.power" in ops
+
+
+def test_dense_residual_computed_from_its_own_result_is_not_a_residual():
+    """``h + exp(h)``, h = x @ W + b: exp(h) is no residual of h's kernel (h would be computed
+    twice, once for exp); the kernel stops at the bias and the add stays."""
+    w = RNG.standard_normal((K, N)).astype("float32")
+    b = RNG.standard_normal(N).astype("float32")
+
+    def body(bb, x):
+        h = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b)))
+        return relax.op.add(h, bb.emit(relax.op.exp(h)))
+
+    report = []
+    after = rewrite_dense(_module((M, K), body), TARGET, report)
+    problem = gemm.GemmProblem(M, N, K, epilogue=Epilogue((EpilogueOp("bias"),)))
+    config = config_for(problem, TARGET)
+    bb = relax.BlockBuilder()
+    kernel = add_kernel(bb, gemm.schedule(problem, config, machine_of(TARGET).isa).mod["main"],
+                        f"tpp_dense_{M}x{N}x{K}_bias")
+    x = relax.Var("x", relax.TensorType((M, K), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            args = [x, relax.const(gemm.pack_weight(w, config.bn)), relax.const(b)]
+            h = bb.emit(relax.call_tir(kernel, args, relax.TensorType((M, N), "float32")))
+            out = bb.emit_output(relax.op.add(h, bb.emit(relax.op.exp(h))))
+        bb.emit_func_output(out)
+    tvm.ir.assert_structural_equal(after, bb.get())
+    assert [r.op for r in report] == ["matmul+bias"]
 
 
 # --- conv: act(conv2d(x, W) + b) -------------------------------------------------------------

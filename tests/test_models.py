@@ -15,12 +15,14 @@ from tvm.relax.frontend.onnx import from_onnx
 
 from tvm_tpp import models
 
-BUILTIN = ["mlp", "resnet_small", "bert", "mobilenet_v2", "seg_head", "efficientnet"]
+BUILTIN = ["mlp", "resnet_small", "bert", "mobilenet_v2", "seg_head", "efficientnet",
+           "inception", "gpt2"]
 NAMES = models.names()
 LIGHT = [n for n in NAMES if n not in BUILTIN]
 # Output shapes at batch 1; squeezenet and densenet121 end in a 1x1 spatial map.
 OUT_SHAPE = {"mlp": (1, 512), "resnet_small": (1, 10), "bert": (1, 128, 768),
-             "mobilenet_v2": (1, 10), "seg_head": (1, 21, 16, 16), "efficientnet": (1, 10)}
+             "mobilenet_v2": (1, 10), "seg_head": (1, 21, 16, 16), "efficientnet": (1, 10),
+             "inception": (1, 10), "gpt2": (1, 128, 768)}
 OUT_SHAPE |= {
     n: (1, 1000, 1, 1) if n in ("squeezenet", "densenet121") else (1, 1000) for n in LIGHT
 }
@@ -30,6 +32,7 @@ HEAVY = {"vgg19", "zfnet512", "bvlc_alexnet"}
 PARAMS = [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in NAMES]
 # A small BERT keeps the batch and seed checks cheap; the default one is covered by NAMES.
 SMALL_BERT = {"seq": 16, "hidden": 64, "heads": 4, "ffn": 128}
+SMALL_GPT2 = {"seq": 16, "hidden": 64, "heads": 4, "ffn": 256}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,12 @@ def test_unknown_name_lists_known_models() -> None:
         ("mlp", {"dims": (8,)}, ValueError),
         ("mlp", {"dims": (8, 4), "gemm_layer": 1}, ValueError),
         ("resnet_small", {"image": 4, "widths": (8, 8, 8)}, ValueError),
+        ("inception", {"blocks": ((4, 4, 8, 2, 4),)}, ValueError),
+        ("inception", {"image": 8, "blocks": ((4, 4, 8, 2, 4, 4),) * 3}, ValueError),
+        ("inception", {"factorized": 1}, ValueError),
+        ("gpt2", {"hidden": 100, "heads": 12}, ValueError),
+        ("gpt2", {"gelu": "relu"}, ValueError),
+        ("gpt2", {"mask": "none"}, ValueError),
     ],
 )
 def test_bad_arguments_raise(name: str, kwargs: dict, error: type[Exception]) -> None:
@@ -129,6 +138,8 @@ def test_imports_into_relax(model, name: str) -> None:
         ("mlp", {}),
         ("resnet_small", {}),
         ("bert", SMALL_BERT),
+        ("gpt2", SMALL_GPT2),
+        ("inception", {}),
         ("squeezenet", {}),
         ("shufflenet", {}),
         ("inception_v1", {}),
@@ -152,6 +163,8 @@ def test_batch_is_per_sample(name: str, options: dict) -> None:
         ("mlp", {}),
         ("resnet_small", {}),
         ("bert", SMALL_BERT),
+        ("gpt2", SMALL_GPT2),
+        ("inception", {}),
         ("squeezenet", {}),
         ("densenet121", {}),
         ("inception_v1", {}),
@@ -235,3 +248,16 @@ def test_relax_build_matches_onnxruntime(model, name: str) -> None:
     vm = relax.VirtualMachine(ex, tvm.cpu())
     out = vm["main"](*(tvm.runtime.tensor(v) for v in x.values())).numpy()
     assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("mask", ["where", "add"])
+def test_gpt2_attention_is_causal(mask: str) -> None:
+    """A change at the last position changes no earlier position's output (and does change
+    the last one's)."""
+    m = models.load("gpt2", **SMALL_GPT2, mask=mask)
+    x = models.random_inputs(m, seed=2)["hidden_states"]
+    late = x.copy()
+    late[:, -1] += 1.0
+    y, y_late = (run_ort(m, {"hidden_states": v}) for v in (x, late))
+    np.testing.assert_allclose(y[:, :-1], y_late[:, :-1], rtol=0, atol=1e-6 * np.abs(y).max())
+    assert not np.allclose(y[:, -1], y_late[:, -1])

@@ -416,7 +416,8 @@ def _parser() -> argparse.ArgumentParser:
 
     def model_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("model", help="ONNX file or bundled model: mlp, resnet_small, bert, "
-                       "mobilenet_v2, seg_head, efficientnet, or an architecture shipped in "
+                       "mobilenet_v2, seg_head, efficientnet, inception, gpt2, or an "
+                       "architecture shipped in "
                        "onnx (resnet50, squeezenet, vgg19, ...)")
         p.add_argument("--target", default="tpp", help='"tpp" (host) or "tpp -isa=NAME"')
         p.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",

@@ -1,6 +1,6 @@
 """Bundled example networks, built offline as ONNX models with seeded random weights.
 
-Four networks are written here with :mod:`onnx.helper`:
+These networks are written here with :mod:`onnx.helper` (each shaped by its config class):
 
 - ``"mlp"``: MatMul+Add+Relu layers with one Gemm(transB=1) layer (512 -> 1024 -> 1024 -> 512);
 - ``"resnet_small"``: a ResNet-style CNN (conv stem, basic residual blocks, global average pool,
@@ -8,7 +8,14 @@ Four networks are written here with :mod:`onnx.helper`:
 - ``"bert"``: one BERT-base encoder layer (hidden 768, 12 heads, FFN 3072, sequence 128) on
   float32 hidden states, with an Erf-based GELU and opset-17 LayerNormalization;
 - ``"mobilenet_v2"``: MobileNetV2's inverted residual blocks (1x1 expansion, 3x3 depthwise,
-  1x1 projection, ReLU6, residual adds), scaled down, on 3x96x96 images.
+  1x1 projection, ReLU6, residual adds), scaled down, on 3x96x96 images;
+- ``"seg_head"``: a DeepLab-style segmentation head (dilated 3x3 convs, concat);
+- ``"efficientnet"``: EfficientNet-B0's MBConv blocks (depthwise 3x3/5x5, SiLU,
+  squeeze-excite), scaled down;
+- ``"inception"``: GoogLeNet's Inception blocks (parallel 1x1, 3x3, 5x5 or factorized 1x7/7x1,
+  and pooled branches concatenated on channels), scaled down;
+- ``"gpt2"``: one GPT-2 small decoder layer (pre-LayerNorm, fused QKV projection, causal
+  self-attention, tanh-GELU MLP) on float32 hidden states.
 
 The others are the real architectures the ``onnx`` wheel ships as
 ``onnx/backend/test/data/light/light_<name>.onnx`` (resnet50, squeezenet, vgg19, ...).  Every weight
@@ -44,6 +51,8 @@ from onnx import TensorProto, helper, numpy_helper
 __all__ = [
     "BertConfig",
     "EfficientNetConfig",
+    "Gpt2Config",
+    "InceptionConfig",
     "MlpConfig",
     "MobileNetConfig",
     "ResNetConfig",
@@ -230,6 +239,48 @@ class SegHeadConfig:
 
 
 @dataclass(frozen=True)
+class InceptionConfig:
+    """Shape of ``"inception"``: GoogLeNet's Inception blocks (Inception-v3's factorized 7x7
+    optionally), scaled down.
+
+    A stride-2 3x3 stem conv to ``stem`` channels and a stride-2 3x3 max-pool, then per
+    ``(1x1, 3x3 reduce, 3x3, 5x5 reduce, 5x5, pool projection)`` output channels of ``blocks``
+    (GoogLeNet's table) an Inception block, after a stride-2 3x3 max-pool for every block but
+    the first: four parallel branches (a 1x1 conv; a 1x1 reduction then a 3x3 conv; a 1x1
+    reduction then a 5x5 conv, or with ``factorized`` a 1x7 then a 7x1 conv as Inception-v3
+    factorizes large kernels; a stride-1 3x3 max-pool then a 1x1 projection) concatenated on
+    channels; every conv BatchNorm-ReLU.  Global average pooling and a Gemm classifier.
+
+    Examples
+    --------
+    >>> InceptionConfig(image=16, blocks=((4, 4, 8, 2, 4, 4),), factorized=True).blocks
+    ((4, 4, 8, 2, 4, 4),)
+    """
+
+    image: int = 64
+    stem: int = 32
+    blocks: tuple[tuple[int, int, int, int, int, int], ...] = (
+        (16, 24, 32, 4, 8, 8), (32, 32, 48, 8, 24, 16), (48, 24, 52, 4, 12, 16))
+    factorized: bool = False
+    classes: int = 10
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(tuple(b) for b in self.blocks))
+        for name in ("image", "stem", "classes"):
+            if not _is_pos_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not self.blocks or not all(len(b) == 6 and all(_is_pos_int(v) for v in b)
+                                      for b in self.blocks):
+            raise ValueError("blocks must be (1x1, 3x3 reduce, 3x3, 5x5 reduce, 5x5, pool "
+                             f"projection) tuples of positive ints, got {self.blocks!r}")
+        if not isinstance(self.factorized, bool):
+            raise ValueError(f"factorized must be a bool, got {self.factorized!r}")
+        strides = 2 ** (len(self.blocks) + 1)  # stem conv, stem pool, one pool per later block
+        if self.image < strides:
+            raise ValueError(f"image must be >= the total stride {strides}, got {self.image}")
+
+
+@dataclass(frozen=True)
 class BertConfig:
     """Shape of ``"bert"``, one encoder layer; defaults are BERT-base.
 
@@ -251,6 +302,48 @@ class BertConfig:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class Gpt2Config:
+    """Shape of ``"gpt2"``, one pre-LayerNorm decoder layer; defaults are GPT-2 small's.
+
+    ``gelu`` is the MLP's activation as exporters spell it out: ``"tanh"``, GPT-2's
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, or ``"erf"``, the exact
+    ``x (1 + erf(x / sqrt 2)) 0.5``.  ``mask`` is how the causal mask reaches the scores:
+    ``"where"``, ``Where(tril, scores, float32 min)`` as Hugging Face's GPT-2 exports it, or
+    ``"add"``, an added constant that is 0 on and below the diagonal and -1e4 above.
+
+    Examples
+    --------
+    >>> Gpt2Config(seq=16, hidden=64, heads=4, ffn=256, gelu="erf").head_dim
+    16
+    """
+
+    seq: int = 128
+    hidden: int = 768
+    heads: int = 12
+    ffn: int = 3072
+    gelu: str = "tanh"
+    mask: str = "where"
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("seq", "hidden", "heads", "ffn"):
+            if not _is_pos_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if self.gelu not in ("tanh", "erf"):
+            raise ValueError(f"gelu must be 'tanh' or 'erf', got {self.gelu!r}")
+        if self.mask not in ("where", "add"):
+            raise ValueError(f"mask must be 'where' or 'add', got {self.mask!r}")
         if not self.eps > 0:
             raise ValueError(f"eps must be > 0, got {self.eps!r}")
 
@@ -323,16 +416,19 @@ def _build_mlp(cfg: MlpConfig, batch: int, rng: np.random.Generator) -> onnx.Mod
     return g.model("mlp", ("x", (batch, cfg.dims[0])), ("y", (batch, cfg.dims[-1])))
 
 
-def _conv_bn(g: _Graph, x: str, name: str, cin: int, cout: int, k: int, stride: int = 1,
-             groups: int = 1, dilation: int = 1) -> str:
-    """A ``k x k`` conv (He-initialized, padded to keep the size at stride 1) and an inference
-    BatchNorm of seeded statistics: every bundled CNN's layer before its activation."""
-    w = g.he(f"{name}.weight", (cout, cin // groups, k, k), cin // groups * k * k)
+def _conv_bn(g: _Graph, x: str, name: str, cin: int, cout: int, k: int | tuple[int, int],
+             stride: int = 1, groups: int = 1, dilation: int = 1) -> str:
+    """A ``k x k`` conv (``kh x kw`` for a pair; He-initialized, padded to keep the size at
+    stride 1) and an inference BatchNorm of seeded statistics: every bundled CNN's layer
+    before its activation."""
+    kh, kw = (k, k) if isinstance(k, int) else k
+    w = g.he(f"{name}.weight", (cout, cin // groups, kh, kw), cin // groups * kh * kw)
     attrs = {"group": groups} if groups > 1 else {}
     if dilation > 1:
         attrs["dilations"] = [dilation] * 2
-    y = g.op("Conv", [x, w], name, kernel_shape=[k, k], strides=[stride, stride],
-             pads=[dilation * (k // 2)] * 4, **attrs)
+    pads = [dilation * (kh // 2), dilation * (kw // 2)] * 2  # ONNX: begins, then ends
+    y = g.op("Conv", [x, w], name, kernel_shape=[kh, kw], strides=[stride, stride], pads=pads,
+             **attrs)
     bn = [
         g.uniform(f"{name}.bn.scale", (cout,), 0.8, 1.2),
         g.normal(f"{name}.bn.bias", (cout,), 0.05),
@@ -460,6 +556,43 @@ def _build_resnet_small(cfg: ResNetConfig, batch: int, rng: np.random.Generator)
     )
 
 
+def _build_inception(cfg: InceptionConfig, batch: int, rng: np.random.Generator
+                     ) -> onnx.ModelProto:
+    g = _Graph(rng)
+
+    def conv(x: str, name: str, cin: int, cout: int, k: int | tuple[int, int],
+             stride: int = 1) -> str:
+        return g.op("Relu", [_conv_bn(g, x, name, cin, cout, k, stride)], f"{name}.relu")
+
+    def max_pool(x: str, name: str, stride: int) -> str:
+        return g.op("MaxPool", [x], name, kernel_shape=[3, 3], strides=[stride, stride],
+                    pads=[1, 1, 1, 1])
+
+    h = max_pool(conv("x", "stem", 3, cfg.stem, 3, 2), "stem.pool", 2)
+    cin = cfg.stem
+    for i, (c1, r3, c3, r5, c5, proj) in enumerate(cfg.blocks):
+        p = f"block{i}"
+        if i:
+            h = max_pool(h, f"{p}.downsample", 2)
+        wide = conv(h, f"{p}.5x5.reduce", cin, r5, 1)
+        if cfg.factorized:
+            wide = conv(conv(wide, f"{p}.1x7", r5, c5, (1, 7)), f"{p}.7x1", c5, c5, (7, 1))
+        else:
+            wide = conv(wide, f"{p}.5x5", r5, c5, 5)
+        branches = [
+            conv(h, f"{p}.1x1", cin, c1, 1),
+            conv(conv(h, f"{p}.3x3.reduce", cin, r3, 1), f"{p}.3x3", r3, c3, 3),
+            wide,
+            conv(max_pool(h, f"{p}.pool", 1), f"{p}.pool.proj", cin, proj, 1),
+        ]
+        h, cin = g.op("Concat", branches, f"{p}.concat", axis=1), c1 + c3 + c5 + proj
+    h = g.op("Flatten", [g.op("GlobalAveragePool", [h], "pool")], "flatten", axis=1)
+    w = g.he("fc.weight", (cfg.classes, cin), cin)
+    g.op("Gemm", [h, w, g.normal("fc.bias", (cfg.classes,), 0.05)], "y", transB=1)
+    return g.model("inception", ("x", (batch, 3, cfg.image, cfg.image)),
+                   ("y", (batch, cfg.classes)))
+
+
 def _build_bert(cfg: BertConfig, batch: int, rng: np.random.Generator) -> onnx.ModelProto:
     g = _Graph(rng)
     b, s, hid, nh, d = batch, cfg.seq, cfg.hidden, cfg.heads, cfg.head_dim
@@ -515,6 +648,77 @@ def _build_bert(cfg: BertConfig, batch: int, rng: np.random.Generator) -> onnx.M
     return g.model("bert", ("hidden_states", (b, s, hid)), ("y", (b, s, hid)))
 
 
+def _build_gpt2(cfg: Gpt2Config, batch: int, rng: np.random.Generator) -> onnx.ModelProto:
+    g = _Graph(rng)
+    b, s, hid, nh, d = batch, cfg.seq, cfg.hidden, cfg.heads, cfg.head_dim
+    f32 = np.float32
+
+    def dense(x: str, name: str, k: int, n: int) -> str:
+        # GPT-2's initializer: N(0, 0.02) weights.
+        w = g.normal(f"{name}.weight", (k, n), 0.02)
+        return g.op(
+            "Add",
+            [g.op("MatMul", [x, w], f"{name}.matmul"), g.normal(f"{name}.bias", (n,), 0.05)],
+            name,
+        )
+
+    def layer_norm(x: str, name: str) -> str:
+        gamma = g.uniform(f"{name}.gamma", (hid,), 0.8, 1.2)
+        beta = g.normal(f"{name}.beta", (hid,), 0.05)
+        return g.op("LayerNormalization", [x, gamma, beta], name, axis=-1, epsilon=cfg.eps)
+
+    def gelu(x: str) -> str:
+        if cfg.gelu == "erf":
+            erf = g.op("Erf", [g.op("Div", [x, g.const("sqrt2", f32(math.sqrt(2.0)))],
+                                    "gelu.div")], "gelu.erf")
+            y = g.op("Mul", [x, g.op("Add", [erf, g.const("one", f32(1))], "gelu.add")],
+                     "gelu.mul")
+            return g.op("Mul", [y, g.const("half", f32(0.5))], "gelu")
+        # Hugging Face's NewGELUActivation, op for op as torch.onnx exports it.
+        cube = g.op("Pow", [x, g.const("three", f32(3))], "gelu.pow")
+        inner = g.op("Add", [x, g.op("Mul", [cube, g.const("coef", f32(0.044715))],
+                                     "gelu.cubic")], "gelu.inner")
+        z = g.op("Mul", [inner, g.const("sqrt_2_pi", f32(math.sqrt(2 / math.pi)))], "gelu.z")
+        one_plus = g.op("Add", [g.op("Tanh", [z], "gelu.tanh"), g.const("one", f32(1))],
+                        "gelu.add")
+        return g.op("Mul", [g.op("Mul", [x, g.const("half", f32(0.5))], "gelu.half"), one_plus],
+                    "gelu")
+
+    heads_shape = g.const("heads_shape", np.array([b, s, nh, d], np.int64))
+    hidden_shape = g.const("hidden_shape", np.array([b, s, hid], np.int64))
+
+    def split_heads(x: str, name: str, perm: list[int]) -> str:
+        return g.op(
+            "Transpose", [g.op("Reshape", [x, heads_shape], f"{name}.split")], name, perm=perm
+        )
+
+    x = "hidden_states"
+    qkv = dense(layer_norm(x, "ln_1"), "c_attn", hid, 3 * hid)  # GPT-2's fused projection
+    splits = [f"{name}.proj" for name in "qkv"]
+    g.nodes.append(helper.make_node("Split", [qkv, g.const("qkv_split", np.full(3, hid))],
+                                    splits, name="qkv_split", axis=-1))
+    q = split_heads(splits[0], "q", [0, 2, 1, 3])  # [b, nh, s, d]
+    k = split_heads(splits[1], "k", [0, 2, 3, 1])  # [b, nh, d, s]
+    v = split_heads(splits[2], "v", [0, 2, 1, 3])  # [b, nh, s, d]
+    scores = g.op("Div", [g.op("MatMul", [q, k], "qk"), g.const("sqrt_d", f32(math.sqrt(d)))],
+                  "scores")
+    causal = np.tril(np.ones((1, 1, s, s), bool))
+    if cfg.mask == "where":
+        scores = g.op("Where", [g.const("causal", causal), scores,
+                                g.const("mask_value", f32(np.finfo(f32).min))], "masked")
+    else:
+        scores = g.op("Add", [scores, g.const("causal_bias", np.where(causal, 0, -1e4)
+                                                 .astype(f32))], "masked")
+    probs = g.op("Softmax", [scores], "probs", axis=-1)
+    ctx = g.op("Transpose", [g.op("MatMul", [probs, v], "ctx.heads")], "ctx.t", perm=[0, 2, 1, 3])
+    ctx = g.op("Reshape", [ctx, hidden_shape], "ctx")
+    h1 = g.op("Add", [x, dense(ctx, "c_proj", hid, hid)], "attn_residual")
+    out = dense(gelu(dense(layer_norm(h1, "ln_2"), "mlp.c_fc", hid, cfg.ffn)), "mlp.c_proj",
+                cfg.ffn, hid)
+    g.op("Add", [h1, out], "y")
+    return g.model("gpt2", ("hidden_states", (b, s, hid)), ("y", (b, s, hid)))
+
+
 _BUILTIN: dict[str, tuple[type, Callable[..., onnx.ModelProto]]] = {
     "mlp": (MlpConfig, _build_mlp),
     "resnet_small": (ResNetConfig, _build_resnet_small),
@@ -522,6 +726,8 @@ _BUILTIN: dict[str, tuple[type, Callable[..., onnx.ModelProto]]] = {
     "mobilenet_v2": (MobileNetConfig, _build_mobilenet_v2),
     "seg_head": (SegHeadConfig, _build_seg_head),
     "efficientnet": (EfficientNetConfig, _build_efficientnet),
+    "inception": (InceptionConfig, _build_inception),
+    "gpt2": (Gpt2Config, _build_gpt2),
 }
 
 # (consumer op, input index) -> how a light model's weight is initialised.
@@ -570,7 +776,8 @@ def load(name: str, batch: int | str = 1, seed: int = 0, **options: Any) -> onnx
     **options
         Fields of the model's config (:class:`MlpConfig`, :class:`ResNetConfig`,
         :class:`BertConfig`, :class:`MobileNetConfig`, :class:`SegHeadConfig`,
-        :class:`EfficientNetConfig`); the light models take none.
+        :class:`EfficientNetConfig`, :class:`InceptionConfig`, :class:`Gpt2Config`); the light
+        models take none.
 
     Returns
     -------
