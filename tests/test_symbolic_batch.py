@@ -17,6 +17,7 @@ from microkernels.machine import host
 from schedules import conv, gemm
 from schedules.loop_spec import LoopSpecError
 from tvm_tpp import models
+from tvm_tpp.errors import ModelError
 from tvm_tpp.quantized import quantize_static_qdq
 from tvm_tpp.reference import TOLERANCES, max_errors, random_inputs, run_onnxruntime
 from tvm_tpp.tpp_target import target
@@ -165,3 +166,14 @@ def test_given_shape_still_compiles_a_static_batch():
     compiled = tvm_tpp.compile(make_dense_model(batch_dim="N"), input_shapes={"x": (16, 24)})
     assert compiled.inputs[0].shape == (16, 24)
     assert _kernels(compiled)[0].startswith("tpp_dense_16x40x24")
+
+
+def test_shapes_computed_from_a_symbolic_batch_ask_for_a_size():
+    from test_exported_files import _exported
+
+    model = models.symbolic_batch(_exported())
+    with pytest.raises(ModelError, match=r"computes shapes from the symbolic batch 'N': compile "
+                                         r"it for a batch size, e\.g\. --shape x=1,3,"):
+        tvm_tpp.compile(model)
+    compiled = tvm_tpp.compile(model, input_shapes={"x": (2, 3, 5, 7)})
+    _assert_matches(compiled, model, (2,))

@@ -258,6 +258,13 @@ def to_relax(proto: onnx.ModelProto, specs: Sequence[TensorSpec]):
         lines = str(err).strip().splitlines()
         message = _import_failure(proto, lines[-1] if lines else str(err), said.getvalue())
         err.with_traceback(None)  # frees the frontend's state now, not when the error is
+    symbolic = [s for s in specs if s.batch is not None]
+    if symbolic and any(node.op_type in SHAPE_OPS for node in proto.graph.node):
+        # Shapes computed from a symbolic size fold only once the size is known.
+        example = symbolic[0]
+        message += (f"; the graph computes shapes from the symbolic batch {example.batch!r}: "
+                    f"compile it for a batch size, e.g. --shape {example.name}="
+                    + ",".join(map(str, example.at(1).shape)))
     raise ModelError(message) from None
 
 
