@@ -593,44 +593,67 @@ def _build_inception(cfg: InceptionConfig, batch: int, rng: np.random.Generator
                    ("y", (batch, cfg.classes)))
 
 
+def _dense(g: _Graph, x: str, name: str, k: int, n: int) -> str:
+    """``x @ W + b`` with a transformer's initializer (BERT's and GPT-2's): N(0, 0.02)."""
+    w = g.normal(f"{name}.weight", (k, n), 0.02)
+    return g.op(
+        "Add",
+        [g.op("MatMul", [x, w], f"{name}.matmul"), g.normal(f"{name}.bias", (n,), 0.05)],
+        name,
+    )
+
+
+def _layer_norm(g: _Graph, x: str, name: str, hidden: int, eps: float) -> str:
+    gamma = g.uniform(f"{name}.gamma", (hidden,), 0.8, 1.2)
+    beta = g.normal(f"{name}.beta", (hidden,), 0.05)
+    return g.op("LayerNormalization", [x, gamma, beta], name, axis=-1, epsilon=eps)
+
+
+class _Heads:
+    """Multi-head attention's reshapes: ``[b, s, hidden]`` into heads and back."""
+
+    def __init__(self, g: _Graph, b: int, s: int, heads: int, head_dim: int) -> None:
+        self.g, self.head_dim = g, head_dim
+        self.heads_shape = g.const("heads_shape", np.array([b, s, heads, head_dim], np.int64))
+        self.hidden_shape = g.const("hidden_shape", np.array([b, s, heads * head_dim], np.int64))
+
+    def split(self, x: str, name: str, perm: list[int]) -> str:
+        g = self.g
+        return g.op(
+            "Transpose", [g.op("Reshape", [x, self.heads_shape], f"{name}.split")], name,
+            perm=perm,
+        )
+
+    def attend(self, q: str, k: str, v: str, mask: Callable[[str], str] | None = None) -> str:
+        """``softmax(mask(q k / sqrt d)) v`` of q ``[b, nh, s, d]``, k ``[b, nh, d, s]`` and
+        v ``[b, nh, s, d]``, back in ``[b, s, hidden]``."""
+        g = self.g
+        scores = g.op("Div", [g.op("MatMul", [q, k], "qk"),
+                              g.const("sqrt_d", np.float32(math.sqrt(self.head_dim)))],
+                      "scores")
+        probs = g.op("Softmax", [mask(scores) if mask else scores], "probs", axis=-1)
+        ctx = g.op("Transpose", [g.op("MatMul", [probs, v], "ctx.heads")], "ctx.t",
+                   perm=[0, 2, 1, 3])
+        return g.op("Reshape", [ctx, self.hidden_shape], "ctx")
+
+
 def _build_bert(cfg: BertConfig, batch: int, rng: np.random.Generator) -> onnx.ModelProto:
     g = _Graph(rng)
     b, s, hid, nh, d = batch, cfg.seq, cfg.hidden, cfg.heads, cfg.head_dim
     f32 = np.float32
 
     def dense(x: str, name: str, k: int, n: int) -> str:
-        # BERT's initializer: N(0, 0.02) weights.
-        w = g.normal(f"{name}.weight", (k, n), 0.02)
-        return g.op(
-            "Add",
-            [g.op("MatMul", [x, w], f"{name}.matmul"), g.normal(f"{name}.bias", (n,), 0.05)],
-            name,
-        )
+        return _dense(g, x, name, k, n)
 
     def layer_norm(x: str, name: str) -> str:
-        gamma = g.uniform(f"{name}.gamma", (hid,), 0.8, 1.2)
-        beta = g.normal(f"{name}.beta", (hid,), 0.05)
-        return g.op("LayerNormalization", [x, gamma, beta], name, axis=-1, epsilon=cfg.eps)
+        return _layer_norm(g, x, name, hid, cfg.eps)
 
-    heads_shape = g.const("heads_shape", np.array([b, s, nh, d], np.int64))
-    hidden_shape = g.const("hidden_shape", np.array([b, s, hid], np.int64))
-
-    def split_heads(x: str, name: str, perm: list[int]) -> str:
-        return g.op(
-            "Transpose", [g.op("Reshape", [x, heads_shape], f"{name}.split")], name, perm=perm
-        )
-
+    heads = _Heads(g, b, s, nh, d)
     x = "hidden_states"
-    q = split_heads(dense(x, "query", hid, hid), "q", [0, 2, 1, 3])  # [b, nh, s, d]
-    k = split_heads(dense(x, "key", hid, hid), "k", [0, 2, 3, 1])  # [b, nh, d, s]
-    v = split_heads(dense(x, "value", hid, hid), "v", [0, 2, 1, 3])  # [b, nh, s, d]
-    scores = g.op(
-        "Div", [g.op("MatMul", [q, k], "qk"), g.const("sqrt_d", f32(math.sqrt(d)))], "scores"
-    )
-    probs = g.op("Softmax", [scores], "probs", axis=-1)
-    ctx = g.op("Transpose", [g.op("MatMul", [probs, v], "ctx.heads")], "ctx.t", perm=[0, 2, 1, 3])
-    ctx = g.op("Reshape", [ctx, hidden_shape], "ctx")
-    attn = dense(ctx, "attn_out", hid, hid)
+    q = heads.split(dense(x, "query", hid, hid), "q", [0, 2, 1, 3])  # [b, nh, s, d]
+    k = heads.split(dense(x, "key", hid, hid), "k", [0, 2, 3, 1])  # [b, nh, d, s]
+    v = heads.split(dense(x, "value", hid, hid), "v", [0, 2, 1, 3])  # [b, nh, s, d]
+    attn = dense(heads.attend(q, k, v), "attn_out", hid, hid)
     h1 = layer_norm(g.op("Add", [attn, x], "attn_residual"), "attn_ln")
 
     inter = dense(h1, "ffn_in", hid, cfg.ffn)
@@ -654,18 +677,10 @@ def _build_gpt2(cfg: Gpt2Config, batch: int, rng: np.random.Generator) -> onnx.M
     f32 = np.float32
 
     def dense(x: str, name: str, k: int, n: int) -> str:
-        # GPT-2's initializer: N(0, 0.02) weights.
-        w = g.normal(f"{name}.weight", (k, n), 0.02)
-        return g.op(
-            "Add",
-            [g.op("MatMul", [x, w], f"{name}.matmul"), g.normal(f"{name}.bias", (n,), 0.05)],
-            name,
-        )
+        return _dense(g, x, name, k, n)
 
     def layer_norm(x: str, name: str) -> str:
-        gamma = g.uniform(f"{name}.gamma", (hid,), 0.8, 1.2)
-        beta = g.normal(f"{name}.beta", (hid,), 0.05)
-        return g.op("LayerNormalization", [x, gamma, beta], name, axis=-1, epsilon=cfg.eps)
+        return _layer_norm(g, x, name, hid, cfg.eps)
 
     def gelu(x: str) -> str:
         if cfg.gelu == "erf":
@@ -684,35 +699,25 @@ def _build_gpt2(cfg: Gpt2Config, batch: int, rng: np.random.Generator) -> onnx.M
         return g.op("Mul", [g.op("Mul", [x, g.const("half", f32(0.5))], "gelu.half"), one_plus],
                     "gelu")
 
-    heads_shape = g.const("heads_shape", np.array([b, s, nh, d], np.int64))
-    hidden_shape = g.const("hidden_shape", np.array([b, s, hid], np.int64))
+    def mask(scores: str) -> str:
+        causal = np.tril(np.ones((1, 1, s, s), bool))
+        if cfg.mask == "where":
+            return g.op("Where", [g.const("causal", causal), scores,
+                                  g.const("mask_value", f32(np.finfo(f32).min))], "masked")
+        return g.op("Add", [scores, g.const("causal_bias", np.where(causal, 0, -1e4)
+                                            .astype(f32))], "masked")
 
-    def split_heads(x: str, name: str, perm: list[int]) -> str:
-        return g.op(
-            "Transpose", [g.op("Reshape", [x, heads_shape], f"{name}.split")], name, perm=perm
-        )
-
+    heads = _Heads(g, b, s, nh, d)
     x = "hidden_states"
     qkv = dense(layer_norm(x, "ln_1"), "c_attn", hid, 3 * hid)  # GPT-2's fused projection
     splits = [f"{name}.proj" for name in "qkv"]
     g.nodes.append(helper.make_node("Split", [qkv, g.const("qkv_split", np.full(3, hid))],
                                     splits, name="qkv_split", axis=-1))
-    q = split_heads(splits[0], "q", [0, 2, 1, 3])  # [b, nh, s, d]
-    k = split_heads(splits[1], "k", [0, 2, 3, 1])  # [b, nh, d, s]
-    v = split_heads(splits[2], "v", [0, 2, 1, 3])  # [b, nh, s, d]
-    scores = g.op("Div", [g.op("MatMul", [q, k], "qk"), g.const("sqrt_d", f32(math.sqrt(d)))],
-                  "scores")
-    causal = np.tril(np.ones((1, 1, s, s), bool))
-    if cfg.mask == "where":
-        scores = g.op("Where", [g.const("causal", causal), scores,
-                                g.const("mask_value", f32(np.finfo(f32).min))], "masked")
-    else:
-        scores = g.op("Add", [scores, g.const("causal_bias", np.where(causal, 0, -1e4)
-                                                 .astype(f32))], "masked")
-    probs = g.op("Softmax", [scores], "probs", axis=-1)
-    ctx = g.op("Transpose", [g.op("MatMul", [probs, v], "ctx.heads")], "ctx.t", perm=[0, 2, 1, 3])
-    ctx = g.op("Reshape", [ctx, hidden_shape], "ctx")
-    h1 = g.op("Add", [x, dense(ctx, "c_proj", hid, hid)], "attn_residual")
+    q = heads.split(splits[0], "q", [0, 2, 1, 3])  # [b, nh, s, d]
+    k = heads.split(splits[1], "k", [0, 2, 3, 1])  # [b, nh, d, s]
+    v = heads.split(splits[2], "v", [0, 2, 1, 3])  # [b, nh, s, d]
+    h1 = g.op("Add", [x, dense(heads.attend(q, k, v, mask), "c_proj", hid, hid)],
+              "attn_residual")
     out = dense(gelu(dense(layer_norm(h1, "ln_2"), "mlp.c_fc", hid, cfg.ffn)), "mlp.c_proj",
                 cfg.ffn, hid)
     g.op("Add", [h1, out], "y")
