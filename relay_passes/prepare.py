@@ -7,7 +7,9 @@ constant weights, before any TPP rewrite.
 * :func:`sum_to_add` repairs the ONNX importer's ``Sum``, which hides a residual add;
   :func:`~relay_passes.conv.rewrite_conv` applies it before matching;
 * :func:`conv1d_as_conv2d` states a 1-D convolution as a 2-D one of height 1, which the conv
-  rewrite then routes (:func:`prepare` applies it);
+  rewrite then routes (:func:`prepare` applies it), and
+  :func:`~relay_passes.conv_transpose.transposed_as_conv` a ConvTranspose as a conv and an
+  interleave (:func:`prepare` applies it too);
 * :func:`te_extrema_to_ops` turns the importer's ``Clip`` (TE kernels of an elementwise
   maximum and minimum with a scalar) into ``relax.maximum``/``relax.minimum``, which the
   offload passes take as a ``clamp`` epilogue and the layout pass moves to NHWC.
@@ -38,6 +40,7 @@ from tvm import relax
 from tvm.ir.expr import TensorLoad
 from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 
+from .conv_transpose import transposed_as_conv
 from .scaffold import is_call_to, static_shape
 
 __all__ = ["conv1d_as_conv2d", "fold_batchnorm", "prepare", "sum_to_add", "te_extrema_to_ops"]
@@ -55,6 +58,8 @@ def prepare() -> tvm.transform.Pass:
             relax.transform.FoldConstant(),
             tvm.transform.module_pass(lambda mod, _ctx: conv1d_as_conv2d(mod), opt_level=0,
                                       name="TppConv1dAsConv2d"),
+            tvm.transform.module_pass(lambda mod, _ctx: transposed_as_conv(mod), opt_level=0,
+                                      name="TppTransposedAsConv"),
             tvm.transform.module_pass(lambda mod, _ctx: fold_batchnorm(mod), opt_level=0,
                                       name="TppFoldBatchnorm"),
             relax.transform.DecomposeOpsForInference(),
