@@ -129,7 +129,8 @@ def rewrite_conv(mod: tvm.IRModule, target: Target, report: list[Offload],
 
 
 #: Why a ConvTranspose stays with TVM (reported with its FLOPs, so that the share of the
-#: model's FLOPs on TPP kernels counts it).
+#: model's FLOPs on TPP kernels counts it): the grouped or dilated ones, which
+#: :func:`relay_passes.conv_transpose.transposed_as_conv` does not rewrite.
 TRANSPOSED = "ConvTranspose is not routed to TPP: TVM computes it"
 
 
