@@ -643,7 +643,11 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
       finishes its taps while hot).  When the images and K blocks alone give every thread
       two tasks and a K block's output fits in half of L2, ``ACbfgde`` instead: each weight
       panel is then reused across the whole output plane, which matters in the deep layers
-      whose weights outgrow L2.
+      whose weights outgrow L2.  When the whole filter fits in half of L1 and K spans several
+      blocks (MobileNet's expanding 1x1 convs), ``ADEcbfg``: each task writes whole output
+      rows, every K block of them, instead of block-wide slivers of rows (16 -> 96 channels
+      at 48x48: 1.19x, 24 -> 144 at 24x24: 1.07x measured on Zen 1; with large filters the
+      K blocks outer win, ResNet-50's 3x3 512 -> 512 by 1.9x).
 
     Examples
     --------
@@ -652,6 +656,9 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     >>> cfg = default_config(p, Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2))
     >>> (cfg.bq, cfg.bc, cfg.bk, cfg.spec)
     (7, 512, 64, 'ACbfgde')
+    >>> expand = ConvProblem(1, 16, 48, 48, 96, 1, 1)
+    >>> default_config(expand, Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)).spec
+    'ADEcbfg'
     >>> u8 = ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1, dtype="uint8")
     >>> cfg = default_config(u8, Machine(isa.from_name("amx"), isa.DEFAULT_CACHES, threads=2))
     >>> (cfg.bq, cfg.bc, cfg.bk)
@@ -670,8 +677,13 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
         bq = _default_bq(problem.q)
     plane = problem.p * problem.q * bk * 4
     tasks = problem.n * (problem.k // bk)
-    spec = ("ACbfgde" if tasks >= 2 * machine.threads and plane <= machine.caches.l2 // 2
-            else "ACDebfg")
+    filters = problem.r * problem.s * problem.group_c * problem.k * problem.element_bytes
+    if filters <= machine.caches.l1d // 2 and problem.group_k // bk > 1:
+        spec = "ADEcbfg"
+    elif tasks >= 2 * machine.threads and plane <= machine.caches.l2 // 2:
+        spec = "ACbfgde"
+    else:
+        spec = "ACDebfg"
     return ConvConfig(bq=bq, bc=bc, bk=bk, spec=spec)
 
 
