@@ -10,6 +10,7 @@ Examples
 --------
 $ tvm-tpp info
 $ tvm-tpp tune mlp --budget 2           # writes ./tvm_tpp_work/tuning.db
+$ tvm-tpp tune resnet50 --rpc tracker:9190 --key zen4   # measured on the servers under zen4
 $ tvm-tpp run mlp --check onnxruntime   # built with the configs tuned in ./tvm_tpp_work
 $ tvm-tpp run resnet50 --work-dir resnet_work --report
 $ tvm-tpp profile mobilenet_v2          # time per operator: TPP kernels, layouts, fallback
@@ -333,12 +334,37 @@ def cmd_tune(args: argparse.Namespace) -> int:
         with console.status("tuning", spinner="dots"):
             tuned += compiler.tune(_model(name, args.batch), args.target, work_dir=work_dir,
                                    budget=args.budget, on_tuned=on_tuned,
-                                   precision=args.precision)
+                                   precision=args.precision, **_remote(args))
     if args.explain:
         _explain(console, tuned)
+    if args.rpc is not None and tuned:
+        spec = compiler.target_spec(tuned[0].target)
+        console.print(f"measured on the servers under key {args.key!r} at {args.rpc}; build "
+                      f'for them with --target "{spec}"', highlight=False)
     console.print(f"tuning database: {Path(work_dir) / compiler.DATABASE} (read by "
                   f"`tvm-tpp run/compile --work-dir {work_dir}`)")
     return 0
+
+
+def _remote(args: argparse.Namespace) -> dict:
+    """``--rpc``/``--key``/``--isa`` as the library's keywords (none without ``--rpc``)."""
+    if args.rpc is None:
+        if args.key is not None or args.isa is not None:
+            raise UsageError("--key and --isa are for measuring on RPC servers: give the "
+                             "tracker with --rpc HOST:PORT")
+        return {}
+    if args.key is None:
+        raise UsageError("--rpc needs --key KEY: the device key the servers registered under")
+    return {"rpc": args.rpc, "key": args.key, "isa": args.isa}
+
+
+def _rpc_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--rpc", metavar="HOST:PORT", help=f"{what} on the RPC servers of the TVM "
+                   "tracker at HOST:PORT (python -m tvm.exec.rpc_tracker), not on this CPU")
+    p.add_argument("--key", help="with --rpc: the device key the servers registered under "
+                   "(python -m tvm.exec.rpc_server --tracker HOST:PORT --key KEY)")
+    p.add_argument("--isa", help="with --rpc: the ISA to build for (default: the richest the "
+                   "servers run, as they say)")
 
 
 def _explain(console, tuned) -> None:
@@ -483,6 +509,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also show what TVM and LLVM print while building candidates")
     p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
                    help="tune the GEMMs a build of this precision runs (bf16: its dense layers)")
+    _rpc_options(p, "measure candidates (built here, in parallel across the servers)")
 
     p = add("bench-gemm", cmd_bench_gemm,
             "GEMM GFLOPS (--dtype float32) or GOPS (int8, bfloat16: x tpp-float32, % of "

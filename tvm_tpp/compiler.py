@@ -64,8 +64,8 @@ if TYPE_CHECKING:
 
     Problem = GemmProblem | ConvProblem | BatchGemmProblem
 
-__all__ = ["compile", "tune", "lower", "load", "import_model", "remote_pool", "CompiledModel",
-           "Tuned",
+__all__ = ["compile", "tune", "lower", "load", "import_model", "remote_pool", "target_spec",
+           "CompiledModel", "Tuned",
            "WORK_DIR", "DATABASE", "ARTIFACT_FORMAT", "native_output"]
 
 #: The work directory :func:`tune` writes by default, and :func:`compile` reads if it exists.
@@ -81,10 +81,12 @@ Model = str | os.PathLike | bytes | onnx.ModelProto | tvm.IRModule
 
 
 class Tuned(NamedTuple):
-    """One operator :func:`tune` handled and its result (``result.cached``: known already)."""
+    """One operator :func:`tune` handled and its result (``result.cached``: known already),
+    and the target it was tuned for (a build finds the result with that target)."""
 
     problem: Problem
     result: TuneResult
+    target: Target | None = None
 
 
 class CompiledModel:
@@ -564,7 +566,7 @@ def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: floa
         with native_output(), _store_errors():
             result = _tuner.tune(problem, tgt, database=database, top_k=top_k,
                                  budget_seconds=budget)
-        tuned.append(Tuned(problem, result))
+        tuned.append(Tuned(problem, result, tgt))
         if on_tuned is not None:
             on_tuned(problem, result)
     return tuned
@@ -595,7 +597,7 @@ def _tune_remote(problems: list[Problem], tgt: Target, database: Database,
             for future in futures:  # the first failure ends the run
                 future.cancel()
             raise
-    return [Tuned(problem, results[i]) for i, problem in enumerate(problems)]
+    return [Tuned(problem, results[i], tgt) for i, problem in enumerate(problems)]
 
 
 @contextlib.contextmanager
@@ -605,6 +607,16 @@ def _remote_errors() -> Iterator[None]:
         yield
     except _remote.RemoteError as err:
         raise RemoteError(str(err)) from None
+
+
+def target_spec(tgt: Target) -> str:
+    """The ``tpp`` spec that builds for ``tgt`` (and finds what was tuned for it).
+
+    >>> target_spec(make_target("tpp -isa=neon -num-cores=4"))
+    'tpp -isa=neon -mcpu=generic -num-cores=4'
+    """
+    return (f"tpp -isa={tgt.attrs['model']} -mcpu={tgt.attrs['mcpu']} "
+            f"-num-cores={int(tgt.attrs['num-cores'])}")
 
 
 @contextlib.contextmanager
