@@ -49,7 +49,7 @@ from .ops import Config, Problem
 if TYPE_CHECKING:
     from tvm.target import Target
 
-__all__ = ["Tracker", "RemoteError", "RemoteCpu", "RemotePool", "RemoteMeasurer",
+__all__ = ["Tracker", "RemoteError", "RemoteCpu", "RemotePool", "RemoteMeasurer", "Session",
            "cpu_of_features"]
 
 log = logging.getLogger(__name__)
@@ -213,24 +213,26 @@ def _query_cpu(session: Any) -> RemoteCpu | None:
 
 
 @dataclass
-class _Batch:
-    """Candidates to time together on one server, and what came of it."""
+class _Work:
+    """Something to run on one server's :class:`Session` (``work(session)``), and what came
+    of it."""
 
-    artifacts: list[Artifact]
-    rounds: int
-    round_seconds: float
+    work: Callable[[Session], Any]
+    expected: float
+    what: str
     tries: int = 0
-    seconds: list[float] | None = None
+    result: Any = None
     failure: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
-    def finish(self, seconds: list[float] | None = None, failure: str | None = None) -> None:
-        self.seconds, self.failure = seconds, failure
+    def finish(self, result: Any = None, failure: str | None = None) -> None:
+        self.result, self.failure = result, failure
         self.done.set()
 
 
-class _Session:
-    """One server's session: what it has loaded and the argument tensors it holds."""
+class Session:
+    """One server's RPC session, as :meth:`RemotePool.run` hands it to work: the libraries it
+    has loaded and the argument tensors it holds."""
 
     def __init__(self, session: Any, label: str) -> None:
         self.session, self.label = session, label
@@ -244,19 +246,19 @@ class _Session:
             self.modules[library] = self.session.load_module(library.name)
         return self.modules[library]
 
-    def _arguments(self, batch: _Batch) -> list[list[Any]]:
+    def _arguments(self, artifacts: list[Artifact]) -> list[list[Any]]:
         """Per candidate its arguments: seeded random inputs and an output, shared by every
         parameter of the same shape and dtype (as :func:`~schedules.measure.measure`)."""
         import numpy as np
         import tvm
 
         wanted = {(shape, dtype, i == len(a.params) - 1)
-                  for a in batch.artifacts for i, (shape, dtype) in enumerate(a.params)}
+                  for a in artifacts for i, (shape, dtype) in enumerate(a.params)}
         if sum(int(np.prod(k[0])) * np.dtype(k[1]).itemsize for k in self.arrays) > _KEPT_BYTES:
             self.arrays = {k: v for k, v in self.arrays.items() if k in wanted}
         rng = np.random.default_rng(0)
         out = []
-        for a in batch.artifacts:
+        for a in artifacts:
             args = []
             for i, (shape, dtype) in enumerate(a.params):
                 key = (shape, dtype, i == len(a.params) - 1)
@@ -269,23 +271,37 @@ class _Session:
             out.append(args)
         return out
 
-    def time(self, batch: _Batch) -> list[float]:
+    def time(self, artifacts: list[Artifact], rounds: int, round_seconds: float
+             ) -> list[float]:
         """Seconds of one run of each candidate, interleaved as
         :func:`~schedules.measure.time_interleaved` times them here (the server's own timer,
         so the network is not in the figures)."""
-        args = self._arguments(batch)
-        modules = [self._module(a.library) for a in batch.artifacts]
+        args = self._arguments(artifacts)
+        modules = [self._module(a.library) for a in artifacts]
 
         def fastest(i: int, runs: int) -> float:
-            evaluator = modules[i].time_evaluator(batch.artifacts[i].name, self.device,
+            evaluator = modules[i].time_evaluator(artifacts[i].name, self.device,
                                                   number=1, repeat=runs)
             return min(evaluator(*args[i]).results)
 
         best = [fastest(i, 1) for i in range(len(modules))]  # warm-up, a first estimate
-        for _ in range(batch.rounds):
+        for _ in range(rounds):
             for i in range(len(modules)):
-                best[i] = min(best[i], fastest(i, samples(batch.round_seconds, best[i])))
+                best[i] = min(best[i], fastest(i, samples(round_seconds, best[i])))
         return best
+
+    def time_model(self, library: Path, inputs: list[Any], number: int, repeat: int
+                   ) -> list[float]:
+        """Seconds per run of a Relax model exported to ``library``, run by a VM there on
+        ``inputs`` (numpy arrays): ``repeat`` samples, each the mean of ``number`` runs."""
+        import tvm
+        from tvm import relax
+
+        vm = relax.VirtualMachine(self._module(library), self.device)
+        args = [tvm.runtime.tensor(a, device=self.device) for a in inputs]
+        vm["main"](*args)  # warm-up
+        return list(vm.time_evaluator("main", self.device, number=number,
+                                      repeat=repeat)(*args).results)
 
 
 class RemotePool:
@@ -333,7 +349,7 @@ class RemotePool:
                               f"tracker {tracker.address} (start one with `python -m "
                               f"tvm.exec.rpc_server --tracker {tracker.address} "
                               f"--key {tracker.key}`)")
-        self._queue: queue.Queue[_Batch | None] = queue.Queue()
+        self._queue: queue.Queue[_Work | None] = queue.Queue()
         self._lock = threading.Lock()
         self._live = 0
         self._broken: str | None = None
@@ -400,7 +416,7 @@ class RemotePool:
             raise result["error"]
         return result.get("value")
 
-    def _open(self) -> tuple[_Session, RemoteCpu | None] | None:
+    def _open(self) -> tuple[Session, RemoteCpu | None] | None:
         """A session on a free server under the key and its CPU, or None when none became
         free within ``connect_seconds``."""
         from tvm import rpc
@@ -420,7 +436,7 @@ class RemotePool:
                         self.connect_seconds)
                     with self._lock:
                         label, self._opened = f"#{self._opened}", self._opened + 1
-                    session = _Session(raw, label)
+                    session = Session(raw, label)
                     return session, self._bounded(lambda r=raw: _query_cpu(r), self.timeout)
                 except (RuntimeError, OSError, TimeoutError) as err:
                     log.info(f"opening a session under {self.tracker.key!r} failed: {err}")
@@ -428,9 +444,9 @@ class RemotePool:
                 return None
             time.sleep(0.2)
 
-    def _work(self, session: _Session | None) -> None:
-        """A worker: time batches from the queue on its session; on a failure, hand the batch
-        back and open a session on another free server (or retire)."""
+    def _work(self, session: Session | None) -> None:
+        """A worker: run work from the queue on its session; on a failure, hand the work back
+        and open a session on another free server (or retire)."""
         last = "none"
         while True:
             if session is None:
@@ -442,38 +458,34 @@ class RemotePool:
                     log.warning(f"a server under key {self.tracker.key!r} ({cpu.arch} "
                                 f"{cpu.mcpu}) lacks {self.isa.name}: nothing is sent to it")
                     break
-            batch = self._queue.get()
-            if batch is None:
+            item = self._queue.get()
+            if item is None:
                 self._queue.put(None)  # for the other workers
                 break
-            expected = (batch.rounds + 1) * len(batch.artifacts) * max(batch.round_seconds,
-                                                                       0.01)
             try:
-                seconds = self._bounded(lambda s=session, b=batch: s.time(b),
-                                        self.timeout + 2 * expected)
+                result = self._bounded(lambda s=session, w=item: w.work(s),
+                                       self.timeout + 2 * item.expected)
             except Exception as err:  # noqa: BLE001 - the server died, hung or failed
                 last = f"{type(err).__name__}: " + (str(err).strip().splitlines() or [""])[-1]
                 log.warning(f"server session {session.label} under key {self.tracker.key!r} "
-                            f"failed ({last}); its {len(batch.artifacts)} candidates go to "
-                            "another server")
+                            f"failed ({last}); its {item.what} go to another server")
                 session = None
-                self._retry(batch, last)
+                self._retry(item, last)
                 continue
             with self._lock:
                 self.timed[session.label] = self.timed.get(session.label, 0) + 1
-            batch.finish(seconds)
+            item.finish(result)
         self._retire(last)
 
-    def _retry(self, batch: _Batch, why: str) -> None:
+    def _retry(self, item: _Work, why: str) -> None:
         with self._lock:
-            batch.tries += 1
-            if batch.tries >= self.tries:
-                batch.finish(failure=f"RemoteError: failed on {batch.tries} servers, last: "
-                             f"{why}"[:200])
+            item.tries += 1
+            if item.tries >= self.tries:
+                item.finish(failure=f"failed on {item.tries} servers, last: {why}"[:200])
             elif self._broken is not None:
-                batch.finish(failure=self._broken)
+                item.finish(failure=self._broken)
             else:
-                self._queue.put(batch)
+                self._queue.put(item)
 
     def _retire(self, why: str) -> None:
         """A worker leaves; the last one fails what is still queued."""
@@ -483,23 +495,44 @@ class RemotePool:
                 return
             self._broken = (f"no RPC server left under key {self.tracker.key!r} at "
                             f"{self.tracker.address} (last failure: {why})")
-            for batch in self._drain():
-                batch.finish(failure=self._broken)
+            for item in self._drain():
+                item.finish(failure=self._broken)
 
-    def _drain(self) -> Iterator[_Batch]:
+    def _drain(self) -> Iterator[_Work]:
         while True:
             try:
-                batch = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if batch is not None:
-                yield batch
+            if item is not None:
+                yield item
 
     # -- timing ----------------------------------------------------------------------------
 
+    def run(self, work: Callable[[Session], Any], expected: float = 0.0,
+            what: str = "work") -> Any:
+        """``work(session)`` on one server's :class:`Session` (on another if that server
+        fails or stays silent for ``timeout`` + twice the ``expected`` seconds), at most
+        ``tries`` times.
+
+        Raises
+        ------
+        RemoteError
+            The work failed on ``tries`` servers, or no server is left under the key.
+        """
+        item = _Work(work, expected, what)
+        with self._lock:
+            if self._broken is not None:
+                raise RemoteError(self._broken)
+            self._queue.put(item)
+        item.done.wait()
+        if item.failure is not None:
+            raise RemoteError(item.failure)
+        return item.result
+
     def time(self, artifacts: list[Artifact], rounds: int, round_seconds: float
              ) -> list[float | str]:
-        """Time ``artifacts`` together on one server (another if it fails): per candidate its
+        """Time ``artifacts`` together on one server (:meth:`Session.time`): per candidate its
         seconds, or why it could not be timed.
 
         Raises
@@ -507,17 +540,14 @@ class RemotePool:
         RemoteError
             No server is left under the key.
         """
-        batch = _Batch(list(artifacts), rounds, round_seconds)
-        with self._lock:
+        expected = (rounds + 1) * len(artifacts) * max(round_seconds, 0.01)
+        try:
+            return self.run(lambda s: s.time(artifacts, rounds, round_seconds), expected,
+                            f"{len(artifacts)} candidates")
+        except RemoteError as err:
             if self._broken is not None:
-                raise RemoteError(self._broken)
-            self._queue.put(batch)
-        batch.done.wait()
-        if batch.seconds is not None:
-            return list(batch.seconds)
-        if self._broken is not None and batch.failure == self._broken:
-            raise RemoteError(self._broken)
-        return [batch.failure or "RemoteError"] * len(artifacts)
+                raise
+            return [f"RemoteError: {err}"] * len(artifacts)
 
 
 class RemoteMeasurer:

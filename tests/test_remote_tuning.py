@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -195,3 +197,36 @@ def test_json_graph_map_reads_tvm_output():
         {"type": "ffi.Map", "data": [0, 2, 3, 6]}, {"type": "None"},
         {"type": "int", "data": 0}]})
     assert remote._json_graph_map(text) == {"avx2": True, "avx512f": False}
+
+
+def test_bench_times_models_on_a_server(fleet, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "mlp", "--rpc", fleet.address, "--key", KEY, "--impls",
+                 "tpp,tvm-default", "--repeat", "3", "--work-dir", str(tmp_path),
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["impl"] for r in rows] == ["tpp", "tvm-default"]
+    assert all(len(r["seconds"]) == 3 and r["median_ms"] > 0 for r in rows)
+    assert rows[0]["target"].endswith("-num-cores=1")
+
+
+def test_bench_rpc_takes_only_what_builds_for_the_servers(capsys):
+    assert main(["bench", "mlp", "--rpc", "127.0.0.1:1", "--key", KEY, "--impls",
+                 "tpp,onnxruntime"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "on RPC servers bench runs tpp" in err[0]
+
+
+@pytest.mark.slow
+def test_metaschedule_baseline_measures_on_the_same_tracker(fleet, tmp_path):
+    # In a process of its own: a second MetaSchedule search in one pytest process trips over
+    # pytest's log capture (see tests/test_ms_space.py).
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "tvm_tpp.cli", "bench", "mlp", "--rpc",
+                           fleet.address, "--key", KEY, "--impls", "metaschedule",
+                           "--ms-trials", "8", "--repeat", "2", "--work-dir", str(tmp_path),
+                           "--json", str(out)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert rows[0]["impl"] == "metaschedule" and rows[0]["median_ms"] > 0
+    assert list((tmp_path / "metaschedule").glob("*/logs/*.log")), "MetaSchedule searched"

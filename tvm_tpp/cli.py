@@ -393,11 +393,39 @@ def cmd_bench_kernel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_remote(args: argparse.Namespace) -> int:
+    """``bench --rpc``: the models built here for the servers and timed on one of them."""
+    from .bench.remote import IMPLS, bench_remote, format_rows
+
+    remote = _remote(args)
+    impls = IMPLS[:3] if args.impls is None else tuple(
+        i.strip() for i in args.impls.split(",") if i.strip())
+    try:
+        batch = int(args.batch)
+    except ValueError:
+        raise UsageError(f"with --rpc, --batch takes one size, got {args.batch!r}") from None
+    models = {name: _model(name, batch) for name in args.model}
+    work_dir = Path(args.work_dir or "tvm_tpp_work")
+    rows = bench_remote(models, impls, remote["rpc"], remote["key"], remote["isa"],
+                        work_dir=work_dir, repeat=args.repeat, seed=args.seed,
+                        ms_trials=args.ms_trials)
+    for line in format_rows(rows):
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_json() for r in rows], indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
     from microkernels import isa
+
+    if args.rpc is not None or args.key is not None:
+        return _bench_remote(args)
+    args.impls = args.impls or "tpp,tpp-tuned,tvm-default,metaschedule,onnxruntime"
 
     from .bench.networks import BenchConfig, default_work_dir, run_bench
     from .bench.plots import plot
@@ -534,8 +562,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="1", help="batch sizes of bundled models, e.g. 1,8")
     p.add_argument("--threads", type=int, help="threads of every implementation (default: all)")
     p.add_argument("--repeat", type=int, default=10, help="timed samples per implementation")
-    p.add_argument("--impls", default="tpp,tpp-tuned,tvm-default,metaschedule,onnxruntime",
-                   help="comma-separated implementations to compare, of tpp, tpp-tuned, "
+    p.add_argument("--impls",
+                   help="comma-separated implementations to compare (default: tpp,tpp-tuned,"
+                   "tvm-default,metaschedule,onnxruntime; with --rpc: tpp,tpp-tuned,"
+                   "tvm-default, and metaschedule may be added), of tpp, tpp-tuned, "
                    "tvm-default, metaschedule, onnxruntime, openvino (OpenVINO's defaults: bf16 "
                    "on CPUs with AVX512-BF16 or AMX), openvino-f32 (its f32 precision hint); "
                    "the openvino rows need pip install 'tvm-tpp[openvino]'")
@@ -556,6 +586,9 @@ def _parser() -> argparse.ArgumentParser:
                    "ONNX Runtime on the float model, int8 5e-2 vs the int8 file's QDQ graph run "
                    "unfused by ONNX Runtime)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    _rpc_options(p, "build the models for the servers and time them (tpp, tpp-tuned tuned on "
+                 "the same servers, tvm-default, metaschedule measured through the same "
+                 "tracker)")
     return parser
 
 
