@@ -216,7 +216,7 @@ def linker(triple: str) -> Callable[..., None] | None:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"linking {arch} candidates needs {compiler} on PATH "
                            f"(Debian: gcc-{arch.replace('_', '-')}-linux-gnu)")
-    from tvm.contrib import cc
+    from tvm.support import cc
 
     return cc.cross_compiler(compiler)
 

@@ -132,18 +132,22 @@ class Tracker:
 @dataclass(frozen=True)
 class RemoteCpu:
     """What a server says of its CPU: architecture, LLVM's name for it, the flags (in
-    ``/proc/cpuinfo``'s spelling) the ISA table asks about, and TVM's thread count there.
+    ``/proc/cpuinfo``'s spelling) the ISA table asks about, None when LLVM could not read
+    them there (e.g. under qemu-user, whose /proc/cpuinfo is the host's), and TVM's thread
+    count there.
 
     Examples
     --------
     >>> cpu = RemoteCpu("x86_64", "znver1", frozenset({"avx2", "fma"}), 2)
     >>> cpu.isa().name, cpu.runs(_isa.from_name("avx512"))
     ('avx2', False)
+    >>> RemoteCpu("aarch64", "generic", None, 1).runs(_isa.from_name("neon_i8mm"))
+    True
     """
 
     arch: str
     mcpu: str
-    flags: frozenset[str]
+    flags: frozenset[str] | None
     threads: int
 
     def __post_init__(self) -> None:
@@ -153,13 +157,18 @@ class RemoteCpu:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
     def runs(self, isa: _isa.Isa) -> bool:
-        """Whether this CPU executes ``isa``'s code in a TVM RPC server: AMX never (the
-        server does not ask Linux for the tile state, so the first tile instruction kills
-        it)."""
-        return isa.arch == self.arch and isa.runs_on(self.flags) and not isa.has("amx_tile")
+        """Whether this CPU executes ``isa``'s code in a TVM RPC server (taken on trust when
+        its flags are unknown): AMX never (the server does not ask Linux for the tile state,
+        so the first tile instruction kills it)."""
+        return isa.arch == self.arch and not isa.has("amx_tile") and \
+            (self.flags is None or isa.runs_on(self.flags))
 
     def isa(self) -> _isa.Isa:
-        """The richest known ISA this CPU :meth:`runs`."""
+        """The richest known ISA this CPU :meth:`runs`; RemoteError when its flags are
+        unknown (the ISA must then be given)."""
+        if self.flags is None:
+            raise RemoteError(f"the {self.arch} server ({self.mcpu}) cannot say which CPU "
+                              "features it has: give the ISA (--isa NAME)")
         fit = [i for i in _isa.KNOWN.values() if self.runs(i)]
         if not fit:
             raise RemoteError(f"the {self.arch} CPU {self.mcpu!r} runs none of the ISAs "
@@ -171,7 +180,7 @@ class RemoteCpu:
 def cpu_of_features(triple: str, mcpu: str, features: dict[str, bool], threads: int
                     ) -> RemoteCpu:
     """A :class:`RemoteCpu` from LLVM's answers: the process triple, the host CPU's name and
-    its feature map.
+    its feature map (empty where LLVM cannot read them: flags unknown).
 
     Examples
     --------
@@ -180,7 +189,8 @@ def cpu_of_features(triple: str, mcpu: str, features: dict[str, bool], threads: 
     'neon'
     """
     flags = frozenset(_LLVM_FLAGS[f] for f, on in features.items() if on and f in _LLVM_FLAGS)
-    return RemoteCpu(triple.split("-")[0], mcpu, flags, threads)
+    known = any(features.values())  # every CPU tvm-tpp has kernels for has some feature
+    return RemoteCpu(triple.split("-")[0], mcpu, flags if known else None, threads)
 
 
 def _json_graph_map(text: str) -> dict[str, bool]:
@@ -365,6 +375,8 @@ class RemotePool:
         if cpu is None and given is None:
             raise RemoteError(f"the servers under key {tracker.key!r} cannot say which CPU "
                               "they have (their TVM has no LLVM): give the ISA (--isa NAME)")
+        if cpu is not None and cpu.flags is None and given is None:
+            cpu.isa()  # RemoteError: give the ISA
         #: The first server's CPU (None: not learned, the ISA was given).
         self.cpu = cpu
         self.isa = given if given is not None else cpu.isa()  # type: ignore[union-attr]
@@ -373,7 +385,8 @@ class RemotePool:
                               f"{cpu.mcpu}) cannot run {self.isa.name} code"
                               + ("; AMX is never sent to an RPC server" if
                                  self.isa.has("amx_tile") else
-                                 f"; they run {cpu.isa().name}"))
+                                 f"; they run {cpu.isa().name}" if cpu.flags is not None
+                                 else ""))
         self._threads = [threading.Thread(target=self._work, args=(session,), daemon=True,
                                           name="tpp-remote-0")]
         self._threads += [threading.Thread(target=self._work, args=(None,), daemon=True,

@@ -269,7 +269,7 @@ class CompiledModel:
                         f"linking {triple} code needs {compiler} on PATH; "
                         "or export to a .tar of object files"
                     )
-                from tvm.contrib import cc
+                from tvm.support import cc
 
                 self.executable.export_library(str(path), fcompile=cc.cross_compiler(compiler))
         meta = {"format": ARTIFACT_FORMAT, "inputs": [asdict(s) for s in self.inputs],

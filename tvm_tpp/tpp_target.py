@@ -182,7 +182,7 @@ def remote_target(spec: str, chosen: _isa.Isa, cpu: RemoteCpu | None) -> Target:
         raise TargetError(f"the target names -isa={options['isa']} and the ISA is "
                           f"{chosen.name}: give one")
     mcpu = options.get("mcpu")
-    if mcpu is None and cpu is not None and cpu.isa() == chosen and \
+    if mcpu is None and cpu is not None and cpu.flags is not None and cpu.isa() == chosen and \
             tvm.target.codegen.llvm_is_valid_cpu(cpu.mcpu, chosen.mtriple):
         mcpu = cpu.mcpu
     cores = options.get("num-cores") or (cpu.threads if cpu is not None else 1)

@@ -42,11 +42,15 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class Server:
     """One RPC server to start: its device key, the cores it is pinned to (empty: not
-    pinned) and TVM's thread count in it (None: TVM's default)."""
+    pinned), TVM's thread count in it (None: TVM's default), and the Python that runs it
+    with extra environment (default: this one; e.g. an aarch64 Python under qemu-aarch64).
+    """
 
     key: str
     cores: tuple[int, ...] = ()
     threads: int | None = None
+    python: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.key or ":" in self.key:
@@ -103,14 +107,15 @@ class Fleet:
         self._wait(lambda: self._reachable(), "the tracker", self.log_dir / "tracker.log")
         for i, spec in enumerate(self.specs):
             port = free_port()
-            command = [python, "-m", "tvm.exec.rpc_server", "--host", "127.0.0.1", "--port",
-                       str(port), "--port-end", str(port + 1), "--tracker", self.address,
-                       "--key", spec.key]
+            command = [*(spec.python or [python]), "-m", "tvm.exec.rpc_server", "--host",
+                       "127.0.0.1", "--port", str(port), "--port-end", str(port + 1),
+                       "--tracker", self.address, "--key", spec.key]
             if spec.cores:
                 if shutil.which("taskset") is None:
                     raise RuntimeError("pinning a server to cores needs taskset (util-linux)")
                 command = ["taskset", "-c", ",".join(map(str, spec.cores)), *command]
-            env = {"TVM_NUM_THREADS": str(spec.threads)} if spec.threads else None
+            env = dict(spec.env) | ({"TVM_NUM_THREADS": str(spec.threads)}
+                                    if spec.threads else {})
             self.servers.append(self._start(command, self.log_dir / f"server{i}.log", env))
         for key in {s.key for s in self.specs}:
             count = sum(s.key == key for s in self.specs)
