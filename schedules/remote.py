@@ -402,10 +402,11 @@ class RemotePool:
         self.close()
 
     def close(self) -> None:
-        """Stop the workers once they finish their batches (their sessions end with them)."""
+        """Stop the workers (their sessions end with them); a worker still busy with a batch
+        after a few seconds (a run interrupted) is left to finish it."""
         self._queue.put(None)
         for thread in self._threads:
-            thread.join(timeout=self.timeout)
+            thread.join(timeout=5.0)
 
     # -- sessions --------------------------------------------------------------------------
 

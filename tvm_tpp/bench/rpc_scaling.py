@@ -32,9 +32,10 @@ from .fleet import Fleet, Server
 __all__ = ["main", "run"]
 
 
-def _tune(model, address: str, key: str, work_dir: Path, top_k: int) -> tuple[float, dict]:
-    """Wall seconds of tuning ``model`` on the servers under ``key``, and the kept configs by
-    operator."""
+def _tune(model, address: str, key: str, work_dir: Path, top_k: int
+          ) -> tuple[float, dict[str, str], dict[str, dict[str, float]]]:
+    """Wall seconds of tuning ``model`` on the servers under ``key``, the kept configs by
+    operator, and every measured config's seconds by operator."""
     from schedules.tuner import config_text, problem_text
 
     from .. import compiler
@@ -42,7 +43,11 @@ def _tune(model, address: str, key: str, work_dir: Path, top_k: int) -> tuple[fl
     start = time.perf_counter()
     tuned = compiler.tune(model, "tpp", work_dir=work_dir, rpc=address, key=key, top_k=top_k)
     wall = time.perf_counter() - start
-    return wall, {problem_text(t.problem): config_text(t.result.best) for t in tuned}
+    kept = {problem_text(t.problem): config_text(t.result.best) for t in tuned}
+    seconds = {problem_text(t.problem): {config_text(m.config): m.seconds
+                                         for m in t.result.measurements if m.seconds}
+               for t in tuned}
+    return wall, kept, seconds
 
 
 def run(name: str, top_k: int, log_dir: Path) -> dict:
@@ -56,15 +61,23 @@ def run(name: str, top_k: int, log_dir: Path) -> dict:
                Server("pair", (cores[1],), 1)]
     model = models.load(name)
     with Fleet(log_dir, servers) as fleet, tempfile.TemporaryDirectory() as work:
-        one_wall, one = _tune(model, fleet.address, "solo", Path(work) / "solo", top_k)
+        one_wall, one, one_s = _tune(model, fleet.address, "solo", Path(work) / "solo", top_k)
         print(f"one server : {one_wall:7.1f} s, {len(one)} operators", flush=True)
-        two_wall, two = _tune(model, fleet.address, "pair", Path(work) / "pair", top_k)
+        two_wall, two, two_s = _tune(model, fleet.address, "pair", Path(work) / "pair", top_k)
         print(f"two servers: {two_wall:7.1f} s", flush=True)
     differ = sorted(k for k in one if one[k] != two.get(k))
+
+    def gap(seconds: dict[str, float], key: str) -> float | None:
+        """How much slower one run measured the other run's choice than its own (%)."""
+        a, b = seconds.get(one[key]), seconds.get(two.get(key, ""))
+        return None if a is None or b is None else 100 * (max(a, b) / min(a, b) - 1)
     return {"model": name, "top_k": top_k, "operators": len(one),
             "one_server_seconds": one_wall, "two_servers_seconds": two_wall,
             "speedup": one_wall / two_wall, "same_configs": len(one) - len(differ),
-            "differing": {k: [one[k], two.get(k)] for k in differ},
+            "differing": {k: {"one_server": one[k], "two_servers": two.get(k),
+                              "gap_percent_in_one_server_run": gap(one_s[k], k),
+                              "gap_percent_in_two_servers_run": gap(two_s[k], k)}
+                          for k in differ},
             "cpu_flags": sorted(f for f in _isa.host_flags()
                                 if f.startswith(("avx", "fma", "amx"))),
             "cores": cores[:2]}
@@ -84,8 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run(args.model, args.top_k, Path(args.logs or logs))
     print(f"speedup {result['speedup']:.2f}x; {result['same_configs']} of "
           f"{result['operators']} operators kept the same configuration")
-    for key, (a, b) in result["differing"].items():
-        print(f"  {key}: one server {a}, two servers {b}")
+    for key, d in result["differing"].items():
+        gaps = [d["gap_percent_in_one_server_run"], d["gap_percent_in_two_servers_run"]]
+        print(f"  {key}: one server {d['one_server']}, two servers {d['two_servers']} "
+              "(apart by " + " and ".join("?" if g is None else f"{g:.1f} %" for g in gaps)
+              + " in the two runs' own measurements)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")
