@@ -364,8 +364,6 @@ class RemotePool:
         self._live = 0
         self._broken: str | None = None
         self._opened = 0
-        #: Batches timed per session label, e.g. ``{"#0": 12, "#1": 11}``.
-        self.timed: dict[str, int] = {}
         first = self._open()
         if first is None:
             raise RemoteError(f"no server under key {tracker.key!r} at {tracker.address} "
@@ -486,8 +484,6 @@ class RemotePool:
                 session = None
                 self._retry(item, last)
                 continue
-            with self._lock:
-                self.timed[session.label] = self.timed.get(session.label, 0) + 1
             item.finish(result)
         self._retire(last)
 

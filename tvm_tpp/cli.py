@@ -329,16 +329,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
         console.print(f"  {problem_text(problem)} -> {config_text(result.best)} ({how})")
 
     tuned = []
+    remote = _remote(args)
+    targets = []  # the servers' target, with --rpc
+    if remote:
+        remote["on_target"] = targets.append
     for name in args.model:
         console.print(f"[bold]{name}[/bold]: tuning each GEMM, conv and batch GEMM")
         with console.status("tuning", spinner="dots"):
             tuned += compiler.tune(_model(name, args.batch), args.target, work_dir=work_dir,
                                    budget=args.budget, on_tuned=on_tuned,
-                                   precision=args.precision, **_remote(args))
+                                   precision=args.precision, **remote)
     if args.explain:
         _explain(console, tuned)
-    if args.rpc is not None and tuned:
-        spec = compiler.target_spec(tuned[0].target)
+    if targets:
+        spec = compiler.target_spec(targets[0])
         console.print(f"measured on the servers under key {args.key!r} at {args.rpc}; build "
                       f'for them with --target "{spec}"', highlight=False)
     console.print(f"tuning database: {Path(work_dir) / compiler.DATABASE} (read by "

@@ -81,12 +81,10 @@ Model = str | os.PathLike | bytes | onnx.ModelProto | tvm.IRModule
 
 
 class Tuned(NamedTuple):
-    """One operator :func:`tune` handled and its result (``result.cached``: known already),
-    and the target it was tuned for (a build finds the result with that target)."""
+    """One operator :func:`tune` handled and its result (``result.cached``: known already)."""
 
     problem: Problem
     result: TuneResult
-    target: Target | None = None
 
 
 class CompiledModel:
@@ -566,7 +564,7 @@ def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: floa
         with native_output(), _store_errors():
             result = _tuner.tune(problem, tgt, database=database, top_k=top_k,
                                  budget_seconds=budget)
-        tuned.append(Tuned(problem, result, tgt))
+        tuned.append(Tuned(problem, result))
         if on_tuned is not None:
             on_tuned(problem, result)
     return tuned
@@ -597,7 +595,7 @@ def _tune_remote(problems: list[Problem], tgt: Target, database: Database,
             for future in futures:  # the first failure ends the run
                 future.cancel()
             raise
-    return [Tuned(problem, results[i], tgt) for i, problem in enumerate(problems)]
+    return [Tuned(problem, results[i]) for i, problem in enumerate(problems)]
 
 
 @contextlib.contextmanager
@@ -685,6 +683,7 @@ def tune(
     isa: str | None = None,
     rpc_timeout: float = 120.0,
     rpc_tries: int = 3,
+    on_target: Callable[[Target], None] | None = None,
 ) -> list[Tuned]:
     """Tune each GEMM, conv and batch GEMM of a model into ``work_dir/tuning.db``.
 
@@ -717,6 +716,9 @@ def tune(
     rpc_timeout, rpc_tries
         With ``rpc``: seconds a server may stay silent on a batch before it is taken for
         hung, and servers a batch is tried on before its candidates are reported failed.
+    on_target
+        With ``rpc``: called with the servers' target once it is known (the results are
+        stored under it; :func:`compile` finds them with :func:`target_spec` of it).
 
     Returns
     -------
@@ -755,6 +757,8 @@ def tune(
     mod, _ = import_model(model, input_shapes)
     with remote_pool(target, rpc, key, isa, timeout=rpc_timeout, tries=rpc_tries
                      ) as (pool, tgt):  # type: ignore[arg-type]
+        if on_target is not None:
+            on_target(tgt)
         return _tune_tasks(mod, tgt, database, budget, top_k, on_tuned, precision, pool)
 
 

@@ -11,7 +11,7 @@ operator at a time on ``solo``, two on ``pair``).
 
 Examples
 --------
-$ python -m tvm_tpp.bench.rpc_scaling resnet50 --top-k 4 --json rpc_scaling.json
+$ python -m tvm_tpp.bench.rpc_scaling resnet50 --json rpc_scaling.json
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tvm_tpp.bench.rpc_scaling",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default="resnet50", help="bundled model")
-    parser.add_argument("--top-k", type=int, default=4, help="candidates per operator "
-                        "besides its default (default 4)")
+    parser.add_argument("--top-k", type=int, default=8, help="candidates per operator "
+                        "besides its default (default 8, as tvm-tpp tune)")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--logs", default=None, help="tracker and server logs (default: a "
                         "temporary directory)")
