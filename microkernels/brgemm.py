@@ -41,6 +41,7 @@ Examples
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -351,13 +352,19 @@ for _layout in LAYOUTS:
     _register_generic(_layout)
 
 
+#: Tuning threads schedule candidates at once: one registers an intrinsic while the others
+#: wait, instead of both registering it (TVM refuses the second).
+_REGISTERING = threading.Lock()
+
+
 def dispatch(shape: BrgemmShape) -> str:
     """Register (once) and return the name of the ``TensorIntrin`` for ``shape``."""
     from tvm.s_tir import TensorIntrin
 
-    if TensorIntrin.get(shape.name, allow_missing=True) is None:
-        _, impl = find_impl(shape)
-        TensorIntrin.register(shape.name, desc_func(shape), impl)
+    with _REGISTERING:
+        if TensorIntrin.get(shape.name, allow_missing=True) is None:
+            _, impl = find_impl(shape)
+            TensorIntrin.register(shape.name, desc_func(shape), impl)
     return shape.name
 
 

@@ -15,9 +15,14 @@ Examples
 from __future__ import annotations
 
 import functools
+import itertools
+import platform
+import shutil
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from .ops import Config, Problem, op_of
 
@@ -25,12 +30,24 @@ if TYPE_CHECKING:
     from tvm.target import Target
     from tvm.tirx import PrimFunc
 
-__all__ = ["build", "measure", "time_interleaved"]
+__all__ = ["build", "measure", "time_interleaved", "samples", "Artifact", "export", "Measurer",
+           "linker"]
 
 #: Seconds of samples per candidate per round (at least one run each).
 _ROUND_SECONDS = 0.05
 #: Interleaved rounds of samples.
 _ROUNDS = 3
+
+
+class Measurer(Protocol):
+    """What :func:`~schedules.search.tune` times candidates with: :func:`measure` (in this
+    process) or a :class:`~schedules.remote.RemoteMeasurer` (on RPC servers).  Per config its
+    seconds, or the error that kept it from being built or timed; ``built`` is the
+    measurer's own cache of what it built for the configs (kept for the final round)."""
+
+    def __call__(self, problem: Problem, configs: list[Config], target: Target, isa: str,
+                 rounds: int = ..., round_seconds: float = ...,
+                 built: dict[Config, object] | None = None) -> list[float | str]: ...
 
 
 def _error(err: Exception) -> str:
@@ -50,11 +67,12 @@ def _scheduled(problem: Problem, configs: list[Config], isa: str) -> list[PrimFu
     return out
 
 
-def _compile(scheduled: list[PrimFunc | str], target: Target) -> list[Callable[..., object] | str]:
-    """Compile the PrimFuncs of ``scheduled`` as one module; errors pass through."""
+def _compile(scheduled: list[PrimFunc | str], target: Target) -> list[tuple[object, str] | str]:
+    """Compile the PrimFuncs of ``scheduled`` as one module: per candidate the executable that
+    holds it and its function's name; errors pass through."""
     import tvm
 
-    out: list[Callable[..., object] | str] = list(scheduled)  # type: ignore[arg-type]
+    out: list[tuple[object, str] | str] = list(scheduled)  # type: ignore[arg-type]
     funcs = {i: f for i, f in enumerate(scheduled) if not isinstance(f, str)}
     if not funcs:
         return out
@@ -62,22 +80,30 @@ def _compile(scheduled: list[PrimFunc | str], target: Target) -> list[Callable[.
         ex = tvm.compile(tvm.IRModule({f"candidate{i}": f for i, f in funcs.items()}),
                          target=target)
         for i in funcs:
-            out[i] = ex.mod[f"candidate{i}"]
+            out[i] = (ex, f"candidate{i}")
     except Exception:  # one bad function fails the module: find which, one by one
         for i, func in funcs.items():
             try:
-                out[i] = tvm.compile(tvm.IRModule({f"candidate{i}": func}),
-                                     target=target).mod[f"candidate{i}"]
+                out[i] = (tvm.compile(tvm.IRModule({f"candidate{i}": func}), target=target),
+                          f"candidate{i}")
             except Exception as err:
                 out[i] = _error(err)
     return out
+
+
+def _function(compiled: tuple[object, str] | str) -> Callable[..., object] | str:
+    """The callable of a :func:`_compile` result (an error passes through)."""
+    if isinstance(compiled, str):
+        return compiled
+    executable, name = compiled
+    return executable.mod[name]  # type: ignore[attr-defined]
 
 
 def build(problem: Problem, configs: list[Config], target: Target, isa: str
           ) -> list[Callable[..., object] | str]:
     """Schedule ``configs`` and compile them as one module: per config its function, or the
     error that kept it from being built."""
-    return _compile(_scheduled(problem, configs, isa), target)
+    return [_function(c) for c in _compile(_scheduled(problem, configs, isa), target)]
 
 
 def _arguments(funcs: list[PrimFunc]) -> list[list[object]]:
@@ -104,6 +130,16 @@ def _arguments(funcs: list[PrimFunc]) -> list[list[object]]:
     return out
 
 
+def samples(round_seconds: float, estimate: float) -> int:
+    """Runs of a candidate in one round: ``round_seconds`` of them at ``estimate`` seconds
+    each, at least 1 and at most 20 (a fast kernel needs no more to find its minimum).
+
+    >>> samples(0.05, 0.01), samples(0.05, 1.0), samples(0.05, 1e-6)
+    (5, 1, 20)
+    """
+    return max(1, min(20, int(round_seconds / estimate))) if estimate > 0 else 20
+
+
 def time_interleaved(runs: list[Callable[[], None]], rounds: int = _ROUNDS,
                      round_seconds: float = _ROUND_SECONDS) -> list[float]:
     """Seconds of one call of each function: the fastest of samples taken in ``rounds``
@@ -122,7 +158,7 @@ def time_interleaved(runs: list[Callable[[], None]], rounds: int = _ROUNDS,
         best[i] = time.perf_counter() - start
     for _ in range(rounds):
         for i, run in enumerate(runs):
-            for _ in range(max(1, min(20, int(round_seconds / best[i])))):
+            for _ in range(samples(round_seconds, best[i])):
                 start = time.perf_counter()
                 run()
                 best[i] = min(best[i], time.perf_counter() - start)
@@ -140,7 +176,7 @@ def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
     built = {} if built is None else built
     new = [c for c in dict.fromkeys(configs) if c not in built]
     scheduled = _scheduled(problem, new, isa)
-    compiled = _compile(scheduled, target)
+    compiled = [_function(c) for c in _compile(scheduled, target)]
     errors = {new[i]: f for i, f in enumerate(compiled) if isinstance(f, str)}
     ok = [i for i, f in enumerate(compiled) if not isinstance(f, str)]
     arguments = _arguments([scheduled[i] for i in ok])  # type: ignore[misc]
@@ -150,3 +186,73 @@ def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
     seconds = dict(zip(timed, time_interleaved([built[c] for c in timed], rounds,
                                                round_seconds), strict=True)) if timed else {}
     return [seconds[c] if c in seconds else errors[c] for c in configs]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A candidate compiled into a shared library, to be timed elsewhere: the library (several
+    candidates share one), the function's name and its parameters' shapes and dtypes (the last
+    is the output)."""
+
+    library: Path
+    name: str
+    params: tuple[tuple[tuple[int, ...], str], ...]
+
+    def __post_init__(self) -> None:
+        if not self.params:
+            raise ValueError(f"candidate {self.name} has no parameters")
+
+
+_exported = itertools.count()
+
+
+def linker(triple: str) -> Callable[..., None] | None:
+    """The linker for code of ``triple``: None (the host's) or its ``<arch>-linux-gnu-gcc``;
+    RuntimeError naming the missing cross compiler."""
+    arch = triple.split("-")[0] if triple else platform.machine()
+    if arch == platform.machine():
+        return None
+    compiler = f"{arch}-linux-gnu-gcc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"linking {arch} candidates needs {compiler} on PATH "
+                           f"(Debian: gcc-{arch.replace('_', '-')}-linux-gnu)")
+    from tvm.support import cc
+
+    return cc.cross_compiler(compiler)
+
+
+def export(problem: Problem, configs: list[Config], target: Target, isa: str,
+           directory: Path) -> list[Artifact | str]:
+    """Schedule ``configs``, compile them as one module for ``target`` and write it to a
+    shared library in ``directory`` (cross-linked when the target's architecture is not
+    this host's): per config its :class:`Artifact`, or the error that kept it from being
+    built.
+
+    Examples
+    --------
+    >>> from schedules.gemm import GemmConfig, GemmProblem
+    >>> export(GemmProblem(48, 64, 96), [GemmConfig.of("BCa", 48, 64, 96)], target, "avx2",
+    ...        Path("work"))                                  # doctest: +SKIP
+    [Artifact(library=PosixPath('work/candidates0.so'), name='candidate0', params=...)]
+    """
+    fcompile = linker(str(target.attrs.get("mtriple", "")))
+    scheduled = _scheduled(problem, configs, isa)
+    out: list[Artifact | str] = []
+    libraries: dict[int, Path] = {}
+    for func, compiled in zip(scheduled, _compile(scheduled, target), strict=True):
+        if isinstance(compiled, str):
+            out.append(compiled)
+            continue
+        executable, name = compiled
+        if id(executable) not in libraries:
+            path = directory / f"candidates{next(_exported)}.so"
+            try:
+                executable.export_library(str(path), fcompile=fcompile)  # type: ignore[attr-defined]
+            except Exception as err:  # a link error fails this module's candidates only
+                out.append(_error(err))
+                continue
+            libraries[id(executable)] = path
+        params = tuple((tuple(int(d) for d in p.ty.shape), str(p.ty.dtype))
+                       for p in func.params)  # type: ignore[union-attr]
+        out.append(Artifact(libraries[id(executable)], name, params))
+    return out

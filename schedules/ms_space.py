@@ -54,12 +54,15 @@ if TYPE_CHECKING:
     from tvm.s_tir import meta_schedule as ms
     from tvm.target import Target
 
+    from .remote import Tracker
+
 __all__ = [
     "space_configs",
     "gemm_space",
     "register_intrinsics",
     "enumerate_strategy",
     "local_builder",
+    "rpc_runner",
     "tune_gemm_ms",
 ]
 
@@ -232,6 +235,27 @@ def local_builder(timeout_sec: float = 180.0, max_workers: int | None = None
                                    f_build=build_module)
 
 
+def rpc_runner(tracker: Tracker, servers: int = 1, session_timeout: float = 120.0
+               ) -> ms.runner.RPCRunner:
+    """MetaSchedule's ``RPCRunner`` on the servers under ``tracker``'s key: the baseline
+    measured where :class:`~schedules.remote.RemotePool` measures the tuner's candidates,
+    ``servers`` candidates at a time.
+
+    Examples
+    --------
+    >>> from schedules.remote import Tracker
+    >>> runner = rpc_runner(Tracker.parse("127.0.0.1:9190", "x86"), servers=2)  # doctest: +SKIP
+    """
+    from tvm.s_tir import meta_schedule as ms
+
+    if servers < 1 or not session_timeout > 0:
+        raise ValueError("servers must be >= 1 and session_timeout > 0")
+    config = ms.runner.RPCConfig(tracker_host=tracker.host, tracker_port=tracker.port,
+                                 tracker_key=tracker.key,
+                                 session_timeout_sec=int(session_timeout))
+    return ms.runner.RPCRunner(config, max_workers=servers)
+
+
 def _set_threads(threads: int) -> None:
     # Runner workers are fresh processes: size TVM's pool before anything runs in parallel.
     os.environ["TVM_NUM_THREADS"] = str(threads)
@@ -257,7 +281,7 @@ def tune_gemm_ms(problem: GemmProblem, target: Target, work_dir: str | os.PathLi
         Candidates per builder/runner batch (default: all at once, one builder start-up).
     runner
         A MetaSchedule runner (default: a ``LocalRunner`` whose workers use the target's
-        ``num-cores`` threads); pass an ``RPCRunner`` to measure on another machine.
+        ``num-cores`` threads); :func:`rpc_runner` measures on a tracker's servers.
 
     Returns
     -------

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from microkernels.machine import machine_of
 
 from .database import Database, TuningKey
-from .measure import measure
+from .measure import Measurer, measure
 from .ops import Config, Problem, op_of
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ def tune(
     max_candidates: int = 400,
     budget_seconds: float | None = None,
     progress: Callable[[int, int], None] | None = None,
+    measurer: Measurer | None = None,
 ) -> TuneResult:
     """The fastest configuration for ``problem`` on ``target`` (from the database if known).
 
@@ -126,6 +127,10 @@ def tune(
         per candidate so far; the first batch (the default and one candidate) always runs.
     progress
         Called with (done, total) after each batch.
+    measurer
+        What builds and times the candidates: :func:`~schedules.measure.measure` (in this
+        process; the default) or a :class:`~schedules.remote.RemoteMeasurer` (on the RPC
+        servers of a tracker); the search is the same.
 
     Examples
     --------
@@ -136,6 +141,7 @@ def tune(
     """
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0, got {top_k}")
+    measurer = measurer or measure
     op = op_of(problem)
     key = TuningKey.of(problem, target)
     machine = machine_of(target)
@@ -149,7 +155,7 @@ def tune(
 
     measurements: list[Measurement] = []
     incumbent: Measurement | None = None
-    built: dict[Config, Callable[[], object]] = {}  # runs kept for the final round
+    built: dict[Config, object] = {}  # what the measurer built, kept for the final round
     # Budgeted, a first batch of two (the default and one candidate) prices a candidate
     # before larger batches are committed to.
     starts = [0] + ([2] if budget_seconds is not None else [])
@@ -164,7 +170,7 @@ def tune(
         configs = [c.config for c in batch]
         if incumbent is not None:  # re-timed next to the newcomers
             configs.append(incumbent.config)
-        results = measure(problem, configs, target, machine.isa.name, built=built)
+        results = measurer(problem, configs, target, machine.isa.name, built=built)
         if incumbent is not None:
             again = results.pop()
             if isinstance(again, float):  # its record shows its best time, as the others'
@@ -189,7 +195,7 @@ def tune(
         left = budget_seconds - (time.perf_counter() - start)
         round_seconds = max(0.0, min(round_seconds, left / _FINAL_ROUNDS / _FINAL_CONTENDERS))
     incumbent = _final_round(problem, target, machine.isa.name, measurements, built,
-                             round_seconds)
+                             round_seconds, measurer)
     seconds = time.perf_counter() - start
     if database is not None:
         database.put(key, incumbent.config, gflops=incumbent.gflops(problem),
@@ -200,7 +206,7 @@ def tune(
 
 
 def _final_round(problem: Problem, target: Target, isa: str, measurements: list[Measurement],
-                 built: dict[Config, Callable[[], object]], round_seconds: float
+                 built: dict[Config, object], round_seconds: float, measurer: Measurer
                  ) -> Measurement:
     """The winner of a last, fair round: the default (``measurements[0]``) and the fastest
     candidates within :data:`FINAL_WINDOW` of the best are timed again, interleaved, the same
@@ -220,8 +226,8 @@ def _final_round(problem: Problem, target: Target, isa: str, measurements: list[
     default = [0] if measurements[0].seconds is not None else []  # unless it failed to build
     contenders = default + near[:_FINAL_CONTENDERS - len(default)]
     if len(contenders) > 1:
-        again = measure(problem, [measurements[i].config for i in contenders], target, isa,
-                        rounds=_FINAL_ROUNDS, round_seconds=round_seconds, built=built)
+        again = measurer(problem, [measurements[i].config for i in contenders], target, isa,
+                         rounds=_FINAL_ROUNDS, round_seconds=round_seconds, built=built)
         for i, seconds in zip(contenders, again, strict=True):
             if isinstance(seconds, float):
                 measurements[i] = replace(measurements[i], seconds=seconds)

@@ -13,6 +13,7 @@ Example
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,6 +25,22 @@ QEMU = "qemu-aarch64"
 CC = "aarch64-linux-gnu-gcc"
 DRIVER = Path(__file__).parent / "aarch64" / "driver.c"
 INSTALL_HINT = "apt-get install -y qemu-user gcc-aarch64-linux-gnu"
+
+
+#: An aarch64 CPython with TVM under qemu (``tests/aarch64/python_sysroot.sh DEST`` writes
+#: ``DEST/python``): the ARM RPC server of the remote-tuning tests.
+PYTHON = Path(os.environ.get("TPP_AARCH64_PYTHON",
+                             Path.home() / ".cache" / "tvm-tpp" / "aarch64-python" / "python"))
+
+
+def python_missing() -> str | None:
+    """Why no aarch64 TVM server can be started here, or None when it can."""
+    if shutil.which(QEMU) is None or shutil.which(CC) is None:
+        return missing()
+    if not os.access(PYTHON, os.X_OK):
+        return (f"no aarch64 Python with TVM at {PYTHON} (make it with "
+                f"tests/aarch64/python_sysroot.sh {PYTHON.parent}, or set TPP_AARCH64_PYTHON)")
+    return None
 
 
 def missing() -> str | None:

@@ -10,6 +10,7 @@ Examples
 --------
 $ tvm-tpp info
 $ tvm-tpp tune mlp --budget 2           # writes ./tvm_tpp_work/tuning.db
+$ tvm-tpp tune resnet50 --rpc tracker:9190 --key zen4   # measured on the servers under zen4
 $ tvm-tpp run mlp --check onnxruntime   # built with the configs tuned in ./tvm_tpp_work
 $ tvm-tpp run resnet50 --work-dir resnet_work --report
 $ tvm-tpp profile mobilenet_v2          # time per operator: TPP kernels, layouts, fallback
@@ -328,17 +329,46 @@ def cmd_tune(args: argparse.Namespace) -> int:
         console.print(f"  {problem_text(problem)} -> {config_text(result.best)} ({how})")
 
     tuned = []
+    remote = _remote(args)
+    targets = []  # the servers' target, with --rpc
+    if remote:
+        remote["on_target"] = targets.append
     for name in args.model:
         console.print(f"[bold]{name}[/bold]: tuning each GEMM, conv and batch GEMM")
         with console.status("tuning", spinner="dots"):
             tuned += compiler.tune(_model(name, args.batch), args.target, work_dir=work_dir,
                                    budget=args.budget, on_tuned=on_tuned,
-                                   precision=args.precision)
+                                   precision=args.precision, **remote)
     if args.explain:
         _explain(console, tuned)
+    if targets:
+        spec = compiler.target_spec(targets[0])
+        console.print(f"measured on the servers under key {args.key!r} at {args.rpc}; build "
+                      f'for them with --target "{spec}"', highlight=False)
     console.print(f"tuning database: {Path(work_dir) / compiler.DATABASE} (read by "
                   f"`tvm-tpp run/compile --work-dir {work_dir}`)")
     return 0
+
+
+def _remote(args: argparse.Namespace) -> dict:
+    """``--rpc``/``--key``/``--isa`` as the library's keywords (none without ``--rpc``)."""
+    if args.rpc is None:
+        if args.key is not None or args.isa is not None:
+            raise UsageError("--key and --isa are for measuring on RPC servers: give the "
+                             "tracker with --rpc HOST:PORT")
+        return {}
+    if args.key is None:
+        raise UsageError("--rpc needs --key KEY: the device key the servers registered under")
+    return {"rpc": args.rpc, "key": args.key, "isa": args.isa}
+
+
+def _rpc_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--rpc", metavar="HOST:PORT", help=f"{what} on the RPC servers of the TVM "
+                   "tracker at HOST:PORT (python -m tvm.exec.rpc_tracker), not on this CPU")
+    p.add_argument("--key", help="with --rpc: the device key the servers registered under "
+                   "(python -m tvm.exec.rpc_server --tracker HOST:PORT --key KEY)")
+    p.add_argument("--isa", help="with --rpc: the ISA to build for (default: the richest the "
+                   "servers run, as they say)")
 
 
 def _explain(console, tuned) -> None:
@@ -367,11 +397,39 @@ def cmd_bench_kernel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_remote(args: argparse.Namespace) -> int:
+    """``bench --rpc``: the models built here for the servers and timed on one of them."""
+    from .bench.remote import IMPLS, bench_remote, format_rows
+
+    remote = _remote(args)
+    impls = IMPLS[:3] if args.impls is None else tuple(
+        i.strip() for i in args.impls.split(",") if i.strip())
+    try:
+        batch = int(args.batch)
+    except ValueError:
+        raise UsageError(f"with --rpc, --batch takes one size, got {args.batch!r}") from None
+    models = {name: _model(name, batch) for name in args.model}
+    work_dir = Path(args.work_dir or "tvm_tpp_work")
+    rows = bench_remote(models, impls, remote["rpc"], remote["key"], remote["isa"],
+                        work_dir=work_dir, repeat=args.repeat, seed=args.seed,
+                        ms_trials=args.ms_trials)
+    for line in format_rows(rows):
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.to_json() for r in rows], indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
     from microkernels import isa
+
+    if args.rpc is not None or args.key is not None:
+        return _bench_remote(args)
+    args.impls = args.impls or "tpp,tpp-tuned,tvm-default,metaschedule,onnxruntime"
 
     from .bench.networks import BenchConfig, default_work_dir, run_bench
     from .bench.plots import plot
@@ -484,6 +542,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also show what TVM and LLVM print while building candidates")
     p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
                    help="tune the GEMMs a build of this precision runs (bf16: its dense layers)")
+    _rpc_options(p, "measure candidates (built here, in parallel across the servers)")
 
     p = add("bench-gemm", cmd_bench_gemm,
             "GEMM GFLOPS (--dtype float32) or GOPS (int8, bfloat16: x tpp-float32, % of "
@@ -508,8 +567,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="1", help="batch sizes of bundled models, e.g. 1,8")
     p.add_argument("--threads", type=int, help="threads of every implementation (default: all)")
     p.add_argument("--repeat", type=int, default=10, help="timed samples per implementation")
-    p.add_argument("--impls", default="tpp,tpp-tuned,tvm-default,metaschedule,onnxruntime",
-                   help="comma-separated implementations to compare, of tpp, tpp-tuned, "
+    p.add_argument("--impls",
+                   help="comma-separated implementations to compare (default: tpp,tpp-tuned,"
+                   "tvm-default,metaschedule,onnxruntime; with --rpc: tpp,tpp-tuned,"
+                   "tvm-default, and metaschedule may be added), of tpp, tpp-tuned, "
                    "tvm-default, metaschedule, onnxruntime, openvino (OpenVINO's defaults: bf16 "
                    "on CPUs with AVX512-BF16 or AMX), openvino-f32 (its f32 precision hint); "
                    "the openvino rows need pip install 'tvm-tpp[openvino]'")
@@ -530,6 +591,9 @@ def _parser() -> argparse.ArgumentParser:
                    "ONNX Runtime on the float model, int8 5e-2 vs the int8 file's QDQ graph run "
                    "unfused by ONNX Runtime)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    _rpc_options(p, "build the models for the servers and time them (tpp, tpp-tuned tuned on "
+                 "the same servers, tvm-default, metaschedule measured through the same "
+                 "tracker)")
     return parser
 
 

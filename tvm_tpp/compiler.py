@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -42,14 +43,16 @@ from relay_passes import Offload, tpp_flops_fraction
 from relay_passes.dense import PRECISIONS
 from relay_passes.pipeline import tpp_pipeline, tpp_rewrites
 from schedules import database as _database_file
+from schedules import remote as _remote
 from schedules import tuner as _tuner
 from schedules.database import StoreError
+from schedules.measure import linker
 from schedules.tuner import Database, TaskCollector, Tuner, TuneResult
 
 from . import onnx_import
-from .errors import DatabaseError, ModelError, NotRunnableError, UsageError
+from .errors import DatabaseError, ModelError, NotRunnableError, RemoteError, UsageError
 from .onnx_import import TensorSpec
-from .tpp_target import runs_on_host
+from .tpp_target import remote_target, runs_on_host, spec_isa
 from .tpp_target import target as make_target
 
 if TYPE_CHECKING:
@@ -61,7 +64,8 @@ if TYPE_CHECKING:
 
     Problem = GemmProblem | ConvProblem | BatchGemmProblem
 
-__all__ = ["compile", "tune", "lower", "load", "import_model", "CompiledModel", "Tuned",
+__all__ = ["compile", "tune", "lower", "load", "import_model", "remote_pool", "target_spec",
+           "CompiledModel", "Tuned",
            "WORK_DIR", "DATABASE", "ARTIFACT_FORMAT", "native_output"]
 
 #: The work directory :func:`tune` writes by default, and :func:`compile` reads if it exists.
@@ -266,7 +270,7 @@ class CompiledModel:
                         f"linking {triple} code needs {compiler} on PATH; "
                         "or export to a .tar of object files"
                     )
-                from tvm.contrib import cc
+                from tvm.support import cc
 
                 self.executable.export_library(str(path), fcompile=cc.cross_compiler(compiler))
         meta = {"format": ARTIFACT_FORMAT, "inputs": [asdict(s) for s in self.inputs],
@@ -553,15 +557,18 @@ def _measurable(tgt: Target) -> None:
 
 def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: float | None,
                 top_k: int, on_tuned: Callable[[Problem, TuneResult], None] | None,
-                precision: str) -> list[Tuned]:
+                precision: str, pool: _remote.RemotePool | None = None) -> list[Tuned]:
     # The graph passes find the operators; tuning them here, outside the lowering, keeps
     # the measurements' own builds from running inside the model's.
     collector = TaskCollector()
     with tgt:
         # The rewrites name the tasks (bf16 GEMMs are problems, and keys, of their own).
         tpp_rewrites(tgt, tuner=collector, precision=precision)(mod)
+    problems = list(collector.tasks.values())
+    if pool is not None:
+        return _tune_remote(problems, tgt, database, budget, top_k, on_tuned, pool)
     tuned = []
-    for problem in collector.tasks.values():
+    for problem in problems:
         with native_output(), _store_errors():
             result = _tuner.tune(problem, tgt, database=database, top_k=top_k,
                                  budget_seconds=budget)
@@ -569,6 +576,104 @@ def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: floa
         if on_tuned is not None:
             on_tuned(problem, result)
     return tuned
+
+
+def _tune_remote(problems: list[Problem], tgt: Target, database: Database,
+                 budget: float | None, top_k: int,
+                 on_tuned: Callable[[Problem, TuneResult], None] | None,
+                 pool: _remote.RemotePool) -> list[Tuned]:
+    """Tune ``problems`` at once, as many as the pool has servers: each one's search builds
+    here while the others' candidates are timed there.  Each result is in the database as
+    soon as its operator is done."""
+    results: dict[int, TuneResult] = {}
+    with tempfile.TemporaryDirectory(prefix="tpp-candidates-") as directory, \
+            native_output(), _store_errors(), _remote_errors(), \
+            ThreadPoolExecutor(pool.size, thread_name_prefix="tpp-tune") as tuners:
+        measurer = _remote.RemoteMeasurer(pool, directory)
+        futures = {tuners.submit(_tuner.tune, problem, tgt, database=database, top_k=top_k,
+                                 budget_seconds=budget, measurer=measurer): i
+                   for i, problem in enumerate(problems)}
+        try:
+            for future in as_completed(futures):
+                i = futures[future]
+                results[i] = future.result()
+                if on_tuned is not None:
+                    on_tuned(problems[i], results[i])
+        except BaseException:
+            for future in futures:  # the first failure ends the run
+                future.cancel()
+            raise
+    return [Tuned(problem, results[i]) for i, problem in enumerate(problems)]
+
+
+@contextlib.contextmanager
+def _remote_errors() -> Iterator[None]:
+    """The tracker or its servers failing: one RemoteError line, not a traceback."""
+    try:
+        yield
+    except _remote.RemoteError as err:
+        raise RemoteError(str(err)) from None
+
+
+def target_spec(tgt: Target) -> str:
+    """The ``tpp`` spec that builds for ``tgt`` (and finds what was tuned for it).
+
+    >>> target_spec(make_target("tpp -isa=neon -num-cores=4"))
+    'tpp -isa=neon -mcpu=generic -num-cores=4'
+    """
+    return (f"tpp -isa={tgt.attrs['model']} -mcpu={tgt.attrs['mcpu']} "
+            f"-num-cores={int(tgt.attrs['num-cores'])}")
+
+
+@contextlib.contextmanager
+def remote_pool(target: str, rpc: str, key: str | None, isa: str | None = None, *,
+                timeout: float = 120.0, tries: int = 3
+                ) -> Iterator[tuple[_remote.RemotePool, Target]]:
+    """The servers under ``key`` at the tracker ``rpc`` (``HOST:PORT``) and their target.
+
+    The ISA is ``isa`` (or the target spec's ``-isa=``), else the richest the servers run,
+    as they say; the target's LLVM CPU and threads are theirs unless the spec gives them
+    (:func:`~tvm_tpp.tpp_target.remote_target`).
+
+    Raises
+    ------
+    UsageError
+        A malformed tracker address or key, or a target that is no ``tpp`` spec.
+    TargetError
+        An unknown ISA.
+    RemoteError
+        The tracker cannot be reached, has no server under ``key``, or its servers cannot
+        run the ISA (or cannot say what they run and no ISA was given).
+    NotRunnableError
+        The servers' architecture is not this host's and its cross linker is missing.
+
+    Examples
+    --------
+    >>> with remote_pool("tpp", "127.0.0.1:9190", "x86") as (pool, tgt):  # doctest: +SKIP
+    ...     print(pool.size, tgt.attrs["model"])
+    2 avx2
+    """
+    if not isinstance(target, str):
+        raise UsageError("measuring on RPC servers takes a tpp target spec (e.g. "
+                         f"'tpp -num-cores=4'), got {type(target).__name__}")
+    try:
+        tracker = _remote.Tracker.parse(rpc, key or "")
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    wanted = isa or spec_isa(target)
+    if wanted is not None:
+        make_target(f"tpp -isa={wanted}")  # an unknown ISA: TargetError listing the known
+    with _remote_errors():
+        pool = _remote.RemotePool(tracker, wanted, timeout=timeout, tries=tries)
+    try:
+        tgt = remote_target(target, pool.isa, pool.cpu)
+        try:
+            linker(str(tgt.attrs.get("mtriple", "")))
+        except RuntimeError as err:
+            raise NotRunnableError(str(err)) from None
+        yield pool, tgt
+    finally:
+        pool.close()
 
 
 def tune(
@@ -581,6 +686,12 @@ def tune(
     top_k: int = _TOP_K,
     on_tuned: Callable[[Problem, TuneResult], None] | None = None,
     precision: str = "float32",
+    rpc: str | None = None,
+    key: str | None = None,
+    isa: str | None = None,
+    rpc_timeout: float = 120.0,
+    rpc_tries: int = 3,
+    on_target: Callable[[Target], None] | None = None,
 ) -> list[Tuned]:
     """Tune each GEMM, conv and batch GEMM of a model into ``work_dir/tuning.db``.
 
@@ -602,6 +713,20 @@ def tune(
         or BatchGemmProblem), e.g. to show progress.
     precision
         As for :func:`compile`: tune the GEMMs a build of that precision runs.
+    rpc, key
+        Measure on the RPC servers registered under device ``key`` at the TVM tracker
+        ``rpc`` (``HOST:PORT``) instead of this CPU: candidates are built here for their
+        target (:func:`remote_pool`), timed there in parallel across the servers, and the
+        results stored under that target's key.  ``target`` is then a ``tpp`` spec whose
+        options (``-num-cores``, ``-mcpu``, ``-isa``) override what the servers say.
+    isa
+        With ``rpc``: the ISA to build for (default: the richest the servers run).
+    rpc_timeout, rpc_tries
+        With ``rpc``: seconds a server may stay silent on a batch before it is taken for
+        hung, and servers a batch is tried on before its candidates are reported failed.
+    on_target
+        With ``rpc``: called with the servers' target once it is known (the results are
+        stored under it; :func:`compile` finds them with :func:`target_spec` of it).
 
     Returns
     -------
@@ -611,22 +736,38 @@ def tune(
     Raises
     ------
     NotRunnableError
-        The target is not one this CPU runs.
+        The target is not one this CPU runs (without ``rpc``).
     UsageError
-        ``precision`` is neither ``"float32"`` nor ``"bf16"``.
+        ``precision`` is neither ``"float32"`` nor ``"bf16"``; ``key`` or ``isa`` without
+        ``rpc``.
+    RemoteError
+        With ``rpc``: the tracker is unreachable, no server is (or stays) under ``key``, or
+        the servers cannot run ``isa``.
 
     Examples
     --------
     >>> from tvm_tpp import models
     >>> [t.result.best.spec for t in tune(models.load("mlp"), budget=1.0)]  # doctest: +SKIP
     ['BCa', 'aBC', 'BCa']
+    >>> tune(models.load("mlp"), rpc="10.0.0.5:9190", key="zen4")  # doctest: +SKIP
     """
-    tgt = make_target(target)
     _precision(precision)
-    _measurable(tgt)
+    if rpc is None:
+        if key is not None or isa is not None:
+            raise UsageError("a device key and an ISA are for measuring on RPC servers: "
+                             "give the tracker too (rpc='HOST:PORT')")
+        tgt = make_target(target)
+        _measurable(tgt)
+        mod, _ = import_model(model, input_shapes)
+        return _tune_tasks(mod, tgt, _database(work_dir), budget, top_k, on_tuned,
+                           precision)
+    database = _database(work_dir)
     mod, _ = import_model(model, input_shapes)
-    return _tune_tasks(mod, tgt, _database(work_dir), budget, top_k, on_tuned,
-                       precision)
+    with remote_pool(target, rpc, key, isa, timeout=rpc_timeout, tries=rpc_tries
+                     ) as (pool, tgt):  # type: ignore[arg-type]
+        if on_target is not None:
+            on_target(tgt)
+        return _tune_tasks(mod, tgt, database, budget, top_k, on_tuned, precision, pool)
 
 
 def lower(

@@ -19,7 +19,7 @@ tvm-tpp: error: no such ONNX file: a.onnx
 from __future__ import annotations
 
 __all__ = ["TppError", "ModelError", "TargetError", "DatabaseError", "NotRunnableError",
-           "UsageError"]
+           "UsageError", "RemoteError"]
 
 
 class TppError(Exception):
@@ -44,3 +44,8 @@ class NotRunnableError(TppError, RuntimeError):
 
 class UsageError(TppError):
     """A bad command-line argument, or an output file that cannot be written."""
+
+
+class RemoteError(TppError, RuntimeError):
+    """The RPC tracker or its servers cannot measure: unreachable, no server under the key,
+    every server gone, or servers whose CPU lacks the ISA asked for."""

@@ -24,7 +24,7 @@ Examples
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tvm
 from tvm.target import Target
@@ -34,7 +34,10 @@ from microkernels.machine import host_isa, is_tpp, machine_of, runs_here
 
 from .errors import TargetError
 
-__all__ = ["target", "is_tpp", "runs_on_host", "TAG_PREFIX"]
+if TYPE_CHECKING:
+    from schedules.remote import RemoteCpu
+
+__all__ = ["target", "remote_target", "spec_isa", "is_tpp", "runs_on_host", "TAG_PREFIX"]
 
 TAG_PREFIX = "tpp/"
 _OPTIONS = ("isa", "mcpu", "num-cores")
@@ -148,6 +151,44 @@ def _check_mcpu(mcpu: str, chosen: _isa.Isa) -> None:
     if not tvm.target.codegen.llvm_is_valid_cpu(mcpu, chosen.mtriple):
         raise TargetError(f"-mcpu={mcpu} is not a CPU LLVM knows for {chosen.mtriple} "
                           f"(e.g. -mcpu={chosen.mcpu})")
+
+
+def spec_isa(spec: str) -> str | None:
+    """The ISA a ``tpp`` spec names with ``-isa=``, or None.
+
+    >>> spec_isa("tpp -isa=neon -num-cores=4"), spec_isa("tpp")
+    ('neon', None)
+    """
+    return _parse(spec).get("isa")
+
+
+def remote_target(spec: str, chosen: _isa.Isa, cpu: RemoteCpu | None) -> Target:
+    """The target of RPC servers whose CPU is ``cpu`` (None: unknown), for ISA ``chosen``.
+
+    The spec's options win; otherwise the LLVM CPU is the servers' own when ``chosen`` is
+    the richest ISA they run (else the ISA's representative CPU, as for ``tpp -isa=``), and
+    the threads are the servers' TVM thread count (1 when unknown).
+
+    Examples
+    --------
+    >>> from schedules.remote import RemoteCpu
+    >>> cpu = RemoteCpu("x86_64", "znver1", frozenset({"avx2", "fma"}), 4)
+    >>> t = remote_target("tpp -num-cores=1", _isa.from_name("avx2"), cpu)
+    >>> t.attrs["mcpu"], int(t.attrs["num-cores"]), t.attrs["model"]
+    ('znver1', 1, 'avx2')
+    """
+    options = _parse(spec)
+    if options.get("isa", chosen.name) != chosen.name:
+        raise TargetError(f"the target names -isa={options['isa']} and the ISA is "
+                          f"{chosen.name}: give one")
+    mcpu = options.get("mcpu")
+    if mcpu is None and cpu is not None and cpu.flags is not None and cpu.isa() == chosen and \
+            tvm.target.codegen.llvm_is_valid_cpu(cpu.mcpu, chosen.mtriple):
+        mcpu = cpu.mcpu
+    cores = options.get("num-cores") or (cpu.threads if cpu is not None else 1)
+    words = ["tpp", f"-isa={chosen.name}", f"-num-cores={cores}"] + \
+        ([f"-mcpu={mcpu}"] if mcpu else [])
+    return target(" ".join(words))
 
 
 def runs_on_host(tgt: Target) -> bool:

@@ -214,8 +214,11 @@ def _needs_metaschedule() -> None:
                           "'tvm-tpp[tune]'")
 
 
-def _model_metaschedule(job: Job, workload: ModelWorkload, say: Say) -> Built:
-    _needs_metaschedule()
+def metaschedule_relax(mod, target, database_dir: Path, trials: int, seed: int, runner,
+                       say: Say) -> tuple[Any, metaschedule.MetaScheduleDatabase, str]:
+    """A Relax module built with MetaSchedule's search (``trials`` over its tasks, timed by
+    ``runner``: a ``LocalRunner`` here or an ``RPCRunner`` on a tracker's servers), the
+    database searched (or reused) and a note on how the trials were spent."""
     import tvm
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
@@ -224,10 +227,6 @@ def _model_metaschedule(job: Job, workload: ModelWorkload, say: Say) -> Built:
     # every batch, and that import (30-60 s) in each would dwarf the tuning itself.
     from schedules.ms_space import local_builder
 
-    proto, specs, inputs = workload.load()
-    target = host_llvm(job.threads)
-    start = time.perf_counter()
-    mod = _relax_module(proto, specs)
     # extract_tasks needs legalized, fused TIR; these are compile_relax's own passes, so the
     # database keys it looks up are the ones tuned here.
     fuse = tvm.transform.Sequential([
@@ -241,26 +240,39 @@ def _model_metaschedule(job: Job, workload: ModelWorkload, say: Say) -> Built:
     with target:
         fused = fuse(mod)
     tasks = ms.relax_integration.extract_tasks(fused, target)
-    prepare_seconds = time.perf_counter() - start
     if not tasks:
         raise RuntimeError("MetaSchedule found no tasks to tune in this model")
-    per_task = max(1, job.ms_trials // len(tasks))
-    say(f"MetaSchedule, {job.ms_trials} trials")
+    per_task = max(1, trials // len(tasks))
+    say(f"MetaSchedule, {trials} trials")
     searched = metaschedule.search(
-        metaschedule.database_dir(job.work_dir, workload.key, job.threads),
-        {"trials": job.ms_trials, "tasks": len(tasks), "per_task": per_task,
-         "target": str(target), "seed": job.seed},
+        database_dir,
+        {"trials": trials, "tasks": len(tasks), "per_task": per_task,
+         "target": str(target), "seed": seed},
         lambda path: ms.relax_integration.tune_relax(
             mod=fused, params={}, target=target, work_dir=path,
-            max_trials_global=job.ms_trials, max_trials_per_task=per_task,
+            max_trials_global=trials, max_trials_per_task=per_task,
             num_trials_per_iter=min(64, per_task), builder=local_builder(timeout_sec=600),
-            runner=ms.runner.LocalRunner(timeout_sec=120), cost_model="xgb", seed=job.seed))
-    start = time.perf_counter()
+            runner=runner, cost_model="xgb", seed=seed))
     executable = ms.relax_integration.compile_relax(searched.database, mod, target, params=None)
-    return _vm_built(executable, inputs, prepare_seconds + time.perf_counter() - start,
-                     tune_seconds=searched.tune_seconds, target=str(target),
-                     notes=f"{job.ms_trials} trials over {len(tasks)} tasks = {per_task} per "
-                     f"task, xgb; {searched.note()}")
+    return executable, searched, (f"{trials} trials over {len(tasks)} tasks = {per_task} per "
+                                  f"task, xgb; {searched.note()}")
+
+
+def _model_metaschedule(job: Job, workload: ModelWorkload, say: Say) -> Built:
+    _needs_metaschedule()
+    from tvm.s_tir import meta_schedule as ms
+
+    proto, specs, inputs = workload.load()
+    target = host_llvm(job.threads)
+    start = time.perf_counter()
+    executable, searched, note = metaschedule_relax(
+        _relax_module(proto, specs), target,
+        metaschedule.database_dir(job.work_dir, workload.key, job.threads), job.ms_trials,
+        job.seed, ms.runner.LocalRunner(timeout_sec=120), say)
+    build_seconds = time.perf_counter() - start - searched.tune_seconds - \
+        searched.startup_seconds
+    return _vm_built(executable, inputs, max(build_seconds, 0.0),
+                     tune_seconds=searched.tune_seconds, target=str(target), notes=note)
 
 
 def _model_onnxruntime(job: Job, workload: ModelWorkload, say: Say) -> Built:
