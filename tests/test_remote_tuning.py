@@ -126,6 +126,7 @@ def test_measurer_sends_only_the_servers_isa(fleet, tmp_path):
         assert not list(tmp_path.iterdir())  # nothing was even built
 
 
+@pytest.mark.slow  # 9 s: it waits out the hung server's timeout
 def test_hung_server_costs_only_its_batch(fleet, tmp_path, caplog):
     problems = [GemmProblem(16, 32 * (i + 1), 64) for i in range(4)]
     try:
@@ -237,6 +238,7 @@ def test_json_graph_map_reads_tvm_output():
     assert remote._json_graph_map(text) == {"avx2": True, "avx512f": False}
 
 
+@pytest.mark.slow
 def test_bench_times_models_on_a_server(fleet, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "mlp", "--rpc", fleet.address, "--key", KEY, "--impls",

@@ -114,8 +114,8 @@ def test_dense_residual_follows_the_rows(rows, kernel):
 
 @pytest.mark.parametrize("name, options, batches", [
     ("resnet_small", dict(image=32, widths=(16, 32)), (1, 3)),
-    ("mobilenet_v2", dict(image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)), head=32),
-     (2, 5)),
+    pytest.param("mobilenet_v2", dict(image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)),
+                                      head=32), (2, 5), marks=pytest.mark.slow),
     ("bert", dict(seq=16, hidden=64, heads=4, ffn=128), (1, 3)),
 ])
 def test_network_compiles_once_and_runs_any_batch(name, options, batches):
@@ -128,6 +128,7 @@ def test_network_compiles_once_and_runs_any_batch(name, options, batches):
     _assert_matches(compiled, model, batches)
 
 
+@pytest.mark.slow  # the float32 and int8 cases cover the same kernels' batch loop
 def test_bf16_network_runs_any_batch():
     model = models.load("resnet_small", batch="N", image=32, widths=(16, 32))
     compiled = tvm_tpp.compile(model, precision="bf16")
