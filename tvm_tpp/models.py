@@ -297,13 +297,7 @@ class BertConfig:
     eps: float = 1e-12
 
     def __post_init__(self) -> None:
-        for name in ("seq", "hidden", "heads", "ffn"):
-            if not _is_pos_int(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+        _check_transformer(self)
 
     @property
     def head_dim(self) -> int:
@@ -335,21 +329,26 @@ class Gpt2Config:
     eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("seq", "hidden", "heads", "ffn"):
-            if not _is_pos_int(getattr(self, name)):
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        _check_transformer(self)
         if self.gelu not in ("tanh", "erf"):
             raise ValueError(f"gelu must be 'tanh' or 'erf', got {self.gelu!r}")
         if self.mask not in ("where", "add"):
             raise ValueError(f"mask must be 'where' or 'add', got {self.mask!r}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps!r}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+
+def _check_transformer(cfg: Any) -> None:
+    """The checks BertConfig and Gpt2Config share: positive sizes, whole heads, eps > 0."""
+    for name in ("seq", "hidden", "heads", "ffn"):
+        if not _is_pos_int(getattr(cfg, name)):
+            raise ValueError(f"{name} must be a positive int, got {getattr(cfg, name)!r}")
+    if cfg.hidden % cfg.heads:
+        raise ValueError(f"hidden ({cfg.hidden}) must be a multiple of heads ({cfg.heads})")
+    if not cfg.eps > 0:
+        raise ValueError(f"eps must be > 0, got {cfg.eps!r}")
 
 
 def _is_pos_int(v: object) -> bool:
@@ -593,20 +592,27 @@ def _build_inception(cfg: InceptionConfig, batch: int, rng: np.random.Generator
                    ("y", (batch, cfg.classes)))
 
 
-def _dense(g: _Graph, x: str, name: str, k: int, n: int) -> str:
-    """``x @ W + b`` with a transformer's initializer (BERT's and GPT-2's): N(0, 0.02)."""
-    w = g.normal(f"{name}.weight", (k, n), 0.02)
-    return g.op(
-        "Add",
-        [g.op("MatMul", [x, w], f"{name}.matmul"), g.normal(f"{name}.bias", (n,), 0.05)],
-        name,
-    )
+class _Transformer:
+    """A transformer layer's parts in a graph: dense layers with BERT's and GPT-2's
+    initializer (N(0, 0.02) weights), LayerNorm over ``hidden`` features."""
 
+    def __init__(self, g: _Graph, hidden: int, eps: float) -> None:
+        self.g, self.hidden, self.eps = g, hidden, eps
 
-def _layer_norm(g: _Graph, x: str, name: str, hidden: int, eps: float) -> str:
-    gamma = g.uniform(f"{name}.gamma", (hidden,), 0.8, 1.2)
-    beta = g.normal(f"{name}.beta", (hidden,), 0.05)
-    return g.op("LayerNormalization", [x, gamma, beta], name, axis=-1, epsilon=eps)
+    def dense(self, x: str, name: str, k: int, n: int) -> str:
+        g = self.g
+        w = g.normal(f"{name}.weight", (k, n), 0.02)
+        return g.op(
+            "Add",
+            [g.op("MatMul", [x, w], f"{name}.matmul"), g.normal(f"{name}.bias", (n,), 0.05)],
+            name,
+        )
+
+    def layer_norm(self, x: str, name: str) -> str:
+        g = self.g
+        gamma = g.uniform(f"{name}.gamma", (self.hidden,), 0.8, 1.2)
+        beta = g.normal(f"{name}.beta", (self.hidden,), 0.05)
+        return g.op("LayerNormalization", [x, gamma, beta], name, axis=-1, epsilon=self.eps)
 
 
 class _Heads:
@@ -641,12 +647,8 @@ def _build_bert(cfg: BertConfig, batch: int, rng: np.random.Generator) -> onnx.M
     g = _Graph(rng)
     b, s, hid, nh, d = batch, cfg.seq, cfg.hidden, cfg.heads, cfg.head_dim
     f32 = np.float32
-
-    def dense(x: str, name: str, k: int, n: int) -> str:
-        return _dense(g, x, name, k, n)
-
-    def layer_norm(x: str, name: str) -> str:
-        return _layer_norm(g, x, name, hid, cfg.eps)
+    layers = _Transformer(g, hid, cfg.eps)
+    dense, layer_norm = layers.dense, layers.layer_norm
 
     heads = _Heads(g, b, s, nh, d)
     x = "hidden_states"
@@ -675,12 +677,8 @@ def _build_gpt2(cfg: Gpt2Config, batch: int, rng: np.random.Generator) -> onnx.M
     g = _Graph(rng)
     b, s, hid, nh, d = batch, cfg.seq, cfg.hidden, cfg.heads, cfg.head_dim
     f32 = np.float32
-
-    def dense(x: str, name: str, k: int, n: int) -> str:
-        return _dense(g, x, name, k, n)
-
-    def layer_norm(x: str, name: str) -> str:
-        return _layer_norm(g, x, name, hid, cfg.eps)
+    layers = _Transformer(g, hid, cfg.eps)
+    dense, layer_norm = layers.dense, layers.layer_norm
 
     def gelu(x: str) -> str:
         if cfg.gelu == "erf":
