@@ -59,6 +59,7 @@ from .scaffold import (
     call_kernel,
     dispatched_brgemm,
     is_call_to,
+    kernel_batch,
     offload_name,
     offload_patterns,
     same_dims,
@@ -314,8 +315,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
                                zero_points=quant.zero_points if quant else (0, 0))
     config = config_for(problem, target, tuner)
     name = f"tpp_batch_matmul_{'n' if run_batch is not None else ''}{problem.name}"
-    kernel_batch = None if run_batch is None else tvm.tirx.Var("batch", "int32")
-    sch = schedule(problem, config, machine_of(target).isa, kernel_batch)
+    sch = schedule(problem, config, machine_of(target).isa, kernel_batch(run_batch is not None))
     gv = add_kernel(sch.mod["main"], name)
     x_shape, b_shape, y_shape = stored_shapes(problem, run_batch)
     args = [_view(x_src, x_shape), _view(b_src, b_shape), *extra]

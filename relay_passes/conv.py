@@ -78,6 +78,7 @@ from .scaffold import (
     dispatched_brgemm,
     epilogue_patterns,
     is_call_to,
+    kernel_batch,
     offload_patterns,
     readers,
     reads_through_bf16_cast,
@@ -376,12 +377,7 @@ def _emit_depthwise(x: relax.Expr, problem: DepthwiseProblem, weight: np.ndarray
 @functools.lru_cache(maxsize=256)
 def _depthwise_kernel(problem: DepthwiseProblem, config: DepthwiseConfig, isa: str,
                       run_time_batch: bool) -> tvm.tirx.PrimFunc:
-    return depthwise.schedule(problem, config, isa, _batch_var(run_time_batch)).mod["main"]
-
-
-def _batch_var(run_time_batch: bool) -> tvm.tirx.Var | None:
-    """The kernel's own batch parameter, where it takes one."""
-    return tvm.tirx.Var("batch", "int32") if run_time_batch else None
+    return depthwise.schedule(problem, config, isa, kernel_batch(run_time_batch)).mod["main"]
 
 
 def _geometry_tag(problem: ConvProblem | DepthwiseProblem) -> str:
@@ -400,7 +396,7 @@ def _kernel(problem: ConvProblem, config: ConvConfig, isa: str, run_time_batch: 
             ) -> tuple[tvm.tirx.PrimFunc, BrgemmShape | None]:
     """The scheduled PrimFunc and the BRGEMM it calls, built once per distinct layer (a
     ResNet repeats its blocks); with a ``run_time_batch`` parameter where asked."""
-    sch = schedule(problem, config, isa, _batch_var(run_time_batch))
+    sch = schedule(problem, config, isa, kernel_batch(run_time_batch))
     return sch.mod["main"], dispatched_brgemm(sch)
 
 

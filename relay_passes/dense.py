@@ -66,6 +66,7 @@ from .scaffold import (
     dispatched_brgemm,
     epilogue_patterns,
     is_call_to,
+    kernel_batch,
     offload_patterns,
     readers,
     reads_through_bf16_cast,
@@ -168,7 +169,7 @@ def scheduled(problem: GemmProblem, target: Target, tuner: Tuner | TaskCollector
     """``problem`` scheduled with its configuration (a tuned one that splits the run-time
     row loop gives way to the default), taking ``rows``' run-time blocks if it has them."""
     config = config_for(problem, target, tuner)
-    batch = None if rows.units is None else tvm.tirx.Var("batch", "int32")
+    batch = kernel_batch(rows.units is not None)
     try:
         return schedule(problem, config, machine_of(target).isa, batch), config
     except LoopSpecError:

@@ -52,6 +52,7 @@ __all__ = [
     "epilogue_patterns",
     "is_call_to",
     "is_tensor_of",
+    "kernel_batch",
     "offload_name",
     "offload_patterns",
     "report_leftovers",
@@ -267,6 +268,18 @@ def batched_shape(shape: Any) -> tuple[tuple[int, ...], tvm.ir.PrimExpr | None] 
         return sizes, None
     rest = static_shape(dims[1:])
     return None if not dims or rest is None else ((1, *rest), dims[0])
+
+
+def kernel_batch(run_time: bool) -> tvm.tirx.Var | None:
+    """A kernel's own run-time batch parameter (None for a static kernel): an int32, like the
+    kernels' static extents, which :func:`call_kernel` passes the graph's size to.
+
+    Examples
+    --------
+    >>> str(kernel_batch(True).ty), kernel_batch(False)
+    ('int32', None)
+    """
+    return tvm.tirx.Var("batch", "int32") if run_time else None
 
 
 def call_kernel(kernel: tvm.ir.GlobalVar, args: Sequence[relax.Expr], shape: Sequence[Any],
