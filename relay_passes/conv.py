@@ -58,13 +58,11 @@ from schedules import depthwise
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
-    default_config,
     pack_weight,
     schedule,
     unfold_weight,
 )
 from schedules.depthwise import DepthwiseConfig, DepthwiseProblem
-from schedules.loop_spec import LoopSpecError
 from schedules.operands import OPERANDS
 from schedules.tuner import TaskCollector, Tuner, config_for
 
@@ -84,6 +82,7 @@ from .scaffold import (
     reads_through_bf16_cast,
     report_leftovers,
     static_shape,
+    with_config,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -319,13 +318,10 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     # BRGEMM call reduces S*C values instead of C.
     unfold = problem.c < _UNFOLD_BELOW and problem.s > 1 and problem.groups == 1
     kernel_problem = problem.unfold_width() if unfold else problem
-    config = config_for(kernel_problem, target, tuner)  # the problem the kernel computes
-    isa = machine_of(target).isa
-    try:
-        func, brgemm = _kernel(kernel_problem, config, isa.name, batch is not None)
-    except LoopSpecError:  # a tuned nest that splits the images: the default does not
-        config = default_config(kernel_problem, machine_of(target))
-        func, brgemm = _kernel(kernel_problem, config, isa.name, batch is not None)
+    isa = machine_of(target).isa.name
+    (func, brgemm), config = with_config(  # the problem the kernel computes
+        kernel_problem, target, tuner,
+        lambda c: _kernel(kernel_problem, c, isa, batch is not None), batch is not None)
     sh, sw = problem.stride
     name = (f"tpp_conv2d_{_images(problem, batch)}x{problem.c}x{problem.h}x{problem.w}_"
             f"{problem.k}x{problem.r}x{problem.s}_s{sh}x{sw}" + _geometry_tag(problem)

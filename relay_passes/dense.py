@@ -55,9 +55,8 @@ from tvm.target import Target
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
-from schedules.gemm import GemmConfig, GemmProblem, default_config, pack_weight, schedule
-from schedules.loop_spec import LoopSpecError
-from schedules.tuner import TaskCollector, Tuner, config_for
+from schedules.gemm import GemmConfig, GemmProblem, pack_weight, schedule
+from schedules.tuner import TaskCollector, Tuner
 
 from .scaffold import (
     Offload,
@@ -71,6 +70,7 @@ from .scaffold import (
     readers,
     reads_through_bf16_cast,
     same_dims,
+    with_config,
 )
 
 if TYPE_CHECKING:  # annotations only
@@ -168,15 +168,10 @@ def scheduled(problem: GemmProblem, target: Target, tuner: Tuner | TaskCollector
               rows: DenseRows) -> tuple[s_tir.Schedule, GemmConfig]:
     """``problem`` scheduled with its configuration (a tuned one that splits the run-time
     row loop gives way to the default), taking ``rows``' run-time blocks if it has them."""
-    config = config_for(problem, target, tuner)
     batch = kernel_batch(rows.units is not None)
-    try:
-        return schedule(problem, config, machine_of(target).isa, batch), config
-    except LoopSpecError:
-        if batch is None:
-            raise
-        config = default_config(problem, machine_of(target))
-        return schedule(problem, config, machine_of(target).isa, batch), config
+    return with_config(problem, target, tuner,
+                       lambda config: schedule(problem, config, machine_of(target).isa, batch),
+                       batch is not None)
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,14 @@ from typing import Any, Generic, TypeVar
 import tvm
 from tvm import relax, s_tir
 from tvm.relax.dpl import DFPattern, is_const, is_op, rewrite_call, wildcard
+from tvm.target import Target
 
 from microkernels.brgemm import DTYPES, BrgemmShape, find_impl
 from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.machine import machine_of
+from schedules.loop_spec import LoopSpecError
+from schedules.ops import Config, Problem, op_of
+from schedules.tuner import TaskCollector, Tuner, config_for
 
 __all__ = [
     "ACTIVATIONS",
@@ -53,6 +58,7 @@ __all__ = [
     "is_call_to",
     "is_tensor_of",
     "kernel_batch",
+    "with_config",
     "offload_name",
     "offload_patterns",
     "report_leftovers",
@@ -91,6 +97,7 @@ _BRGEMM_PREFIX = "tpp_brgemm_"
 _OP_PATTERN_OPAQUE = 8
 
 Anchor = TypeVar("Anchor")
+Built = TypeVar("Built")
 
 
 @dataclass(frozen=True)
@@ -280,6 +287,31 @@ def kernel_batch(run_time: bool) -> tvm.tirx.Var | None:
     ('int32', None)
     """
     return tvm.tirx.Var("batch", "int32") if run_time else None
+
+
+def with_config(problem: Problem, target: Target, tuner: Tuner | TaskCollector | None,
+                build: Callable[[Config], Built], run_time_batch: bool) -> tuple[Built, Config]:
+    """``build(config)`` with ``problem``'s configuration (:func:`schedules.tuner.config_for`)
+    and that configuration; for a kernel with a run-time batch, a tuned nest that would split
+    the batch loop (the schedule's LoopSpecError) gives way to the untuned default, which
+    never does.
+
+    Examples
+    --------
+    >>> from schedules.gemm import GemmProblem
+    >>> target = Target({"kind": "llvm", "keys": ["tpp", "cpu"], "model": "avx2"})
+    >>> _, config = with_config(GemmProblem(8, 40, 24), target, None, lambda c: None, True)
+    >>> config.spec
+    'BCa'
+    """
+    config = config_for(problem, target, tuner)
+    try:
+        return build(config), config
+    except LoopSpecError:
+        if not run_time_batch:
+            raise
+        config = op_of(problem).default(problem, machine_of(target))
+        return build(config), config
 
 
 def call_kernel(kernel: tvm.ir.GlobalVar, args: Sequence[relax.Expr], shape: Sequence[Any],

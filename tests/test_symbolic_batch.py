@@ -178,3 +178,21 @@ def test_shapes_computed_from_a_symbolic_batch_ask_for_a_size():
         tvm_tpp.compile(model)
     compiled = tvm_tpp.compile(model, input_shapes={"x": (2, 3, 5, 7)})
     _assert_matches(compiled, model, (2,))
+
+
+def test_a_tuned_nest_that_splits_the_run_time_loop_gives_way_to_the_default(tmp_path):
+    from microkernels.epilogue import Epilogue, EpilogueOp
+    from schedules.tuner import Database, TuningKey
+    from tvm_tpp.compiler import DATABASE
+
+    problem = gemm.GemmProblem(8, 40, 24, "float32",
+                               Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))).on("avx2")
+    splitting = gemm.GemmConfig.of("bCab", 4, 40, 24, block_steps={"b": (1,)})
+    tgt = target("tpp")
+    Database(tmp_path / DATABASE).put(TuningKey.of(problem, tgt), splitting)
+    model = make_dense_model(k=24, n=40, batch_dim="N")
+    static = tvm_tpp.compile(make_dense_model(m=8, k=24, n=40), work_dir=tmp_path)
+    assert "[bCab]" in _kernels(static)[0]  # the tuned nest, where the rows are static
+    compiled = tvm_tpp.compile(model, work_dir=tmp_path)
+    assert _kernels(compiled) == ["tpp_dense_n8x40x24_bias_relu [BCa]"]
+    _assert_matches(compiled, model, (1, 9))
