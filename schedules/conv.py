@@ -645,9 +645,8 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
       panel is then reused across the whole output plane, which matters in the deep layers
       whose weights outgrow L2.  When the whole filter fits in half of L1 and K spans several
       blocks (MobileNet's expanding 1x1 convs), ``ADEcbfg``: each task writes whole output
-      rows, every K block of them, instead of block-wide slivers of rows (16 -> 96 channels
-      at 48x48: 1.19x, 24 -> 144 at 24x24: 1.07x measured on Zen 1; with large filters the
-      K blocks outer win, ResNet-50's 3x3 512 -> 512 by 1.9x).
+      rows, every K block of them, instead of block-wide slivers of rows; with large filters
+      the K blocks stay outer, each weight panel read once per sweep.
 
     Examples
     --------
