@@ -285,3 +285,46 @@ def test_tpp_tuned_uses_what_tune_wrote_in_the_work_dir(tmp_path):
     assert row.tune_seconds == 0.0  # tuned before: nothing searched in this run
     assert f"0 operators tuned, {len(tuned)} cached" in row.notes
     assert str(work_dir / DATABASE) in row.notes
+
+
+@pytest.fixture
+def any_size_conv(tmp_path):
+    """A 3x3 conv + ReLU on an image whose batch, height and width are all symbolic, as
+    exported detectors declare their input."""
+    rng = np.random.default_rng(0)
+    w = onnx.numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype("float32"), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         onnx.helper.make_node("Relu", ["c"], ["y"])],
+        "detector", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                        ["n", 3, "h", "w"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT,
+                                             ["n", 8, "h", "w"])], [w])
+    path = tmp_path / "detector.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]),
+              str(path))
+    return path
+
+
+def test_bench_takes_the_shape_of_an_input_with_symbolic_sizes(tmp_path, any_size_conv, capsys):
+    """``--shape`` fixes what ``--batch`` cannot (a detector's height and width); every
+    implementation runs that shape, and the tpp build is a static one."""
+    out_json = tmp_path / "b.json"
+    args = ["bench", str(any_size_conv), "--impls", "tpp,onnxruntime", "--repeat", "3",
+            "--work-dir", str(tmp_path / "wd"), "--json", str(out_json), "-q"]
+    assert main(args) == 2  # without the shape: one line naming the flag, before any worker
+    assert "give its shape, e.g. --shape x=" in capsys.readouterr().err
+    assert main([*args, "--shape", "x=1,3,13,11", "--rtol", "1e-5"]) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["impl"], r["status"], r["batch"]) for r in rows] == [
+        ("tpp", "ok", 1), ("onnxruntime", "ok", 1)]
+    assert rows[0]["max_rel_err"] <= 1e-5 and "symbolic" not in rows[0]["notes"]
+    with np.load(tmp_path / "wd" / "runs" / "detector_1" / "tpp.npz") as out:
+        assert out["out0"].shape == (1, 8, 13, 11)
+
+
+def test_bench_shapes_apply_to_files_only(capsys):
+    assert main(["bench", "mlp", "--shape", "x=1,64", "--impls", "tpp"]) == 2
+    assert "apply to ONNX files" in capsys.readouterr().err
+    assert main(["bench", "mlp", "--shape", "x=1,64", "--rpc", "127.0.0.1:1", "--key", "k"]) == 2
+    assert "--shape" in capsys.readouterr().err

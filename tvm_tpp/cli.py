@@ -428,6 +428,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from microkernels import isa
 
     if args.rpc is not None or args.key is not None:
+        if args.shape:
+            raise UsageError("--shape is for local runs; with --rpc give a file of fixed shape")
         return _bench_remote(args)
     args.impls = args.impls or "tpp,tpp-tuned,tvm-default,metaschedule,onnxruntime"
 
@@ -446,6 +448,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             impls=tuple(i.strip() for i in args.impls.split(",") if i.strip()),
             ms_trials=args.ms_trials, work_dir=Path(args.work_dir or default_work_dir()),
             seed=args.seed, timeout=args.timeout, precision=args.precision,
+            shapes=_shapes(args.shape) or {}, tolerance=args.rtol,
         )
     except ValueError as err:  # an option out of range
         raise UsageError(str(err)) from None
@@ -565,6 +568,9 @@ def _parser() -> argparse.ArgumentParser:
             "timing)")
     p.add_argument("model", nargs="+", help="bundled model names or ONNX files")
     p.add_argument("--batch", default="1", help="batch sizes of bundled models, e.g. 1,8")
+    p.add_argument("--shape", action="append", metavar="NAME=D0,D1,...",
+                   help="input shape of an ONNX file with symbolic dimensions besides the "
+                   "batch, e.g. a detector's x=1,3,640,640 (repeatable)")
     p.add_argument("--threads", type=int, help="threads of every implementation (default: all)")
     p.add_argument("--repeat", type=int, default=10, help="timed samples per implementation")
     p.add_argument("--impls",
@@ -580,6 +586,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write rows, host and command line as JSON")
     p.add_argument("--plot", help="write speedup and build-cost charts (PNG)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, inputs and tuning")
+    p.add_argument("--rtol", type=float, help="largest relative error against ONNX Runtime "
+                   "that counts as correct (default: 1e-4; bf16 1e-2, int8 5e-2); for outputs "
+                   "near zero on random inputs, where ONNX Runtime's own runs differ more")
     p.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds one implementation may spend building and tuning")
     # No choices, as for run: a bad value is BenchConfig's one-line error.

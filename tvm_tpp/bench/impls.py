@@ -138,12 +138,12 @@ def _model_tpp(job: Job, workload: ModelWorkload, say: Say) -> Built:
     proto, _, inputs = workload.load()
     start = time.perf_counter()
     target = f"tpp -num-cores={job.threads}"
-    if workload.input_shapes:  # a symbolic batch: one build serves every batch size
-        compiled, built_here = _symbolic_build(job, proto, target)
+    if workload.symbolic_batch:  # one build serves every batch size
+        compiled, built_here = _symbolic_build(job, proto, target, workload.fixed_shapes())
         how = "one symbolic-batch build for every batch" + ("" if built_here else " (reused)")
     else:
-        compiled = compiler.compile(proto, target=target, untuned=True,
-                                    precision=_compile_precision(job))
+        compiled = compiler.compile(proto, target=target, input_shapes=workload.input_shapes,
+                                    untuned=True, precision=_compile_precision(job))
         how = ""
     routed = sum(1 for o in compiled.report if o.kernel)
     notes = (f"{job.precision}: {routed}/{len(compiled.report)} matched operators on TPP "
@@ -152,8 +152,9 @@ def _model_tpp(job: Job, workload: ModelWorkload, say: Say) -> Built:
                      target=str(compiled.target), notes=notes)
 
 
-def _symbolic_build(job: Job, proto, target: str):
-    """(the model compiled with its batch symbolic, whether it was built now): exported to
+def _symbolic_build(job: Job, proto, target: str, shapes: dict[str, list[int]] | None):
+    """(the model compiled with its batch symbolic, and ``shapes`` for the inputs whose
+    shapes the user gave; whether it was built now): exported to
     ``work_dir/builds`` under a hash of the model and the build's settings, so that the
     workers of the other batch sizes load it instead of compiling again."""
     import hashlib
@@ -161,7 +162,7 @@ def _symbolic_build(job: Job, proto, target: str):
     from .. import compiler
     from ..errors import ModelError
 
-    settings = f"{target}|{job.precision}".encode()
+    settings = f"{target}|{job.precision}|{sorted((shapes or {}).items())}".encode()
     digest = hashlib.sha256(proto.SerializeToString() + settings).hexdigest()[:16]
     path = Path(job.work_dir) / "builds" / f"tpp_{digest}.so"
     if path.exists():
@@ -169,7 +170,7 @@ def _symbolic_build(job: Job, proto, target: str):
             return compiler.load(path), False
         except ModelError:
             pass  # an interrupted or stale export: built again below
-    compiled = compiler.compile(proto, target=target, untuned=True,
+    compiled = compiler.compile(proto, target=target, input_shapes=shapes, untuned=True,
                                 precision=_compile_precision(job))
     path.parent.mkdir(parents=True, exist_ok=True)
     compiled.export(path)

@@ -122,6 +122,9 @@ class BenchConfig:
         Seed of the weights of bundled models, of the inputs and of MetaSchedule.
     precision
         One of :data:`TOLERANCES`' keys; below float32 the run adds the :data:`FLOAT32` row.
+    shapes
+        Input shapes by name for ONNX files whose inputs have symbolic dimensions besides the
+        batch (a detector's height and width); these inputs then run at that shape only.
     tolerance
         Largest normwise relative error against ONNX Runtime that counts as correct (for the
         :data:`FLOAT32` row always :data:`TOLERANCE`); default: :data:`TOLERANCES`'.
@@ -155,6 +158,7 @@ class BenchConfig:
     work_dir: Path = field(default_factory=default_work_dir)
     seed: int = 0
     precision: str = "float32"
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     tolerance: float | None = None
     timeout: float = 3600.0
     sample_seconds: float = 0.05
@@ -169,6 +173,7 @@ class BenchConfig:
         object.__setattr__(self, "impls", tuple(self.impls))
         object.__setattr__(self, "work_dir", Path(self.work_dir))
         object.__setattr__(self, "worker_command", tuple(self.worker_command))
+        object.__setattr__(self, "shapes", {k: tuple(v) for k, v in self.shapes.items()})
         if not self.models:
             raise ValueError("give at least one model (bundled name or ONNX file)")
         if self.precision not in PRECISIONS:
@@ -272,6 +277,8 @@ class _Case:
     model_path: Path
     input_shapes: dict[str, list[int]] | None
     run_dir: Path
+    #: Inputs of ``input_shapes`` whose symbolic batch this case sets.
+    symbolic_batch: tuple[str, ...] = ()
     #: The float32 model of the FLOAT32 row (None: only a quantized file was given).
     float_path: Path | None = None
     precision: str = "float32"
@@ -296,6 +303,8 @@ def _cases(cfg: BenchConfig) -> list[_Case]:
         if not _is_file_model(model) and model not in models.names():
             raise ModelError(f"{model!r} is neither an ONNX file nor a bundled model; bundled: "
                              + ", ".join(models.names()))
+    if cfg.shapes and not any(_is_file_model(m) for m in cfg.models):
+        raise ModelError("input shapes apply to ONNX files; a bundled model takes a batch size")
     cases: dict[tuple[str, int], _Case] = {}
     for model in cfg.models:
         for batch in cfg.batches:
@@ -303,7 +312,7 @@ def _cases(cfg: BenchConfig) -> list[_Case]:
             if _is_file_model(model):
                 path = Path(model).resolve()
                 proto = load_onnx(path)
-                shapes = _batched_shapes(proto, batch)
+                shapes = _batched_shapes(proto, batch, cfg.shapes)
                 label = path.stem
             else:
                 proto = models.load(model, batch=batch, seed=cfg.seed)
@@ -323,8 +332,9 @@ def _cases(cfg: BenchConfig) -> list[_Case]:
             model_path, float_path = path, path
             if cfg.precision == "int8":
                 model_path, float_path = _int8_model(proto, path, run_dir)
+            symbolic = tuple(n for n in shapes or {} if n not in cfg.shapes)
             cases[(label, actual)] = _Case(label, actual, model_path, shapes, run_dir,
-                                           float_path, cfg.precision)
+                                           symbolic, float_path, cfg.precision)
     return list(cases.values())
 
 
@@ -344,13 +354,16 @@ def _int8_model(proto, path: Path, run_dir: Path) -> tuple[Path, Path | None]:
     return quantized, path
 
 
-def _batched_shapes(proto, batch: int) -> dict[str, list[int]] | None:
-    """Input shapes with a symbolic leading dimension set to ``batch``."""
+def _batched_shapes(proto, batch: int, given: Mapping[str, tuple[int, ...]]
+                    ) -> dict[str, list[int]] | None:
+    """Input shapes: those ``given``, and others with a symbolic leading dimension set to
+    ``batch`` (their names: the shapes' keys not in ``given``)."""
     initializers = {i.name for i in proto.graph.initializer}
-    shapes = {}
+    shapes = {name: list(shape) for name, shape in given.items()}
     for value in proto.graph.input:
         dims = value.type.tensor_type.shape.dim
-        if value.name in initializers or not dims or dims[0].dim_value > 0:
+        if (value.name in initializers or value.name in given or not dims
+                or dims[0].dim_value > 0):
             continue
         rest = [d.dim_value if d.dim_value > 0 else -1 for d in dims[1:]]
         if -1 in rest:
@@ -401,7 +414,8 @@ def _workload(case: _Case, impl: str, float_model: bool = False) -> ModelWorkloa
     """``impl``'s workload: the case's model, or with ``float_model`` its float32 one."""
     model, name = (case.float_path, f"{impl}-float32") if float_model else (case.model_path, impl)
     return ModelWorkload(str(model), str(case.run_dir / "inputs.npz"),
-                         str(case.run_dir / f"{name}.npz"), case.key, case.input_shapes)
+                         str(case.run_dir / f"{name}.npz"), case.key, case.input_shapes,
+                         case.symbolic_batch)
 
 
 def _start(cfg: BenchConfig, case: _Case, impl: str, float_model: bool = False) -> Worker:

@@ -45,6 +45,9 @@ class ModelWorkload:
         Names the model and batch in per-workload files (``"mlp_1"``).
     input_shapes
         Shapes by input name, for symbolic dimensions.
+    symbolic_batch
+        Inputs of ``input_shapes`` whose symbolic batch was set to this run's size: a build
+        may keep it symbolic (one build for every batch size).
     """
 
     model: str
@@ -52,10 +55,18 @@ class ModelWorkload:
     outputs: str
     key: str
     input_shapes: dict[str, list[int]] | None = None
+    symbolic_batch: tuple[str, ...] = ()
+
+    def fixed_shapes(self) -> dict[str, list[int]] | None:
+        """The input shapes a build with a symbolic batch takes (those given by the user)."""
+        fixed = {k: v for k, v in (self.input_shapes or {}).items()
+                 if k not in self.symbolic_batch}
+        return fixed or None
 
     def __post_init__(self) -> None:
         if not self.key:
             raise ValueError("a model workload needs a key")
+        object.__setattr__(self, "symbolic_batch", tuple(self.symbolic_batch))
 
     def load(self) -> tuple[onnx.ModelProto, list[TensorSpec], list[np.ndarray]]:
         """The model, its input specs and its inputs in the specs' order."""
