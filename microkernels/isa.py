@@ -25,6 +25,7 @@ from pathlib import Path
 __all__ = [
     "Isa",
     "Caches",
+    "CACHE_LINE",
     "KNOWN",
     "from_name",
     "detect",
@@ -189,6 +190,10 @@ def detect(cpuinfo: str | None = None, arch: str | None = None) -> Isa:
             f"({', '.join(KNOWN)}); its flags: {' '.join(sorted(flags)) or 'unknown'}"
         )
     return candidates[-1]
+
+
+#: Bytes of a cache line on every CPU tvm-tpp targets (x86-64 and the Arm cores it knows).
+CACHE_LINE = 64
 
 
 @dataclass(frozen=True)

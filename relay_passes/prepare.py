@@ -75,15 +75,35 @@ def prepare() -> tvm.transform.Pass:
 def fold_batchnorm(mod: tvm.IRModule) -> tvm.IRModule:
     """Fold inference BatchNorm into the constant weights of the conv2d before it, in numpy.
 
-    ``batch_norm(conv2d(x, W), g, b, m, v)[0]`` -> ``conv2d(x, W * s) + (b - m * s)`` with
-    ``s = g / sqrt(v + eps)`` per output channel.  Relax's FoldBatchnormToConv2D leaves the
-    products for FoldConstant, which compiles a kernel for each one (a minute on ResNet-50);
-    numpy does them in milliseconds.  The caller's module stays as it was.
+    ``batch_norm(conv2d(x, W) [+ c], g, b, m, v)[0]`` -> ``conv2d(x, W * s) + (b + (c - m) * s)``
+    with ``s = g / sqrt(v + eps)`` per output channel (``c``: the conv's own per-channel bias,
+    as exporters write a ``Conv`` with ``B`` before a BatchNorm).  Relax's
+    FoldBatchnormToConv2D leaves the products for FoldConstant, which compiles a kernel for
+    each one (a minute on ResNet-50); numpy does them in milliseconds.  The caller's module
+    stays as it was.
+
+    Examples
+    --------
+    >>> x = relax.Var("x", relax.TensorType((1, 2, 5, 5), "float32"))
+    >>> bb = relax.BlockBuilder()
+    >>> with bb.function("main", [x]):
+    ...     conv = bb.emit(relax.op.nn.conv2d(x, relax.const(np.ones((3, 2, 3, 3), "float32"))))
+    ...     biased = bb.emit(relax.op.add(conv, relax.const(np.ones((1, 3, 1, 1), "float32"))))
+    ...     stats = [relax.const(np.full(3, v, "float32")) for v in (2.0, 0.5, 1.0, 4.0)]
+    ...     norm = bb.emit(relax.op.nn.batch_norm(biased, *stats, axis=1, epsilon=0.0,
+    ...                                           training=False))
+    ...     _ = bb.emit_func_output(bb.emit(relax.TupleGetItem(norm, 0)))
+    >>> folded = fold_batchnorm(bb.get())["main"].body.blocks[0].bindings
+    >>> [b.value.op.name for b in folded]
+    ['relax.nn.conv2d', 'relax.add']
+    >>> float(folded[1].value.args[1].value.numpy().ravel()[0])  # 0.5 + (1 - 1) * 2 / 2
+    0.5
     """
     mod = mod.clone()
     conv = is_op("relax.nn.conv2d")(wildcard(), is_const())
+    own_bias = is_const()
     stats = [is_const() for _ in range(4)]
-    norm = is_op("relax.nn.batch_norm")(conv, *stats)
+    norm = is_op("relax.nn.batch_norm")(is_op("relax.add")(conv, own_bias) | conv, *stats)
     pattern = is_tuple_get_item(norm, 0)
 
     def rewriter(orig, matches):
@@ -98,8 +118,15 @@ def fold_batchnorm(mod: tvm.IRModule) -> tvm.IRModule:
         if not attrs.center:
             beta = np.zeros_like(beta)
         weight = call.args[1].value.numpy()
+        channels = weight.shape[0]
+        if own_bias in matches:
+            shift = matches[own_bias].value.numpy().astype(np.float64)
+            if shift.size != channels or shift.shape not in ((1, channels, 1, 1),
+                                                             (channels, 1, 1)):
+                return orig  # not a per-channel bias: the add stays as it is
+            mean = mean - shift.reshape(channels)
         scale = gamma / np.sqrt(var + float(attrs.epsilon))
-        if scale.shape != (weight.shape[0],):
+        if scale.shape != (channels,):
             return orig
         a = call.attrs
         folded = relax.op.nn.conv2d(

@@ -13,7 +13,7 @@ Examples
 
 from __future__ import annotations
 
-__all__ = ["divisors", "pick_divisor", "near_divisors"]
+__all__ = ["divisors", "pick_divisor", "near_divisors", "vector_block"]
 
 
 def divisors(n: int) -> list[int]:
@@ -27,6 +27,24 @@ def pick_divisor(n: int, limit: int, multiple: int = 1) -> int:
     fitting = [d for d in divisors(n) if d <= limit]
     aligned = [d for d in fitting if d % multiple == 0]
     return max(aligned or fitting)
+
+
+def vector_block(n: int, lanes: int, limit: int = 64) -> int:
+    """A block of ``n`` output columns for vectors of ``lanes``: the largest divisor within
+    ``limit`` that is a multiple of ``lanes`` and spans two vectors or more; else (ShuffleNet's
+    groups of 68 or 136 channels) the divisor within ``2 * limit``, of two vectors or more
+    where there is one, whose last vector is fullest (the larger on ties), since each
+    partial vector costs a whole one.
+
+    >>> vector_block(256, 8), vector_block(68, 8), vector_block(136, 8), vector_block(21, 8)
+    (64, 68, 68, 21)
+    """
+    aligned = [d for d in divisors(n) if d <= limit and d % lanes == 0]
+    if aligned and max(aligned) >= 2 * lanes:
+        return max(aligned)
+    fitting = [d for d in divisors(n) if d <= 2 * limit]
+    wide = [d for d in fitting if d >= 2 * lanes] or fitting
+    return max(wide, key=lambda d: (d / (lanes * -(-d // lanes)), d))
 
 
 def near_divisors(n: int, current: int, count: int, lo: int = 1, hi: int | None = None,

@@ -89,7 +89,7 @@ from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 from microkernels.pack import Packing, padded
 
-from .blocking import divisors, near_divisors, pick_divisor
+from .blocking import divisors, near_divisors, vector_block
 from .gemm import _k_block, _tile_blocks, _tile_rows, _weight_values
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
 from .nest import check_exact, check_run_time_loop, finish_nest, nest_loops
@@ -631,7 +631,8 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     """Blocks and loop order from the shape, the ISA's vectors and the caches.
 
     * ``bk`` — at most 64 output channels, a multiple of the accumulator's vector width
-      where possible;
+      where possible (:func:`~schedules.blocking.vector_block`: a group of 68 channels is one
+      block of 68, not two of 34);
     * ``bc`` — all input channels (at most 512, whole VNNI groups of the padded C) in one
       BRGEMM: C stays in registers across the whole channel reduction of a tap;
     * ``bq`` — the largest divisor of Q up to 28 rows, or, when that gives fewer than 7 rows
@@ -646,7 +647,9 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
       whose weights outgrow L2.  When the whole filter fits in half of L1 and K spans several
       blocks (MobileNet's expanding 1x1 convs), ``ADEcbfg``: each task writes whole output
       rows, every K block of them, instead of block-wide slivers of rows; with large filters
-      the K blocks stay outer, each weight panel read once per sweep.
+      the K blocks stay outer, each weight panel read once per sweep.  Also ``ADEcbfg`` when
+      a K block's slice of an output row ends inside a cache line (``bk`` of 28 or 68 floats):
+      tasks over K blocks would then share the lines at their edges.
 
     Examples
     --------
@@ -658,6 +661,10 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     >>> expand = ConvProblem(1, 16, 48, 48, 96, 1, 1)
     >>> default_config(expand, Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)).spec
     'ADEcbfg'
+    >>> grouped = ConvProblem(1, 272, 14, 14, 272, 1, 1, groups=4)  # ShuffleNet's
+    >>> cfg = default_config(grouped, Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2))
+    >>> (cfg.bk, cfg.spec)
+    (68, 'ADEcbfg')
     >>> u8 = ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1, dtype="uint8")
     >>> cfg = default_config(u8, Machine(isa.from_name("amx"), isa.DEFAULT_CACHES, threads=2))
     >>> (cfg.bq, cfg.bc, cfg.bk)
@@ -671,13 +678,15 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
         bq, bk = tiles
         bc = _k_block(problem.group_c, alpha, _amx.TILE_BYTES // problem.element_bytes)
     else:
-        bk = pick_divisor(problem.group_k, 64, lanes)
+        bk = vector_block(problem.group_k, lanes)
         bc = _k_block(problem.group_c, alpha, alpha)
         bq = _default_bq(problem.q)
     plane = problem.p * problem.q * bk * 4
     tasks = problem.n * (problem.k // bk)
     filters = problem.r * problem.s * problem.group_c * problem.k * problem.element_bytes
-    if filters <= machine.caches.l1d // 2 and problem.group_k // bk > 1:
+    slivers = (bk * 4) % _isa.CACHE_LINE != 0  # a K block's output row ends mid-line
+    if problem.k // bk > 1 and (filters <= machine.caches.l1d // 2 and problem.group_k // bk > 1
+                                or slivers):
         spec = "ADEcbfg"
     elif tasks >= 2 * machine.threads and plane <= machine.caches.l2 // 2:
         spec = "ACbfgde"
@@ -737,7 +746,8 @@ def candidates(problem: ConvProblem, machine: Machine) -> list[ConvConfig]:
     tiles = _uses_tiles(problem, machine)
     lanes = machine.isa.lanes("float32")
     bks = near_divisors(problem.group_k, base.bk, 1, hi=48 if tiles else 64,
-                        multiple=_amx.TILE_ROWS if tiles else lanes)
+                        multiple=_amx.TILE_ROWS if tiles else lanes) or (
+        [] if tiles else near_divisors(problem.group_k, base.bk, 1, lo=lanes, hi=128))
     blocks = [replace(base, bk=bk) for bk in bks
               if not tiles or base.bq <= _tile_rows(bk)]
     blocks += [replace(base, bq=bq) for bq in near_divisors(

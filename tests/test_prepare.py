@@ -40,9 +40,12 @@ def _main(params: list[relax.Var], body) -> tvm.IRModule:
     return bb.get()
 
 
-def _conv_bn(w: relax.Expr, stats: list[np.ndarray], **bn_attrs) -> tvm.IRModule:
+def _conv_bn(w: relax.Expr, stats: list[np.ndarray], own_bias: np.ndarray | None = None,
+             **bn_attrs) -> tvm.IRModule:
     def body(bb, x, *_):
         y = bb.emit(relax.op.nn.conv2d(x, w, padding=1))
+        if own_bias is not None:
+            y = bb.emit(relax.op.add(y, relax.const(own_bias)))
         norm = bb.emit(relax.op.nn.batch_norm(y, *map(relax.const, stats), axis=1,
                                               epsilon=1e-5, training=False, **bn_attrs))
         return relax.TupleGetItem(norm, 0)
@@ -70,6 +73,34 @@ def test_batchnorm_folds_into_conv_weight_and_bias(center, scale):
         relax.op.add(bb.emit(relax.op.nn.conv2d(x, relax.const(folded_w), padding=1)),
                      relax.const(folded_b))))
     tvm.ir.assert_structural_equal(fold_batchnorm(before), expected)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 4, 1, 1), (4, 1, 1)])
+def test_batchnorm_after_a_conv_with_its_own_bias_folds_both(bias_shape):
+    """``Conv(x, W, B)`` then BatchNorm, as Caffe2 and PyTorch exports with ``bias=True``
+    write it (ShuffleNet's stem): the conv's bias shifts the mean."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal(W_SHAPE).astype("float32")
+    c = rng.standard_normal(bias_shape).astype("float32")
+    gamma, beta, mean, var = _bn_stats(rng, W_SHAPE[0])
+    before = _conv_bn(relax.const(w), [gamma, beta, mean, var], own_bias=c)
+
+    s = gamma.astype(np.float64) / np.sqrt(var.astype(np.float64) + 1e-5)
+    folded_w = (w * s[:, None, None, None]).astype("float32")
+    folded_b = (beta + (c.reshape(-1) - mean.astype(np.float64)) * s).astype("float32")
+    expected = _main([relax.Var("x", relax.TensorType(X_SHAPE, "float32"))], lambda bb, x: (
+        relax.op.add(bb.emit(relax.op.nn.conv2d(x, relax.const(folded_w), padding=1)),
+                     relax.const(folded_b.reshape(1, -1, 1, 1)))))
+    tvm.ir.assert_structural_equal(fold_batchnorm(before), expected)
+
+
+def test_batchnorm_after_a_conv_plus_a_full_tensor_stays():
+    """An added constant that varies over the image is no per-channel bias."""
+    rng = np.random.default_rng(3)
+    before = _conv_bn(relax.const(rng.standard_normal(W_SHAPE).astype("float32")),
+                      _bn_stats(rng, W_SHAPE[0]),
+                      own_bias=rng.standard_normal((1, 4, 5, 7)).astype("float32"))
+    tvm.ir.assert_structural_equal(fold_batchnorm(before), before)
 
 
 def test_batchnorm_after_a_conv_with_varying_weights_stays():
@@ -141,13 +172,17 @@ def test_prepare_folds_the_transpose_of_a_constant_weight():
     tvm.ir.assert_structural_equal(prepare()(before), expected)
 
 
-def _conv_bn_sum_model() -> onnx.ModelProto:
-    """Conv+BN (odd sizes), its ReLU, and an ONNX Sum with the input: a residual block."""
+def _conv_bn_sum_model(conv_bias: bool = False) -> onnx.ModelProto:
+    """Conv (with its own bias) + BN (odd sizes), its ReLU, and an ONNX Sum with the input: a
+    residual block."""
     rng = np.random.default_rng(3)
     c = 5
     weights = {"w": rng.standard_normal((c, c, 3, 3)).astype("float32") / 6}
     weights.update(zip(["g", "b", "m", "v"], _bn_stats(rng, c), strict=True))
-    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4),
+    if conv_bias:
+        weights["cb"] = rng.standard_normal(c).astype("float32")
+    nodes = [helper.make_node("Conv", ["x", "w", "cb"] if conv_bias else ["x", "w"], ["y"],
+                              kernel_shape=[3, 3], pads=[1] * 4),
              helper.make_node("BatchNormalization", ["y", "g", "b", "m", "v"], ["n"]),
              helper.make_node("Relu", ["n"], ["r"]),
              helper.make_node("Sum", ["r", "x"], ["out"])]
@@ -158,16 +193,18 @@ def _conv_bn_sum_model() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def test_prepared_graph_matches_onnxruntime():
-    model = _conv_bn_sum_model()
+@pytest.mark.parametrize("conv_bias", [False, True])
+def test_prepared_graph_matches_onnxruntime(conv_bias):
+    model = _conv_bn_sum_model(conv_bias)
     compiled = tvm_tpp.compile(model, target=LLVM)
     inputs = random_inputs(compiled.inputs, seed=4)
     _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
     assert rel <= 1e-5
 
 
-def test_prepare_then_sum_repair_leave_one_conv_and_adds():
-    mod, _ = import_model(_conv_bn_sum_model())
+@pytest.mark.parametrize("conv_bias", [False, True])
+def test_prepare_then_sum_repair_leave_one_conv_and_adds(conv_bias):
+    mod, _ = import_model(_conv_bn_sum_model(conv_bias))
     mod = sum_to_add(prepare()(mod))
     ops = []
     relax.analysis.post_order_visit(mod["main"], lambda e: ops.append(e.op.name) if isinstance(

@@ -25,6 +25,7 @@ Examples
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -86,7 +87,8 @@ class Profile:
     ``seconds`` and ``shares`` map each of :data:`KINDS` to its seconds per run and share of
     ``measured_seconds`` (the time inside calls; shares sum to 1 when anything was called);
     ``run_seconds`` is one profiled run's wall time (the rest is the VM's interpretation
-    and the profiler's own callbacks); ``latency_seconds`` one unprofiled run's median.
+    and the profiler's own callbacks); ``latency_seconds`` the median of ``repeat`` unprofiled
+    runs.
     """
 
     operators: tuple[OperatorTime, ...]
@@ -113,15 +115,17 @@ class Profile:
 def profile_vm(vm, args: Sequence[Any], repeat: int = 10, warmup: int = 3,
                function: str = "main") -> Profile:
     """Time every call of ``vm[function](*args)`` over ``repeat`` runs (after ``warmup``
-    unprofiled ones) and group them by :func:`operator_kind`.
+    runs and ``repeat`` unprofiled timed ones) and group them by :func:`operator_kind`.
 
     ``vm`` gets an instrument for the runs: give it a VM of its own.
     """
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     entry = vm[function]
+    for _ in range(warmup):
+        entry(*args)
     latencies = []
-    for _ in range(max(warmup, 1)):
+    for _ in range(repeat):  # the unprofiled runs, warm, as tvm-tpp bench times them
         start = time.perf_counter()
         entry(*args)
         latencies.append(time.perf_counter() - start)
@@ -154,5 +158,5 @@ def profile_vm(vm, args: Sequence[Any], repeat: int = 10, warmup: int = 3,
         operators=tuple(operators), seconds=by_kind,
         shares={k: (s / measured if measured else 0.0) for k, s in by_kind.items()},
         measured_seconds=measured, run_seconds=run_seconds, repeat=repeat,
-        latency_seconds=min(latencies[1:] or latencies),
+        latency_seconds=statistics.median(latencies),
         calls={k: sum(o.calls for o in operators if o.kind == k) for k in KINDS})
