@@ -307,6 +307,8 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     image's and the kernel loops over ``batch`` of them.
     """
     # A zero point's padding keeps every tap: its fold into the bias covers them all.
+    if pad_value != 0 and isinstance(problem, ConvProblem):
+        problem = replace(problem, zero_border=False)
     trimmed = problem.without_dead_taps() if pad_value == 0 else problem
     if trimmed is not problem:
         rows, cols = problem.live_taps()

@@ -96,7 +96,8 @@ def _accumulator(problem: ConvProblem, x: np.ndarray, w: np.ndarray, pad_value) 
 def _run(problem: ConvProblem, config: ConvConfig, isa_name: str, pad_value=0,
          unfold: bool = False, seed: int = 0):
     """(Y, X, W, extra) of one run of the built conv (through its width-unfolded form if
-    asked) on random operands."""
+    asked) on random operands; a border of non-zero ``pad_value`` is not skipped."""
+    problem = replace(problem, zero_border=pad_value == 0)
     x, w, extra = _operands(problem, np.random.default_rng(seed))
     kernel = problem.unfold_width() if unfold else problem
     packed_x = (unfold_input if unfold else pack_input)(x, problem, pad_value)

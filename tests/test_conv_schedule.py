@@ -191,3 +191,48 @@ def test_bad_configs():
         schedule(problem, ConvConfig(bq=8, bc=16, bk=16, spec="ACDebf"))  # g missing
     with pytest.raises(ValueError, match="loop letters"):
         ConvConfig(bq=8, bc=16, bk=16, block_steps={"x": (2,)})
+
+
+@pytest.mark.parametrize("problem", [
+    ConvProblem(1, 16, 16, 16, 16, 3, 3, padding=12, dilation=12),  # DeepLab's rate 12
+    ConvProblem(2, 5, 7, 9, 12, 3, 3, stride=(2, 1), padding=(2, 1, 0, 1), dilation=(2, 1)),
+    ConvProblem(1, 8, 7, 7, 16, 3, 3, padding=1, epilogue=BIAS_RELU),  # ResNet's last stage
+])
+def test_filter_rows_over_the_zero_border_are_skipped(problem):
+    """With a zero border a BRGEMM call whose filter row reads border rows only is skipped:
+    NaN in those rows never reaches the output, which still equals the convolution."""
+    config = _default(problem)
+    assert "T.where" in schedule(problem, config).mod.script()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((problem.n, problem.c, problem.h, problem.w)).astype("float32")
+    w = rng.standard_normal((problem.k, problem.c, problem.r, problem.s)).astype("float32")
+    packed = pack_input(x, problem)
+    top, _, bottom, _ = problem.padding
+    packed[:, :top] = np.nan
+    packed[:, top + problem.h:] = np.nan
+    func = tvm.compile(schedule(problem, config).mod, target=tvm.target.Target(TARGETS["avx2"]))
+    extra = {op.name: rng.standard_normal(op.shape(problem.rows, problem.k)).astype("float32")
+             for op in problem.epilogue.inputs("float32")}
+    y = tvm.runtime.empty((problem.rows, problem.k), "float32")
+    func(tvm.runtime.tensor(packed), tvm.runtime.tensor(pack_weight(w, config.bk, problem)),
+         *[tvm.runtime.tensor(v) for v in extra.values()], y)
+    want = reference(problem, x, w).transpose(0, 2, 3, 1).reshape(problem.rows, problem.k)
+    if problem.epilogue.ops:
+        want = epilogue_reference(problem.epilogue, want.astype("float32"), extra)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_border_of_other_values_is_read_whole():
+    """``zero_border=False`` (a zero point pads the input): every filter row is computed."""
+    problem = ConvProblem(1, 8, 6, 5, 16, 3, 3, padding=2, dilation=2, zero_border=False)
+    config = _default(problem)
+    assert "T.where" not in schedule(problem, config).mod.script()
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 8, 6, 5)).astype("float32")
+    w = rng.standard_normal((16, 8, 3, 3)).astype("float32")
+    func = tvm.compile(schedule(problem, config).mod, target=tvm.target.Target(TARGETS["avx2"]))
+    y = tvm.runtime.empty((problem.rows, 16), "float32")
+    func(tvm.runtime.tensor(pack_input(x, problem, pad_value=3.0)),
+         tvm.runtime.tensor(pack_weight(w, config.bk, problem)), y)
+    want = reference(problem, x, w, pad_value=3.0).transpose(0, 2, 3, 1).reshape(-1, 16)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)
