@@ -455,7 +455,10 @@ def _gelu(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
 
 @register_expr("sigmoid")
 def _sigmoid(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
-    return _f32(1.0) / (_f32(1.0) + _exp(-x))
+    from tvm import tirx
+
+    # The saturating exp makes NaN finite; SiLU and GELU divide their x, which keeps it.
+    return tirx.Select(_isnan(x), x, _f32(1.0) / (_f32(1.0) + _exp(-x)))
 
 
 @register_expr("silu")

@@ -102,7 +102,9 @@ def exp(x: PrimExpr, saturate: bool = False) -> PrimExpr:
     Relative error below 2e-7 over the normal range (measured 1.2e-7).  Beyond it, as
     ``expf``: ``inf`` above 88.72, subnormals, then 0 below -103.97; NaN stays NaN.
     ``saturate=True`` (the TPP epilogues' form) instead clamps ``x`` to [-87, 88], results
-    between exp(-87) and exp(88), one multiply cheaper.
+    between exp(-87) and exp(88), one multiply cheaper, and leaves NaN to the caller (it
+    comes out finite): SiLU's and GELU's ``x / (1 + exp(..))`` carry it through their ``x``
+    anyway, and the test costs as much as a seventh of a SiLU conv on Zen 1.
 
     Examples
     --------
@@ -130,8 +132,12 @@ def exp(x: PrimExpr, saturate: bool = False) -> PrimExpr:
 
         return _let(tirx.floor(xc * _f32(1.0 / math.log(2.0)) + _f32(0.5)), from_n)
 
-    return _let(x, lambda v: tirx.Select(
-        _isnan(v), v, _let(tirx.min(tirx.max(v, _f32(lo)), _f32(hi)), from_clamped)))
+    def clamped(v: PrimExpr) -> PrimExpr:
+        return _let(tirx.min(tirx.max(v, _f32(lo)), _f32(hi)), from_clamped)
+
+    if saturate:
+        return clamped(x)
+    return _let(x, lambda v: tirx.Select(_isnan(v), v, clamped(v)))
 
 
 def erf(x: PrimExpr) -> PrimExpr:

@@ -273,7 +273,7 @@ def test_transcendentals_on_special_values():
     # exp and erf are polynomials here (tirx.exp/erf call scalar libm): check their clamping,
     # saturation and NaN handling at the edges, not just on the bulk of the data.
     c = np.float32([[np.nan, np.inf, 0.0, -0.0, 1e-30, 30.0, -30.0, 100.0, -100.0, 1e30, -1e30]])
-    for op in (EpilogueOp("sigmoid"), EpilogueOp("gelu", variant="tanh"),
+    for op in (EpilogueOp("sigmoid"), EpilogueOp("silu"), EpilogueOp("gelu", variant="tanh"),
                EpilogueOp("gelu", variant="erf")):
         epi = Epilogue([op])
         np.testing.assert_allclose(_run_elementwise(epi, c), reference(epi, c), **FLOAT_TOL)
