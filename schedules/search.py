@@ -8,7 +8,8 @@ For one operator, :func:`tune`
 2. builds the default and the next ``top_k``, :data:`BATCH` per LLVM module, and times them
    interleaved (each batch next to the best so far, which a newcomer must beat by
    :data:`MARGIN`), within an optional time budget;
-3. times the default and the best few again in a final round (:data:`FINAL_WINDOW`), and
+3. times the default and the best few again in a final round (:data:`FINAL_WINDOW`), where
+   the first in measuring order within :data:`MARGIN` of the fastest wins, and
 4. keeps the winner in a :class:`~schedules.database.Database`, if given one.
 
 Examples
@@ -210,8 +211,10 @@ def _final_round(problem: Problem, target: Target, isa: str, measurements: list[
                  ) -> Measurement:
     """The winner of a last, fair round: the default (``measurements[0]``) and the fastest
     candidates within :data:`FINAL_WINDOW` of the best are timed again, interleaved, the same
-    rounds each, and their records take those times.  A candidate wins only if it beats the
-    default by :data:`MARGIN` there.
+    rounds each, and their records take those times.  Of the contenders within
+    :data:`MARGIN` of the fastest there, the first in measuring order wins: a candidate
+    replaces the default only by beating it by the margin, and another only by beating the
+    earlier ones by it.
 
     Batches time each candidate briefly, while the default and the best so far are re-timed
     with every batch; keeping the fastest of all those samples would favour them, and a
@@ -231,8 +234,10 @@ def _final_round(problem: Problem, target: Target, isa: str, measurements: list[
         for i, seconds in zip(contenders, again, strict=True):
             if isinstance(seconds, float):
                 measurements[i] = replace(measurements[i], seconds=seconds)
-    best = min(contenders, key=lambda i: measurements[i].seconds)  # type: ignore[arg-type, return-value]
-    if best and default and \
-            not measurements[best].seconds < measurements[0].seconds * (1 - MARGIN):  # type: ignore[operator]
-        best = 0
-    return measurements[best]
+    timed = [i for i in contenders if measurements[i].seconds is not None]
+    fastest = min(measurements[i].seconds for i in timed)  # type: ignore[type-var]
+    # Contenders within MARGIN of the fastest are a tie the timer cannot break: the first in
+    # measuring order (the default, then the model's or the template's order) wins it, so a
+    # rerun, or a run on other servers, keeps the same choice.
+    return measurements[min(i for i in timed
+                            if measurements[i].seconds <= fastest * (1 + MARGIN))]  # type: ignore[operator]

@@ -165,6 +165,21 @@ def test_final_round_is_fair_to_candidates_timed_once(monkeypatch):
     assert [m.seconds for m in result.measurements[:2]] == [1.0, 0.95]
 
 
+@pytest.mark.parametrize("later, wins", [(0.95, "first"), (0.90, "later")])
+def test_final_round_ties_go_to_the_earlier_candidate(monkeypatch, later, wins):
+    """Two candidates beat the default; the later one measures faster than the earlier.
+    Within MARGIN of each other they are a tie the timer cannot break, and the earlier
+    (in measuring order) wins it, as it would on a rerun; beyond it the faster wins."""
+    calls = []
+    times = iter([1.0, 0.96, 0.97, 2.0, 2.0,   # the batch: default, first, later, others
+                  1.0, 0.96, later])           # the final round: default, first, later
+    _fake_measure(monkeypatch, lambda c: next(times), calls)
+    result = tune(PROBLEM, TARGET, top_k=4)
+    default, first, second = calls[0][:3]
+    assert calls[-1] == [default, first, second]
+    assert result.best == {"first": first, "later": second}[wins]
+
+
 def test_final_round_takes_at_most_four_contenders(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c: 1.0, calls)

@@ -7,7 +7,8 @@ invocation, into two fresh databases with the same settings (``--top-k`` candida
 operator, no time budget, so both runs consider the same candidates): first on ``solo``, then
 on ``pair``.  It prints each run's wall time and which operators' kept configurations differ,
 and writes both as JSON.  The candidates are built on this host in either case (one
-operator at a time on ``solo``, two on ``pair``).
+operator at a time on ``solo``, two on ``pair``), at the lowest CPU priority (``nice 19``),
+so that builds do not pre-empt the servers' timing runs on the cores they share.
 
 Examples
 --------
@@ -61,6 +62,10 @@ def run(name: str, top_k: int, log_dir: Path) -> dict:
                Server("pair", (cores[1],), 1)]
     model = models.load(name)
     with Fleet(log_dir, servers) as fleet, tempfile.TemporaryDirectory() as work:
+        # The servers share this host's cores with the builds: building at the lowest
+        # priority keeps LLVM from pre-empting a server's timing runs (on a fleet the
+        # servers have machines of their own).
+        os.nice(19)
         one_wall, one, one_s = _tune(model, fleet.address, "solo", Path(work) / "solo", top_k)
         print(f"one server : {one_wall:7.1f} s, {len(one)} operators", flush=True)
         two_wall, two, two_s = _tune(model, fleet.address, "pair", Path(work) / "pair", top_k)
