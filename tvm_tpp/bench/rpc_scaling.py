@@ -12,7 +12,7 @@ so that builds do not pre-empt the servers' timing runs on the cores they share.
 
 Examples
 --------
-$ python -m tvm_tpp.bench.rpc_scaling resnet50 --json rpc_scaling.json
+$ python -m tvm_tpp.bench.rpc_scaling resnet50 --control --json rpc_scaling.json
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def _tune(model, address: str, key: str, work_dir: Path, top_k: int
     return wall, kept, seconds
 
 
-def run(name: str, top_k: int, log_dir: Path) -> dict:
-    """Both runs of bundled model ``name``; the figures as a JSON-ready dict."""
+def run(name: str, top_k: int, log_dir: Path, control: bool = False) -> dict:
+    """Both runs of bundled model ``name`` (with ``control``, a third: one server again,
+    whose choices against the first run's show what timing noise alone changes); the
+    figures as a JSON-ready dict."""
     from .. import models
 
     cores = sorted(os.sched_getaffinity(0))
@@ -70,7 +72,11 @@ def run(name: str, top_k: int, log_dir: Path) -> dict:
         print(f"one server : {one_wall:7.1f} s, {len(one)} operators", flush=True)
         two_wall, two, two_s = _tune(model, fleet.address, "pair", Path(work) / "pair", top_k)
         print(f"two servers: {two_wall:7.1f} s", flush=True)
+        again = _tune(model, fleet.address, "solo", Path(work) / "again", top_k)[1] \
+            if control else None
     differ = sorted(k for k in one if one[k] != two.get(k))
+    noise = ({"one_server_again_same_configs": sum(again.get(k) == v for k, v in one.items())}
+             if again is not None else {})
 
     def gap(seconds: dict[str, float], key: str) -> float | None:
         """How much slower one run measured the other run's choice than its own (%)."""
@@ -85,7 +91,7 @@ def run(name: str, top_k: int, log_dir: Path) -> dict:
                           for k in differ},
             "cpu_flags": sorted(f for f in _isa.host_flags()
                                 if f.startswith(("avx", "fma", "amx"))),
-            "cores": cores[:2]}
+            "cores": cores[:2], **noise}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,13 +101,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=8, help="candidates per operator "
                         "besides its default (default 8, as tvm-tpp tune)")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--control", action="store_true", help="tune a third time on the one "
+                        "server and count how many choices timing noise alone changes")
     parser.add_argument("--logs", default=None, help="tracker and server logs (default: a "
                         "temporary directory)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as logs:
-        result = run(args.model, args.top_k, Path(args.logs or logs))
+        result = run(args.model, args.top_k, Path(args.logs or logs), args.control)
     print(f"speedup {result['speedup']:.2f}x; {result['same_configs']} of "
           f"{result['operators']} operators kept the same configuration")
+    if args.control:
+        print(f"control: one server tuned again kept "
+              f"{result['one_server_again_same_configs']} of {result['operators']} of its "
+              "first run's configurations")
     for key, d in result["differing"].items():
         gaps = [d["gap_percent_in_one_server_run"], d["gap_percent_in_two_servers_run"]]
         print(f"  {key}: one server {d['one_server']}, two servers {d['two_servers']} "
