@@ -40,7 +40,8 @@ TO_NCHW = (0, 3, 1, 2)
 
 #: Elementwise ops a permute moves through -> how many leading arguments are tensors of
 #: the output's shape (the rest: scalars, quantization parameters, attributes' values).
-_ELEMENTWISE = {"relax.add": 2, "relax.subtract": 2, "relax.multiply": 2, "relax.maximum": 2,
+_ELEMENTWISE = {"relax.add": 2, "relax.subtract": 2, "relax.multiply": 2, "relax.divide": 2,
+                "relax.maximum": 2,
                 "relax.minimum": 2, "relax.nn.relu": 1, "relax.clip": 1, "relax.astype": 1,
                 "relax.sigmoid": 1, "relax.quantize": 1, "relax.dequantize": 1}
 #: An NCHW axis's index in NHWC (a per-channel quantization's axis moves with the permute).
@@ -62,12 +63,14 @@ class _Layouts(relax.PyExprMutator):
     * ``permute_dims(permute_dims(a, p), q)`` -> ``a`` (or one permute_dims);
     * ``reshape(reshape(a, s), t)`` -> ``reshape(a, t)``, and ``a`` if ``t`` is a's shape
       (FuseOps would otherwise fuse the pair into a copy kernel);
-    * pooling and spatial ``mean`` of ``permute_dims(a, NCHW)`` run on ``a`` in NHWC, with
-      the permute after them, where the next conv's permute cancels it;
+    * pooling, resizing (FPN and segmentation heads' upsampling) and spatial ``mean`` of
+      ``permute_dims(a, NCHW)`` run on ``a`` in NHWC, with the permute after them, where
+      the next conv's permute cancels it;
     * so do elementwise ops whose tensor operands are all such permutes, scalars, constants
       (transposed at compile time) or per-image vectors ``[N, C, 1, 1]`` (reshaped): a
       quantized residual block's dequantize / add / relu / quantize between int8 convs,
-      DenseNet's BatchNorm + ReLU before a conv, squeeze-excite's channel scaling;
+      DenseNet's BatchNorm + ReLU before a conv, squeeze-excite's channel scaling,
+      HardSwish's ``x * clip(x + 3, 0, 6) / 6``;
     * and a channel ``concat`` of such permutes (DenseNet, Inception): the NHWC tensors are
       concatenated along their last axis;
     * ``astype(astype(x, float32), bfloat16)`` of a bf16 ``x`` is ``x`` (a bf16 producer's
@@ -111,6 +114,17 @@ class _Layouts(relax.PyExprMutator):
                                   attrs.dilation, bool(attrs.ceil_mode),
                                   bool(attrs.count_include_pad), layout="NHWC")
             return relax.op.permute_dims(pooled, TO_NCHW)
+        if name == "relax.image.resize2d" and str(attrs.layout) == "NCHW":
+            out_dtype = str(attrs.out_dtype) if attrs.out_dtype is not None else ""
+            resized = relax.op.image.resize2d(
+                nhwc, call.args[1], tuple(float(v) for v in attrs.roi), layout="NHWC",
+                method=str(attrs.method),
+                coordinate_transformation_mode=str(attrs.coordinate_transformation_mode),
+                rounding_method=str(attrs.rounding_method),
+                cubic_alpha=float(attrs.cubic_alpha), cubic_exclude=int(attrs.cubic_exclude),
+                extrapolation_value=float(attrs.extrapolation_value),
+                out_dtype=None if out_dtype in ("", "void") else out_dtype)
+            return relax.op.permute_dims(resized, TO_NCHW)
         if name == "relax.mean" and attrs.axis is not None \
                 and sorted(int(a) for a in attrs.axis) == [2, 3]:
             if not attrs.keepdims:

@@ -69,7 +69,10 @@ def tpp_rewrites(
         # What dense left: matmuls whose operands both vary.
         mod = rewrite_batch_matmul(mod, target, found, tuner, precision)
         # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
-        return relax.transform.RemoveRedundantReshape()(mod)
+        # Cancelled permutes leave var-to-var aliases, across which FuseOps would not fuse
+        # a chain into its consumer (HardSwish into the pad of the depthwise conv after it).
+        return relax.transform.CanonicalizeBindings()(
+            relax.transform.RemoveRedundantReshape()(mod))
 
     return _rewrites
 

@@ -1,18 +1,25 @@
-"""Layout cancellation between TPP convs: NHWC <-> NCHW permutes cancel, through pooling, spatial
-means and the residual operand of the next conv.
+"""Layout cancellation between TPP convs: NHWC <-> NCHW permutes cancel, through pooling,
+resizing, spatial means, elementwise chains (HardSwish) and the residual operand of the next
+conv.
 
 Each case is a Before/Expected pair of TVMScript modules, checked structurally and numerically
 (Before and the simplified module built with TVM and run on the same random data, odd sizes).
 """
 
 import numpy as np
+import onnx
 import pytest
 import tvm
+from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
+import tvm_tpp
 from relay_passes.layouts import simplify_layouts
+from tvm_tpp.compiler import lower
+from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
 LLVM = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
 
@@ -264,7 +271,72 @@ class ScaleExpected:
         return gv
 
 
-LAYOUT_CASES = {"concat": (ConcatBefore, ConcatExpected), "scale": (ScaleBefore, ScaleExpected)}
+# A segmentation head's or an FPN's upsampling (ONNX Resize) between convs: it resizes the
+# NHWC tensor.
+@I.ir_module
+class ResizeBefore:
+    @R.function
+    def main(x: R.Tensor((1, 5, 7, 3), "float32")) -> R.Tensor((1, 10, 13, 3), "float32"):
+        with R.dataflow():
+            nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+            up = R.image.resize2d(nchw, R.shape([10, 13]), roi=[0.0, 0.0, 0.0, 0.0],
+                                  layout="NCHW", method="linear",
+                                  coordinate_transformation_mode="half_pixel",
+                                  rounding_method="round", cubic_alpha=-0.75, cubic_exclude=0,
+                                  extrapolation_value=0.0)
+            gv = R.permute_dims(up, axes=[0, 2, 3, 1])
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class ResizeExpected:
+    @R.function
+    def main(x: R.Tensor((1, 5, 7, 3), "float32")) -> R.Tensor((1, 10, 13, 3), "float32"):
+        with R.dataflow():
+            up = R.image.resize2d(x, R.shape([10, 13]), roi=[0.0, 0.0, 0.0, 0.0],
+                                  layout="NHWC", method="linear",
+                                  coordinate_transformation_mode="half_pixel",
+                                  rounding_method="round", cubic_alpha=-0.75, cubic_exclude=0,
+                                  extrapolation_value=0.0)
+            gv = up
+            R.output(gv)
+        return gv
+
+
+# HardSwish as TVM's importer writes it, x * clip(x + 3, 0, 6) / 6 (MobileNetV3, PP-OCR).
+@I.ir_module
+class HardSwishBefore:
+    @R.function
+    def main(x: R.Tensor((1, 5, 7, 3), "float32")) -> R.Tensor((1, 5, 7, 3), "float32"):
+        with R.dataflow():
+            nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+            shifted = R.add(nchw, R.const(3.0, "float32"))
+            clipped = R.clip(shifted, R.prim_value(T.float64(0.0)), R.prim_value(T.float64(6.0)))
+            ratio = R.divide(clipped, R.const(6.0, "float32"))
+            hs = R.multiply(nchw, ratio)
+            gv = R.permute_dims(hs, axes=[0, 2, 3, 1])
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class HardSwishExpected:
+    @R.function
+    def main(x: R.Tensor((1, 5, 7, 3), "float32")) -> R.Tensor((1, 5, 7, 3), "float32"):
+        with R.dataflow():
+            shifted = R.add(x, R.const(3.0, "float32"))
+            clipped = R.clip(shifted, R.prim_value(T.float64(0.0)), R.prim_value(T.float64(6.0)))
+            ratio = R.divide(clipped, R.const(6.0, "float32"))
+            hs = R.multiply(x, ratio)
+            gv = hs
+            R.output(gv)
+        return gv
+
+
+LAYOUT_CASES = {"concat": (ConcatBefore, ConcatExpected), "scale": (ScaleBefore, ScaleExpected),
+                "resize": (ResizeBefore, ResizeExpected),
+                "hard_swish": (HardSwishBefore, HardSwishExpected)}
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES)
@@ -310,3 +382,36 @@ def test_constant_operands_are_transposed_at_compile_time():
     tvm.ir.assert_structural_equal(after, _batchnorm_relu(nhwc=True), map_free_vars=True)
     x = np.random.default_rng(2).standard_normal((1, 5, 7, 3)).astype("float32")
     np.testing.assert_allclose(_run(after, [x]), _run(before, [x]), rtol=1e-6)
+
+
+def _hard_swish_resize_network() -> onnx.ModelProto:
+    """PP-OCR's pattern with odd sizes: conv, HardSwish, depthwise conv, a 2x linear Resize,
+    a 1x1 conv."""
+    rng = np.random.default_rng(7)
+    weights = {"w1": rng.standard_normal((8, 3, 3, 3)), "w2": rng.standard_normal((8, 1, 3, 3)),
+               "w3": rng.standard_normal((5, 8, 1, 1)) / 3,
+               "scales": np.array([1.0, 1.0, 2.0, 2.0])}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("HardSwish", ["c1"], ["h"]),
+             helper.make_node("Conv", ["h", "w2"], ["c2"], pads=[1, 1, 1, 1], group=8),
+             helper.make_node("Resize", ["c2", "", "scales"], ["up"], mode="linear"),
+             helper.make_node("Conv", ["up", "w3"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "hs_resize", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 9, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5, 18, 14])],
+        [numpy_helper.from_array(v.astype("float32"), k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_hard_swish_and_resize_run_between_kernels_in_nhwc():
+    """Between TPP kernels HardSwish and Resize run on the NHWC tensors, with no transpose
+    in the functions that compute them; the result equals ONNX Runtime's."""
+    model = _hard_swish_resize_network()
+    lowered = lower(model, "tpp")
+    names = [gv.name_hint for gv in lowered.functions]
+    between = [n for n in names if "resize2d" in n or "divide" in n]
+    assert between and not any("transpose" in n for n in between), names
+    compiled = tvm_tpp.compile(model, target="tpp")
+    inputs = random_inputs(compiled.inputs, seed=3)
+    _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
+    assert rel <= 1e-5
