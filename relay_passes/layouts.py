@@ -72,7 +72,8 @@ class _Layouts(relax.PyExprMutator):
       DenseNet's BatchNorm + ReLU before a conv, squeeze-excite's channel scaling,
       HardSwish's ``x * clip(x + 3, 0, 6) / 6``;
     * and a channel ``concat`` of such permutes (DenseNet, Inception): the NHWC tensors are
-      concatenated along their last axis;
+      concatenated along their last axis; ShuffleNet's channel shuffle of one shuffles the
+      NHWC channels;
     * ``astype(astype(x, float32), bfloat16)`` of a bf16 ``x`` is ``x`` (a bf16 producer's
       output handed to a bf16 consumer).
     """
@@ -96,6 +97,9 @@ class _Layouts(relax.PyExprMutator):
                 return inner.args[0]
             return relax.op.permute_dims(inner.args[0], composed)
         if name == "relax.reshape":
+            shuffled = self._channel_shuffle(call)
+            if shuffled is not None:
+                return shuffled
             source = inner.args[0] if is_call_to(inner, "relax.reshape") else call.args[0]
             target = static_shape(call.ty.shape)
             if target is not None and static_shape(source.ty.shape) == target:
@@ -139,6 +143,29 @@ class _Layouts(relax.PyExprMutator):
         if is_call_to(bound, "relax.permute_dims") and _axes(bound) == TO_NCHW:
             return bound.args[0]
         return None
+
+    def _channel_shuffle(self, call: relax.Call) -> relax.Expr | None:
+        """ShuffleNet's ``reshape(permute_dims(reshape(x, [N, g, C/g, H, W]), [0, 2, 1, 3, 4]),
+        [N, C, H, W])`` of ``x = permute_dims(a, NCHW)`` as the same shuffle of the NHWC ``a``:
+        ``permute_dims(reshape(permute_dims(reshape(a, [N, H, W, g, C/g]), [0, 1, 2, 4, 3]),
+        [N, H, W, C]), NCHW)`` (None: not that pattern)."""
+        swap = self._bound(call.args[0])
+        if not (is_call_to(swap, "relax.permute_dims") and _axes(swap) == (0, 2, 1, 3, 4)):
+            return None
+        split = self._bound(swap.args[0])
+        if not is_call_to(split, "relax.reshape"):
+            return None
+        nhwc = self._nhwc(split.args[0])
+        parts, out = static_shape(split.ty.shape), static_shape(call.ty.shape)
+        if nhwc is None or parts is None or out is None or len(parts) != 5:
+            return None
+        n, groups, per_group, h, w = parts
+        channels = groups * per_group
+        if out != (n, channels, h, w) or static_shape(nhwc.ty.shape) != (n, h, w, channels):
+            return None
+        grouped = relax.op.reshape(nhwc, (n, h, w, groups, per_group))
+        shuffled = relax.op.permute_dims(grouped, [0, 1, 2, 4, 3])
+        return relax.op.permute_dims(relax.op.reshape(shuffled, (n, h, w, channels)), TO_NCHW)
 
     def _concat(self, call: relax.Call) -> relax.Expr:
         """``concat([permute_dims(a, NCHW), ...], axis=1)`` -> ``permute_dims(concat([a, ...],

@@ -334,7 +334,37 @@ class HardSwishExpected:
         return gv
 
 
+# ShuffleNet's channel shuffle of 3 groups of 4 channels between convs: the NHWC channels are
+# shuffled, no layout conversion left.
+@I.ir_module
+class ShuffleBefore:
+    @R.function
+    def main(x: R.Tensor((2, 5, 7, 12), "float32")) -> R.Tensor((2, 5, 7, 12), "float32"):
+        with R.dataflow():
+            nchw = R.permute_dims(x, axes=[0, 3, 1, 2])
+            split = R.reshape(nchw, R.shape([2, 3, 4, 5, 7]))
+            swapped = R.permute_dims(split, axes=[0, 2, 1, 3, 4])
+            shuffled = R.reshape(swapped, R.shape([2, 12, 5, 7]))
+            gv = R.permute_dims(shuffled, axes=[0, 2, 3, 1])
+            R.output(gv)
+        return gv
+
+
+@I.ir_module
+class ShuffleExpected:
+    @R.function
+    def main(x: R.Tensor((2, 5, 7, 12), "float32")) -> R.Tensor((2, 5, 7, 12), "float32"):
+        with R.dataflow():
+            grouped = R.reshape(x, R.shape([2, 5, 7, 3, 4]))
+            swapped = R.permute_dims(grouped, axes=[0, 1, 2, 4, 3])
+            shuffled = R.reshape(swapped, R.shape([2, 5, 7, 12]))
+            gv = shuffled
+            R.output(gv)
+        return gv
+
+
 LAYOUT_CASES = {"concat": (ConcatBefore, ConcatExpected), "scale": (ScaleBefore, ScaleExpected),
+                "shuffle": (ShuffleBefore, ShuffleExpected),
                 "resize": (ResizeBefore, ResizeExpected),
                 "hard_swish": (HardSwishBefore, HardSwishExpected)}
 
