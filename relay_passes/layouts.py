@@ -41,9 +41,9 @@ TO_NCHW = (0, 3, 1, 2)
 #: Elementwise ops a permute moves through -> how many leading arguments are tensors of
 #: the output's shape (the rest: scalars, quantization parameters, attributes' values).
 _ELEMENTWISE = {"relax.add": 2, "relax.subtract": 2, "relax.multiply": 2, "relax.divide": 2,
-                "relax.maximum": 2,
-                "relax.minimum": 2, "relax.nn.relu": 1, "relax.clip": 1, "relax.astype": 1,
-                "relax.sigmoid": 1, "relax.quantize": 1, "relax.dequantize": 1}
+                "relax.maximum": 2, "relax.minimum": 2, "relax.nn.relu": 1, "relax.clip": 1,
+                "relax.astype": 1, "relax.sigmoid": 1, "relax.quantize": 1,
+                "relax.dequantize": 1}
 #: An NCHW axis's index in NHWC (a per-channel quantization's axis moves with the permute).
 _NCHW_TO_NHWC_AXIS = (0, 3, 1, 2)
 

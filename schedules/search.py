@@ -234,10 +234,10 @@ def _final_round(problem: Problem, target: Target, isa: str, measurements: list[
         for i, seconds in zip(contenders, again, strict=True):
             if isinstance(seconds, float):
                 measurements[i] = replace(measurements[i], seconds=seconds)
-    timed = [i for i in contenders if measurements[i].seconds is not None]
-    fastest = min(measurements[i].seconds for i in timed)  # type: ignore[type-var]
-    # Contenders within MARGIN of the fastest are a tie the timer cannot break: the first in
-    # measuring order (the default, then the model's or the template's order) wins it, so a
-    # rerun, or a run on other servers, keeps the same choice.
-    return measurements[min(i for i in timed
-                            if measurements[i].seconds <= fastest * (1 + MARGIN))]  # type: ignore[operator]
+    # Every contender has a time (picked among the timed, re-timed or kept).  Those within
+    # MARGIN of the fastest are a tie the timer cannot break: the first in measuring order
+    # (the default, then the model's or the template's order) wins it, so a rerun, or a run
+    # on other servers, keeps the same choice.
+    winning = min(measurements[i].seconds for i in contenders)  # type: ignore[type-var]
+    return measurements[min(i for i in contenders
+                            if measurements[i].seconds <= winning * (1 + MARGIN))]  # type: ignore[operator]
