@@ -8,8 +8,9 @@ For one operator, :func:`tune`
 2. builds the default and the next ``top_k``, :data:`BATCH` per LLVM module, and times them
    interleaved (each batch next to the best so far, which a newcomer must beat by
    :data:`MARGIN`), within an optional time budget;
-3. times the default and the best few again in a final round (:data:`FINAL_WINDOW`), where
-   the first in measuring order within :data:`MARGIN` of the fastest wins, and
+3. times the default and the fastest candidates again in a final round, in two halves whose
+   disagreement measures the timer's noise; the first in measuring order within that noise
+   (at least :data:`MARGIN`) of the fastest wins, and
 4. keeps the winner in a :class:`~schedules.database.Database`, if given one.
 
 Examples
@@ -37,21 +38,21 @@ from .ops import Config, Problem, op_of
 if TYPE_CHECKING:
     from tvm.target import Target
 
-__all__ = ["Measurement", "TuneResult", "tune", "BATCH", "MARGIN", "FINAL_WINDOW"]
+__all__ = ["Measurement", "TuneResult", "tune", "BATCH", "MARGIN"]
 
 #: Candidates compiled per module: one LLVM invocation for several, and a budgeted tuner
 #: checks its clock between modules.
 BATCH = 5
 #: A candidate replaces the incumbent only if it is this much faster: timings of equal
-#: programs differ by about this much on a shared machine.
+#: programs differ by about this much on a quiet machine (the final round widens it to the
+#: noise it measures).
 MARGIN = 0.02
-#: The final round: the default and the candidates within this fraction of the fastest
-#: (at most :data:`_FINAL_CONTENDERS` in all) are timed again side by side, the same rounds
-#: each, and that round decides.
-FINAL_WINDOW = 0.05
-_FINAL_CONTENDERS = 4
-_FINAL_ROUNDS = 5
-_FINAL_SECONDS = 0.1
+#: The final round: the default and the fastest candidates, this many in all (the default's
+#: ``top_k`` of 8 and the default), timed again side by side in two halves of
+#: :data:`_FINAL_ROUNDS` rounds of :data:`_FINAL_SECONDS` each per contender.
+_FINAL_CONTENDERS = 9
+_FINAL_ROUNDS = 3
+_FINAL_SECONDS = 0.04
 
 
 @dataclass(frozen=True)
@@ -82,14 +83,15 @@ class Measurement:
 
 @dataclass(frozen=True)
 class TuneResult:
-    """The kept config; when tuned now, what was measured (the default first) and how many
-    candidates were considered."""
+    """The kept config; when tuned now, what was measured (the default first), how many
+    candidates were considered, and the final round's tie margin (see :func:`tune`)."""
 
     best: Config
     cached: bool
     tune_seconds: float
     measurements: tuple[Measurement, ...] = field(default=())
     candidates: int = 0
+    tie_margin: float | None = None
 
 
 def tune(
@@ -108,10 +110,11 @@ def tune(
     The default configuration and the next candidates (the model's best for a dense GEMM,
     the template's list for a conv or batch GEMM) are built :data:`BATCH` at a time and timed
     interleaved with the best so far; a candidate replaces it only when :data:`MARGIN`
-    faster.  A final round times the default and the candidates within
-    :data:`FINAL_WINDOW` of the best again, side by side and the same rounds each; the
-    winner there must beat the default by the margin once more, so tuning does not keep a
-    configuration that merely measured lucky over the default.
+    faster.  A final round times the default and the fastest candidates again, side by side
+    and the same rounds each, in two halves; the winner there must beat the default (and
+    every earlier candidate) by the margin, or by the halves' disagreement where that is
+    larger, so tuning does not keep a configuration that merely measured lucky, and a rerun
+    on a noisy machine keeps the same one.
 
     Parameters
     ----------
@@ -195,49 +198,66 @@ def tune(
     if budget_seconds is not None:  # what is left of the budget, shared by the contenders
         left = budget_seconds - (time.perf_counter() - start)
         round_seconds = max(0.0, min(round_seconds, left / _FINAL_ROUNDS / _FINAL_CONTENDERS))
-    incumbent = _final_round(problem, target, machine.isa.name, measurements, built,
-                             round_seconds, measurer)
+    incumbent, margin = _final_round(problem, target, machine.isa.name, measurements, built,
+                                     round_seconds, measurer)
     seconds = time.perf_counter() - start
     if database is not None:
         database.put(key, incumbent.config, gflops=incumbent.gflops(problem),
-                     tune_seconds=seconds, candidates=generated,
+                     tune_seconds=seconds, candidates=generated, tie_margin=margin,
                      measured=[m.to_json() for m in measurements])
     return TuneResult(incumbent.config, cached=False, tune_seconds=seconds,
-                      measurements=tuple(measurements), candidates=generated)
+                      measurements=tuple(measurements), candidates=generated,
+                      tie_margin=margin)
 
 
 def _final_round(problem: Problem, target: Target, isa: str, measurements: list[Measurement],
                  built: dict[Config, object], round_seconds: float, measurer: Measurer
-                 ) -> Measurement:
-    """The winner of a last, fair round: the default (``measurements[0]``) and the fastest
-    candidates within :data:`FINAL_WINDOW` of the best are timed again, interleaved, the same
-    rounds each, and their records take those times.  Of the contenders within
-    :data:`MARGIN` of the fastest there, the first in measuring order wins: a candidate
-    replaces the default only by beating it by the margin, and another only by beating the
-    earlier ones by it.
+                 ) -> tuple[Measurement, float]:
+    """The winner of a last, fair round, and the round's tie margin.
 
-    Batches time each candidate briefly, while the default and the best so far are re-timed
-    with every batch; keeping the fastest of all those samples would favour them, and a
-    short batch can flatter a candidate by more than the margin on a shared machine.  All
-    contenders are built already, so the round costs only timing: ``round_seconds`` per
+    The default (``measurements[0]``) and the fastest timed candidates (at most
+    :data:`_FINAL_CONTENDERS` in all) are timed again, interleaved, in two independent halves
+    of the same rounds each; each record takes its faster half.  How far the halves disagree
+    on the contenders' times relative to the default is the timer's own noise for this
+    operator: contenders within the larger of :data:`MARGIN` and twice that disagreement of
+    the fastest are a tie, won by the first in measuring order (the default, then the model's
+    or the template's order), so a rerun or a run on other servers keeps the same choice.
+
+    Every timed candidate goes on, not only those that came near in the batches: a
+    candidate timed once in a batch while the machine was busy can measure far slower than
+    it is.  All are built already, so the round costs only timing: ``round_seconds`` per
     contender and round (at least one run), which a budget shrinks to what is left of it.
     """
-    timed = sorted((i for i, m in enumerate(measurements) if m.seconds is not None),
+    timed = sorted((i for i, m in enumerate(measurements) if i and m.seconds is not None),
                    key=lambda i: measurements[i].seconds)  # type: ignore[arg-type, return-value]
-    fastest = measurements[timed[0]].seconds
-    near = [i for i in timed if i and measurements[i].seconds <= fastest * (1 + FINAL_WINDOW)]
     default = [0] if measurements[0].seconds is not None else []  # unless it failed to build
-    contenders = default + near[:_FINAL_CONTENDERS - len(default)]
+    contenders = default + timed[:_FINAL_CONTENDERS - len(default)]
+    margin = MARGIN
     if len(contenders) > 1:
-        again = measurer(problem, [measurements[i].config for i in contenders], target, isa,
-                         rounds=_FINAL_ROUNDS, round_seconds=round_seconds, built=built)
-        for i, seconds in zip(contenders, again, strict=True):
-            if isinstance(seconds, float):
-                measurements[i] = replace(measurements[i], seconds=seconds)
-    # Every contender has a time (picked among the timed, re-timed or kept).  Those within
-    # MARGIN of the fastest are a tie the timer cannot break: the first in measuring order
-    # (the default, then the model's or the template's order) wins it, so a rerun, or a run
-    # on other servers, keeps the same choice.
+        configs = [measurements[i].config for i in contenders]
+        halves = [measurer(problem, configs, target, isa, rounds=_FINAL_ROUNDS,
+                           round_seconds=round_seconds, built=built) for _ in range(2)]
+        both = [(i, a, b) for i, a, b in zip(contenders, *halves, strict=True)
+                if isinstance(a, float) and isinstance(b, float)]
+        margin = max(MARGIN, 2 * _disagreement([(a, b) for _, a, b in both]))
+        for i, a, b in both:
+            measurements[i] = replace(measurements[i], seconds=min(a, b))
     winning = min(measurements[i].seconds for i in contenders)  # type: ignore[type-var]
     return measurements[min(i for i in contenders
-                            if measurements[i].seconds <= winning * (1 + MARGIN))]  # type: ignore[operator]
+                            if measurements[i].seconds <= winning * (1 + margin))], margin  # type: ignore[operator]
+
+
+def _disagreement(pairs: list[tuple[float, float]]) -> float:
+    """The median relative disagreement of two timings of the same programs about their
+    times relative to the first program's (a machine that is uniformly slower in one half
+    does not count).
+
+    >>> round(_disagreement([(1.0, 2.0), (1.1, 2.2), (1.1, 2.0)]), 6)  # the third: 10 % off
+    0.05
+    """
+    (a0, b0), rest = pairs[0], pairs[1:]
+    off = sorted(abs(a / a0 / (b / b0) - 1) for a, b in rest)
+    if not off:
+        return 0.0
+    mid = len(off) // 2
+    return off[mid] if len(off) % 2 else (off[mid - 1] + off[mid]) / 2

@@ -38,15 +38,14 @@ from .database import Database, TuningKey
 from .gemm import ranked_configs
 from .measure import build, measure, time_interleaved
 from .ops import MODEL_RESOLUTION, OPS, Config, Problem, config_text, op_of, problem_text
-from .search import BATCH, FINAL_WINDOW, MARGIN, Measurement, TuneResult, tune
+from .search import BATCH, MARGIN, Measurement, TuneResult, tune
 
 if TYPE_CHECKING:
     from tvm.target import Target
 
 __all__ = ["Tuner", "TaskCollector", "config_for", "Database", "TuningKey", "tune",
            "TuneResult", "Measurement", "problem_text", "config_text", "measure", "build",
-           "time_interleaved", "ranked_configs", "MODEL_RESOLUTION", "OPS", "BATCH", "MARGIN",
-           "FINAL_WINDOW"]
+           "time_interleaved", "ranked_configs", "MODEL_RESOLUTION", "OPS", "BATCH", "MARGIN"]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import Machine, machine_of
 from schedules import batch_gemm, conv, gemm, search
 from schedules.gemm import GemmConfig, GemmProblem, pack_weight, schedule
-from schedules.ops import MODEL_RESOLUTION, OPS
+from schedules.ops import MODEL_RESOLUTION, OPS, op_of
 from schedules.tuner import (
     MARGIN,
     Database,
@@ -101,68 +101,70 @@ def test_tune_cli_explain(tmp_path, dense_file, capsys):
 
 
 def _fake_measure(monkeypatch, seconds_of, calls=None, delay=0.0):
-    """Replace building and timing by ``seconds_of(config)``; record each batch's configs."""
+    """Replace building and timing by ``seconds_of(config, final)`` (``final``: a call of the
+    final round, which passes its rounds); record each call's configs."""
 
-    def fake(problem, configs, target, isa, **_):
+    def fake(problem, configs, target, isa, **options):
         if calls is not None:
             calls.append(list(configs))
         time.sleep(delay)
-        return [seconds_of(c) for c in configs]
+        return [seconds_of(c, "rounds" in options) for c in configs]
 
     monkeypatch.setattr(search, "measure", fake)
 
 
+def _ranked(top_k):
+    """The default and the candidates ``tune(PROBLEM, TARGET, top_k=top_k)`` measures, in
+    measuring order."""
+    choices, _ = op_of(PROBLEM).choices(PROBLEM, machine_of(TARGET), 400)
+    return [c.config for c in choices[:1 + top_k]]
+
+
 @pytest.mark.parametrize("speedup,wins", [(MARGIN / 2, False), (3 * MARGIN, True)])
 def test_candidate_must_beat_default_by_margin(monkeypatch, speedup, wins):
-    default = DEFAULT
-    picked = []
-
-    def seconds_of(config):
-        if config == default:
-            return 1.0
-        if not picked:
-            picked.append(config)
-        return 1.0 - speedup if config == picked[0] else 2.0
-
-    _fake_measure(monkeypatch, seconds_of)
-    result = tune(PROBLEM, TARGET, top_k=6)
-    assert result.best == (picked[0] if wins else default)
+    default, first, *_ = _ranked(6)
+    _fake_measure(monkeypatch, lambda c, final: {default: 1.0, first: 1.0 - speedup}.get(c, 2.0))
+    assert tune(PROBLEM, TARGET, top_k=6).best == (first if wins else default)
 
 
-@pytest.mark.parametrize("final, wins", [((1.0, 0.995), False), ((1.0, 0.9), True)])
+@pytest.mark.parametrize("final, wins", [(0.995, False), (0.9, True)])
 def test_winner_must_beat_the_default_again_in_the_final_round(monkeypatch, final, wins):
+    default, winner, *others = _ranked(4)
     calls = []
-    times = iter([1.0, 0.9, 1.0, 1.0, 1.0, *final])  # one batch, then the final round
-    _fake_measure(monkeypatch, lambda c: next(times), calls)
+    _fake_measure(monkeypatch, lambda c, last: (final if last else 0.9) if c == winner
+                  else 1.0 if c == default else 2.0, calls)
     result = tune(PROBLEM, TARGET, top_k=4)
-    winner, default = calls[0][1], calls[0][0]
-    # Only the default and the candidates within FINAL_WINDOW of the best go on.
-    assert calls[-1] == [default, winner] and len(calls) == 2
+    # The default, then every timed candidate, fastest first; in two halves.
+    assert calls[-1] == calls[-2] == [default, winner, *others] and len(calls) == 3
     assert result.best == (winner if wins else default)
     # Contenders' records take the final round's times: equal samples for each.
-    assert [m.seconds for m in result.measurements[:2]] == list(final)
+    assert [m.seconds for m in result.measurements[:2]] == [1.0, final]
 
 
 def test_final_round_is_fair_to_candidates_timed_once(monkeypatch):
     # The default, re-timed with every batch, once measured 0.95 (luck); the candidate
     # measured 0.99 in its only batch.  Side by side in the final round it is 5 % faster.
-    calls = []
-    rounds = {0: iter([1.0, 0.95, 1.0]), 1: iter([0.99, 0.95])}
-    default = DEFAULT
-    seen = []
+    default, *_, late = _ranked(search.BATCH + 1)
+    retimed = iter([1.0, 0.95])
 
-    def seconds_of(config):
+    def seconds_of(config, final):
         if config == default:
-            return next(rounds[0])
-        if config not in seen:
-            seen.append(config)
-        return next(rounds[1]) if config == seen[0] else 2.0
+            return 1.0 if final else next(retimed)
+        return (0.95 if final else 0.99) if config == late else 2.0
 
-    _fake_measure(monkeypatch, seconds_of, calls)
+    _fake_measure(monkeypatch, seconds_of)
     result = tune(PROBLEM, TARGET, top_k=search.BATCH + 1)
-    assert calls[-1] == [default, seen[0]]
-    assert result.best == seen[0]
-    assert [m.seconds for m in result.measurements[:2]] == [1.0, 0.95]
+    assert result.best == late
+    assert result.measurements[0].seconds == 1.0 and result.measurements[-1].seconds == 0.95
+
+
+def test_final_round_takes_candidates_a_busy_batch_slowed(monkeypatch):
+    # A candidate measured 3x slower than it is in its batch (the machine was busy) still
+    # contends in the final round, and wins there.
+    default, *_, unlucky = _ranked(4)
+    _fake_measure(monkeypatch, lambda c, final: 1.0 if c == default
+                  else (0.8 if final else 3.0) if c == unlucky else 2.0)
+    assert tune(PROBLEM, TARGET, top_k=4).best == unlucky
 
 
 @pytest.mark.parametrize("later, wins", [(0.95, "first"), (0.90, "later")])
@@ -170,57 +172,80 @@ def test_final_round_ties_go_to_the_earlier_candidate(monkeypatch, later, wins):
     """Two candidates beat the default; the later one measures faster than the earlier.
     Within MARGIN of each other they are a tie the timer cannot break, and the earlier
     (in measuring order) wins it, as it would on a rerun; beyond it the faster wins."""
-    calls = []
-    times = iter([1.0, 0.96, 0.97, 2.0, 2.0,   # the batch: default, first, later, others
-                  1.0, 0.96, later])           # the final round: default, first, later
-    _fake_measure(monkeypatch, lambda c: next(times), calls)
+    default, first, second, *_ = _ranked(4)
+    _fake_measure(monkeypatch, lambda c, final: {
+        default: 1.0, first: 0.96, second: later if final else 0.97}.get(c, 2.0))
     result = tune(PROBLEM, TARGET, top_k=4)
-    default, first, second = calls[0][:3]
-    assert calls[-1] == [default, first, second]
     assert result.best == {"first": first, "later": second}[wins]
+    assert result.tie_margin == MARGIN  # the halves agree: no noise beyond the margin
 
 
-def test_final_round_takes_at_most_four_contenders(monkeypatch):
+@pytest.mark.parametrize("disagree, wins", [(0.0, "candidate"), (0.12, "default")])
+def test_noisy_halves_widen_the_tie(monkeypatch, disagree, wins):
+    """A candidate 5 % faster than the default wins when the final round's halves agree; when
+    they disagree by 12 % on the programs' relative times, 5 % is within the noise and the
+    default keeps its place (as it would on a rerun with the noise the other way)."""
+    default, candidate, *others = _ranked(2)
+    half = iter(range(10**6))
+
+    def seconds_of(config, final):
+        if config == default:
+            return 1.0
+        if config == candidate:
+            return 0.95
+        # The others: 2.0 in the first half, 2.0 * (1 + disagree) in the second.
+        return 2.0 * (1 + disagree * (final and next(half) % 2))
+
+    _fake_measure(monkeypatch, seconds_of)
+    result = tune(PROBLEM, TARGET, top_k=2)
+    assert result.best == {"candidate": candidate, "default": default}[wins]
+    # Twice the median of the halves' disagreements: 0 (the candidate) and the others'.
+    assert result.tie_margin == pytest.approx(max(MARGIN, 1 - 1 / (1 + disagree)))
+
+
+def test_final_round_takes_at_most_nine_contenders(monkeypatch):
     calls = []
-    _fake_measure(monkeypatch, lambda c: 1.0, calls)
-    tune(PROBLEM, TARGET, top_k=6)
-    assert len(calls[-1]) == search._FINAL_CONTENDERS
+    _fake_measure(monkeypatch, lambda c, final: 1.0, calls)
+    tune(PROBLEM, TARGET, top_k=12)
+    assert len(calls[-1]) == search._FINAL_CONTENDERS == 9
     assert calls[-1][0] == calls[0][0]  # the default, first
 
 
-def test_no_final_round_when_nothing_comes_near(monkeypatch):
+def test_no_final_round_for_the_default_alone(monkeypatch):
     calls = []
-    default = DEFAULT
-    _fake_measure(monkeypatch, lambda c: 1.0 if c == default else 1.2, calls)
-    result = tune(PROBLEM, TARGET, top_k=3)
-    assert len(calls) == 1 and result.best == default
+    _fake_measure(monkeypatch, lambda c, final: 1.0, calls)
+    result = tune(PROBLEM, TARGET, top_k=0)
+    assert len(calls) == 1 and result.best == DEFAULT and result.tie_margin == MARGIN
 
 
 def test_incumbent_is_retimed_with_each_batch(monkeypatch):
     calls = []
-    _fake_measure(monkeypatch, lambda c: 1.0, calls)
+    _fake_measure(monkeypatch, lambda c, final: 1.0, calls)
     result = tune(PROBLEM, TARGET, top_k=2 * search.BATCH)
-    batches = calls[:-1]  # the last call is the final round
+    batches = calls[:-2]  # the last two calls are the final round's halves
     assert len(batches) >= 2 and batches[0][0] == result.best  # nothing beat the default...
     assert all(batch[-1] == result.best for batch in batches[1:])  # ...which ran in each batch
 
 
-def test_incumbent_record_keeps_its_best_retiming(monkeypatch):
+def test_incumbent_keeps_its_best_retiming_between_batches(monkeypatch):
     # Batch 1: the default (slow this time) and four slower candidates; batch 2: one more
-    # candidate and the default again, faster now.  Nothing comes near it: no final round.
-    times = iter([2.0, 3.0, 3.0, 3.0, 3.0, 3.0, 1.0])
-    _fake_measure(monkeypatch, lambda c: next(times))
+    # candidate and the default again, faster now: the second batch's incumbent is timed at 1.0.
+    default = _ranked(5)[0]
+    batches = []
+    retimed = iter([2.0, 1.0])
+    _fake_measure(monkeypatch, lambda c, final: 1.0 if final and c == default else 3.0
+                  if c != default else next(retimed), batches)
     result = tune(PROBLEM, TARGET, top_k=5)
-    default = result.measurements[0]
-    assert default.config == result.best and default.seconds == 1.0
+    assert batches[1][-1] == default and result.best == default
+    assert result.measurements[0].seconds == 1.0
 
 
 def test_budget_stops_after_the_first_batch(monkeypatch):
     calls = []
-    _fake_measure(monkeypatch, lambda c: 1.0, calls, delay=0.2)
+    _fake_measure(monkeypatch, lambda c, final: 1.0, calls, delay=0.2)
     result = tune(PROBLEM, TARGET, top_k=3 * search.BATCH, budget_seconds=0.1)
     assert len(result.measurements) == 2  # the default and one candidate...
-    assert calls == [calls[0]] * 2  # ...timed in one batch and in the final round
+    assert calls == [calls[0]] * 3  # ...timed in one batch and in the final round's halves
 
 
 def test_budget_shrinks_the_final_round(monkeypatch):
@@ -241,12 +266,12 @@ def test_budget_shrinks_the_final_round(monkeypatch):
 
 def test_budget_admits_batches_that_fit(monkeypatch):
     calls = []
-    _fake_measure(monkeypatch, lambda c: 1.0, calls, delay=0.05)
+    _fake_measure(monkeypatch, lambda c, final: 1.0, calls, delay=0.05)
     result = tune(PROBLEM, TARGET, top_k=2 * search.BATCH, budget_seconds=60)
     # Batches of 2, BATCH and the rest of the 1 + top_k, each later one with the incumbent.
     rest = 1 + 2 * search.BATCH - 2 - search.BATCH
     assert [len(c) for c in calls] == [2, search.BATCH + 1, rest + 1,
-                                       search._FINAL_CONTENDERS]
+                                       search._FINAL_CONTENDERS, search._FINAL_CONTENDERS]
     assert len(result.measurements) == 1 + 2 * search.BATCH
 
 
