@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -34,9 +35,10 @@ __all__ = ["main", "run"]
 
 
 def _tune(model, address: str, key: str, work_dir: Path, top_k: int
-          ) -> tuple[float, dict[str, str], dict[str, dict[str, float]]]:
+          ) -> tuple[float, dict[str, str], dict[str, dict[str, float]], dict[str, float]]:
     """Wall seconds of tuning ``model`` on the servers under ``key``, the kept configs by
-    operator, and every measured config's seconds by operator."""
+    operator, every measured config's seconds by operator, and each operator's tie margin
+    (the final round's measured noise, see :func:`schedules.search.tune`)."""
     from schedules.tuner import config_text, problem_text
 
     from .. import compiler
@@ -48,7 +50,8 @@ def _tune(model, address: str, key: str, work_dir: Path, top_k: int
     seconds = {problem_text(t.problem): {config_text(m.config): m.seconds
                                          for m in t.result.measurements if m.seconds}
                for t in tuned}
-    return wall, kept, seconds
+    margins = {problem_text(t.problem): t.result.tie_margin for t in tuned}
+    return wall, kept, seconds, margins
 
 
 def run(name: str, top_k: int, log_dir: Path, control: bool = False) -> dict:
@@ -68,9 +71,11 @@ def run(name: str, top_k: int, log_dir: Path, control: bool = False) -> dict:
         # priority keeps LLVM from pre-empting a server's timing runs (on a fleet the
         # servers have machines of their own).
         os.nice(19)
-        one_wall, one, one_s = _tune(model, fleet.address, "solo", Path(work) / "solo", top_k)
+        one_wall, one, one_s, one_m = _tune(model, fleet.address, "solo", Path(work) / "solo",
+                                            top_k)
         print(f"one server : {one_wall:7.1f} s, {len(one)} operators", flush=True)
-        two_wall, two, two_s = _tune(model, fleet.address, "pair", Path(work) / "pair", top_k)
+        two_wall, two, two_s, two_m = _tune(model, fleet.address, "pair", Path(work) / "pair",
+                                            top_k)
         print(f"two servers: {two_wall:7.1f} s", flush=True)
         again = _tune(model, fleet.address, "solo", Path(work) / "again", top_k)[1] \
             if control else None
@@ -87,8 +92,11 @@ def run(name: str, top_k: int, log_dir: Path, control: bool = False) -> dict:
             "speedup": one_wall / two_wall, "same_configs": len(one) - len(differ),
             "differing": {k: {"one_server": one[k], "two_servers": two.get(k),
                               "gap_percent_in_one_server_run": gap(one_s[k], k),
-                              "gap_percent_in_two_servers_run": gap(two_s[k], k)}
+                              "gap_percent_in_two_servers_run": gap(two_s[k], k),
+                              "tie_margin_percent": [100 * one_m[k], 100 * two_m[k]]}
                           for k in differ},
+            "median_tie_margin_percent": [100 * statistics.median(m.values())
+                                          for m in (one_m, two_m)],
             "cpu_flags": sorted(f for f in _isa.host_flags()
                                 if f.startswith(("avx", "fma", "amx"))),
             "cores": cores[:2], **noise}
@@ -114,11 +122,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"control: one server tuned again kept "
               f"{result['one_server_again_same_configs']} of {result['operators']} of its "
               "first run's configurations")
+    print("median tie margin (measured noise): "
+          + ", ".join(f"{m:.1f} %" for m in result["median_tie_margin_percent"]))
     for key, d in result["differing"].items():
         gaps = [d["gap_percent_in_one_server_run"], d["gap_percent_in_two_servers_run"]]
         print(f"  {key}: one server {d['one_server']}, two servers {d['two_servers']} "
               "(apart by " + " and ".join("?" if g is None else f"{g:.1f} %" for g in gaps)
-              + " in the two runs' own measurements)")
+              + " in the two runs' own measurements; tie margins "
+              + " and ".join(f"{m:.1f} %" for m in d["tie_margin_percent"]) + ")")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")
