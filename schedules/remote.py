@@ -331,6 +331,10 @@ class RemotePool:
         Servers a batch is given to before its candidates are reported failed.
     connect_seconds
         Seconds to wait for the tracker, and for a free server when a session is (re)opened.
+    exclusive
+        The servers share one machine (several on a many-core host, or loopback): they time
+        one at a time, since two timing at once measure each other through the shared caches
+        and memory; building and uploading still overlap.
 
     Raises
     ------
@@ -346,7 +350,8 @@ class RemotePool:
     """
 
     def __init__(self, tracker: Tracker, isa: str | None = None, *, timeout: float = 120.0,
-                 tries: int = 3, connect_seconds: float = 10.0) -> None:
+                 tries: int = 3, connect_seconds: float = 10.0, exclusive: bool = False
+                 ) -> None:
         if not timeout > 0 or not connect_seconds > 0:
             raise ValueError("timeout and connect_seconds must be > 0")
         if tries < 1:
@@ -361,6 +366,7 @@ class RemotePool:
                               f"--key {tracker.key}`)")
         self._queue: queue.Queue[_Work | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._turn = threading.Lock() if exclusive else None  # whose turn it is to time
         self._live = 0
         self._broken: str | None = None
         self._opened = 0
@@ -551,9 +557,18 @@ class RemotePool:
             No server is left under the key.
         """
         expected = (rounds + 1) * len(artifacts) * max(round_seconds, 0.01)
+
+        def time_in_turn(session: Session) -> list[float]:
+            # A server that hangs holding the turn holds it only until its timeout.
+            turn = self._turn is not None and self._turn.acquire(timeout=self.timeout)
+            try:
+                return session.time(artifacts, rounds, round_seconds)
+            finally:
+                if turn:
+                    self._turn.release()  # type: ignore[union-attr]
+
         try:
-            return self.run(lambda s: s.time(artifacts, rounds, round_seconds), expected,
-                            f"{len(artifacts)} candidates")
+            return self.run(time_in_turn, expected, f"{len(artifacts)} candidates")
         except RemoteError as err:
             if self._broken is not None:
                 raise

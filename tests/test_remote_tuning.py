@@ -6,6 +6,7 @@ Python; without it that test skips and says so).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,31 @@ def _tune_all(problems, target, measurer):
         t.join(timeout=120)
     assert len(out) == len(problems), "every task finished"
     return [out[i] for i in range(len(problems))]
+
+
+def test_exclusive_servers_time_one_at_a_time(fleet, tmp_path, monkeypatch):
+    """Servers that share a machine (``exclusive``) take turns: no two timing calls overlap,
+    while the operators are still tuned concurrently and on both servers."""
+    calls: list[tuple[float, float, int]] = []
+    real = remote.Session.time
+
+    def recorded(session, *args):
+        start = time.perf_counter()
+        try:
+            time.sleep(0.3)  # a longer timing run: without turns, the servers' would overlap
+            return real(session, *args)
+        finally:
+            calls.append((start, time.perf_counter(), id(session)))
+
+    monkeypatch.setattr(remote.Session, "time", recorded)
+    before = _timed_on(fleet)
+    with compiler.remote_pool("tpp", fleet.address, KEY, exclusive=True) as (pool, target):
+        problems = [GemmProblem(16, 32, 64), GemmProblem(24, 48, 32), GemmProblem(8, 64, 48)]
+        _tune_all(problems, target, remote.RemoteMeasurer(pool, tmp_path))
+    calls.sort()
+    assert len(calls) >= 6 and len({c[2] for c in calls}) == 2, "both servers timed"
+    assert all(end <= start for (_, end, _), (start, _, _) in itertools.pairwise(calls))
+    assert all(a < b for a, b in zip(before, _timed_on(fleet), strict=True))
 
 
 def test_killed_server_run_completes_with_every_result(tmp_path, capsys):

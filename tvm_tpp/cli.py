@@ -333,6 +333,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     targets = []  # the servers' target, with --rpc
     if remote:
         remote["on_target"] = targets.append
+        remote["rpc_exclusive"] = args.exclusive
+    elif args.exclusive:
+        raise UsageError("--exclusive is for measuring on RPC servers: give the tracker "
+                         "with --rpc HOST:PORT")
     for name in args.model:
         console.print(f"[bold]{name}[/bold]: tuning each GEMM, conv and batch GEMM")
         with console.status("tuning", spinner="dots"):
@@ -546,6 +550,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
                    help="tune the GEMMs a build of this precision runs (bf16: its dense layers)")
     _rpc_options(p, "measure candidates (built here, in parallel across the servers)")
+    p.add_argument("--exclusive", action="store_true", help="with --rpc: the servers share "
+                   "one machine; they time one at a time (building still overlaps)")
 
     p = add("bench-gemm", cmd_bench_gemm,
             "GEMM GFLOPS (--dtype float32) or GOPS (int8, bfloat16: x tpp-float32, % of "

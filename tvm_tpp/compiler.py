@@ -627,13 +627,14 @@ def target_spec(tgt: Target) -> str:
 
 @contextlib.contextmanager
 def remote_pool(target: str, rpc: str, key: str | None, isa: str | None = None, *,
-                timeout: float = 120.0, tries: int = 3
+                timeout: float = 120.0, tries: int = 3, exclusive: bool = False
                 ) -> Iterator[tuple[_remote.RemotePool, Target]]:
     """The servers under ``key`` at the tracker ``rpc`` (``HOST:PORT``) and their target.
 
     The ISA is ``isa`` (or the target spec's ``-isa=``), else the richest the servers run,
     as they say; the target's LLVM CPU and threads are theirs unless the spec gives them
-    (:func:`~tvm_tpp.tpp_target.remote_target`).
+    (:func:`~tvm_tpp.tpp_target.remote_target`).  ``exclusive``: the servers share one
+    machine and time one at a time (:class:`~schedules.remote.RemotePool`).
 
     Raises
     ------
@@ -664,7 +665,8 @@ def remote_pool(target: str, rpc: str, key: str | None, isa: str | None = None, 
     if wanted is not None:
         make_target(f"tpp -isa={wanted}")  # an unknown ISA: TargetError listing the known
     with _remote_errors():
-        pool = _remote.RemotePool(tracker, wanted, timeout=timeout, tries=tries)
+        pool = _remote.RemotePool(tracker, wanted, timeout=timeout, tries=tries,
+                                  exclusive=exclusive)
     try:
         tgt = remote_target(target, pool.isa, pool.cpu)
         try:
@@ -691,6 +693,7 @@ def tune(
     isa: str | None = None,
     rpc_timeout: float = 120.0,
     rpc_tries: int = 3,
+    rpc_exclusive: bool = False,
     on_target: Callable[[Target], None] | None = None,
 ) -> list[Tuned]:
     """Tune each GEMM, conv and batch GEMM of a model into ``work_dir/tuning.db``.
@@ -724,6 +727,10 @@ def tune(
     rpc_timeout, rpc_tries
         With ``rpc``: seconds a server may stay silent on a batch before it is taken for
         hung, and servers a batch is tried on before its candidates are reported failed.
+    rpc_exclusive
+        With ``rpc``: the servers share one machine (several servers on one many-core host,
+        or loopback); they time one at a time, as they would undisturbed on machines of
+        their own, while candidates are still built and uploaded in parallel.
     on_target
         With ``rpc``: called with the servers' target once it is known (the results are
         stored under it; :func:`compile` finds them with :func:`target_spec` of it).
@@ -753,9 +760,9 @@ def tune(
     """
     _precision(precision)
     if rpc is None:
-        if key is not None or isa is not None:
-            raise UsageError("a device key and an ISA are for measuring on RPC servers: "
-                             "give the tracker too (rpc='HOST:PORT')")
+        if key is not None or isa is not None or rpc_exclusive:
+            raise UsageError("a device key, an ISA and exclusive timing are for measuring on RPC "
+                             "servers: give the tracker too (rpc='HOST:PORT')")
         tgt = make_target(target)
         _measurable(tgt)
         mod, _ = import_model(model, input_shapes)
@@ -763,8 +770,8 @@ def tune(
                            precision)
     database = _database(work_dir)
     mod, _ = import_model(model, input_shapes)
-    with remote_pool(target, rpc, key, isa, timeout=rpc_timeout, tries=rpc_tries
-                     ) as (pool, tgt):  # type: ignore[arg-type]
+    with remote_pool(target, rpc, key, isa, timeout=rpc_timeout, tries=rpc_tries,
+                     exclusive=rpc_exclusive) as (pool, tgt):  # type: ignore[arg-type]
         if on_target is not None:
             on_target(tgt)
         return _tune_tasks(mod, tgt, database, budget, top_k, on_tuned, precision, pool)

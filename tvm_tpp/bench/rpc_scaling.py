@@ -8,7 +8,10 @@ operator, no time budget, so both runs consider the same candidates): first on `
 on ``pair``.  It prints each run's wall time and which operators' kept configurations differ,
 and writes both as JSON.  The candidates are built on this host in either case (one
 operator at a time on ``solo``, two on ``pair``), at the lowest CPU priority (``nice 19``),
-so that builds do not pre-empt the servers' timing runs on the cores they share.
+so that builds do not pre-empt the servers' timing runs on the cores they share, and the
+two servers take turns to time (``rpc_exclusive``): timing at once, each would measure the
+other's traffic in the shared L3 and memory, which servers on machines of their own never
+see.  What runs in parallel is the building, uploading and timing of different operators.
 
 Examples
 --------
@@ -44,7 +47,8 @@ def _tune(model, address: str, key: str, work_dir: Path, top_k: int
     from .. import compiler
 
     start = time.perf_counter()
-    tuned = compiler.tune(model, "tpp", work_dir=work_dir, rpc=address, key=key, top_k=top_k)
+    tuned = compiler.tune(model, "tpp", work_dir=work_dir, rpc=address, key=key, top_k=top_k,
+                          rpc_exclusive=True)  # the servers share this host
     wall = time.perf_counter() - start
     kept = {problem_text(t.problem): config_text(t.result.best) for t in tuned}
     seconds = {problem_text(t.problem): {config_text(m.config): m.seconds
