@@ -3,8 +3,12 @@
 ``C[m, n] += sum_b sum_k A_b[m, k] * B_b[k, n]`` over ``batch`` blocks of A and B that sit at
 fixed strides from each other (the stride-based BRGEMM of the TPP paper, the form blocked
 layouts give).  C is accumulated in registers across the whole batch-reduce
-(output-stationary); zeroing (beta = 0) is the schedule's job, done by TVM's
-``decompose_reduction`` at the first K step, exactly where PARLOOPER calls its zero TPP.
+(output-stationary); zeroing is the schedule's job, done by TVM's ``decompose_reduction``
+at the first K step, exactly where PARLOOPER calls its zero TPP.  Where one call is the
+whole reduction of its C block, a kernel with ``beta=0`` (:func:`zeroing`) starts its
+accumulators at zero instead of loading C, and the schedule drops the zeroing pass: a 1x1
+convolution over 64 channels otherwise stores its C block three times (zeros, the sums, the
+epilogue's result) for 64 FMAs per element.
 
 A :class:`BrgemmShape` names one kernel.  :func:`dispatch` turns it into a registered
 ``tvm.s_tir.TensorIntrin`` (created on first use and cached, like LIBXSMM's
@@ -40,6 +44,8 @@ Examples
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import threading
 from collections.abc import Callable
@@ -103,6 +109,11 @@ class BrgemmShape:
         Operand layout (:data:`LAYOUTS`).
     isa
         Name of the ISA the code is for (:data:`microkernels.isa.KNOWN`).
+    beta
+        1: add to C (``C += ...``); 0: overwrite it (``C = ...``; C's incoming values are
+        never read).  The TIR semantics (:func:`desc_func`) are the same for both: a
+        schedule uses a ``beta=0`` kernel only for a call whose C block it zeroed and that
+        is the only call of the reduction, and drops the zeroing (``schedules.nest``).
     """
 
     m: int
@@ -113,6 +124,7 @@ class BrgemmShape:
     dtype_acc: str = "float32"
     layout: str = "flat"
     isa: str = "avx2"
+    beta: int = 1
 
     def __post_init__(self) -> None:
         for dim in ("m", "n", "k", "batch"):
@@ -134,6 +146,8 @@ class BrgemmShape:
             raise ValueError(f"layout {self.layout!r} does not hold {self.dtype_a} operands")
         if self.k % alpha:
             raise ValueError(f"layout {self.layout!r} needs k divisible by {alpha}, got {self.k}")
+        if self.beta not in (0, 1) or isinstance(self.beta, bool):
+            raise ValueError(f"BrgemmShape.beta must be 0 or 1, got {self.beta!r}")
         _isa.from_name(self.isa)
 
     @property
@@ -154,7 +168,7 @@ class BrgemmShape:
         """Name of the registered ``TensorIntrin`` for this shape."""
         return (
             f"tpp_brgemm_{self.isa}_{self.dtype_a}_{self.layout}_"
-            f"{self.m}x{self.n}x{self.k}x{self.batch}"
+            f"{self.m}x{self.n}x{self.k}x{self.batch}" + ("_beta0" if self.beta == 0 else "")
         )
 
     def a_shape(self) -> tuple[int, ...]:
@@ -182,6 +196,8 @@ DescFactory = Callable[[BrgemmShape, bool], "PrimFunc"]
 # (isa, dtype_a, layout) -> impl factory.  Implementation modules register here when imported;
 # they are imported lazily by dispatch() so importing this module parses no TVMScript.
 _IMPLS: dict[tuple[str, str, str], ImplFactory] = {}
+# The keys of _IMPLS whose factories also make beta=0 kernels.
+_ZEROING: set[tuple[str, str, str]] = set()
 _DESCS: dict[str, DescFactory] = {}
 # layout -> (operand shapes function, numpy reference) for layouts registered by modules.
 _LAYOUT_FNS: dict[str, tuple[Callable, Callable]] = {}
@@ -189,11 +205,13 @@ _IMPL_MODULES = ("microkernels.x86", "microkernels.amx", "microkernels.arm")
 _loaded = False
 
 
-def register_impl(isas: str | tuple[str, ...], dtype_a: str, layout: str):
+def register_impl(isas: str | tuple[str, ...], dtype_a: str, layout: str, *,
+                  zeroing: bool = False):
     """Decorator registering ``factory(shape) -> impl PrimFunc`` for these ISAs.
 
     The impl must read and write the same buffers (shapes, strides, scopes) as
-    :func:`desc_func` declares for the shape, and compute the same values.
+    :func:`desc_func` declares for the shape, and compute the same values; with
+    ``zeroing``, the factory also makes ``beta=0`` kernels (:class:`BrgemmShape`).
     """
     names = (isas,) if isinstance(isas, str) else isas
 
@@ -202,6 +220,8 @@ def register_impl(isas: str | tuple[str, ...], dtype_a: str, layout: str):
             if name != "generic":
                 _isa.from_name(name)
             _IMPLS[(name, dtype_a, layout)] = factory
+            if zeroing:
+                _ZEROING.add((name, dtype_a, layout))
         return factory
 
     return wrap
@@ -245,18 +265,38 @@ def find_impl(shape: BrgemmShape) -> tuple[str, PrimFunc]:
 
     The richest ISA along the shape's lineage whose factory accepts the shape wins; a factory
     refuses a shape it cannot do (an AMX tile budget, a NEON register tile) with ValueError,
-    and the next one is tried, down to the generic loops.
+    and the next one is tried, down to the generic loops.  A ``beta=0`` shape takes only
+    factories registered with ``zeroing``.
     """
     _load_implementations()
     for name in _isa.from_name(shape.isa).lineage() + ("generic",):
-        factory = _IMPLS.get((name, shape.dtype_a, shape.layout))
-        if factory is None:
+        key = (name, shape.dtype_a, shape.layout)
+        factory = _IMPLS.get(key)
+        if factory is None or (shape.beta == 0 and key not in _ZEROING):
             continue
         try:
             return name, factory(shape)
         except ValueError:
             continue
+    if shape.beta == 0:
+        raise ValueError(f"no BRGEMM implementation has a beta=0 variant for {shape}")
     raise AssertionError(f"no generic BRGEMM registered for {shape}")
+
+
+@functools.cache
+def zeroing(shape: BrgemmShape) -> BrgemmShape | None:
+    """``shape`` with ``beta=0`` if the implementation that runs ``shape`` has a zeroing
+    variant (never a slower fallback of another ISA), else None.
+
+    >>> zeroing(BrgemmShape(m=28, n=64, k=64, isa="avx2")).name
+    'tpp_brgemm_avx2_float32_flat_28x64x64x1_beta0'
+    >>> zeroing(BrgemmShape(m=32, n=32, k=64, dtype_a="bfloat16", layout="vnni2", isa="amx"))
+    """
+    zeroed = dataclasses.replace(shape, beta=0)
+    try:
+        return zeroed if find_impl(zeroed)[0] == find_impl(shape)[0] else None
+    except ValueError:
+        return None
 
 
 def desc_func(shape: BrgemmShape, as_workload: bool = False) -> PrimFunc:
@@ -270,7 +310,7 @@ def desc_func(shape: BrgemmShape, as_workload: bool = False) -> PrimFunc:
     return _strided_desc(shape, as_workload)
 
 
-def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
+def _strided_desc(shape: BrgemmShape, as_workload: bool, zero_first: bool = False) -> PrimFunc:
     import contextlib
 
     from tvm import tirx
@@ -318,6 +358,9 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
                 T.reads(C[0:m, 0:n], A[tuple(slice(0, s) for s in a_shape)],
                         B[tuple(slice(0, s) for s in b_shape)])
                 T.writes(C[0:m, 0:n])
+                if zero_first:  # a beta=0 impl: the sums overwrite C
+                    with T.grid(m, n) as (zi, zj):
+                        T.buffer_store(C, tirx.const(0, tc), [zi, zj])
                 with contextlib.ExitStack() as loops:
                     if axes:
                         loop_vars = loops.enter_context(T.grid(*(e for _, e in axes)))
@@ -339,13 +382,20 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool) -> PrimFunc:
 
 
 def _generic_impl(shape: BrgemmShape) -> PrimFunc:
-    """Portable fallback: the semantics themselves, left to LLVM's vectorizer."""
+    """Portable fallback: the semantics themselves, left to LLVM's vectorizer (with
+    ``beta=0``, after zeroing C; the layouts of :func:`register_layout` have no such variant)."""
+    if shape.beta == 0:
+        if shape.layout in _DESCS:
+            raise ValueError(f"no generic beta=0 kernel for the {shape.layout} layout")
+        return _strided_desc(shape, False, zero_first=True)
     return desc_func(shape)
 
 
 def _register_generic(layout: str) -> None:
     for dtype in LAYOUTS[layout][1]:
         _IMPLS[("generic", dtype, layout)] = _generic_impl
+        if layout not in _DESCS:
+            _ZEROING.add(("generic", dtype, layout))
 
 
 for _layout in LAYOUTS:

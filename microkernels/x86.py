@@ -278,7 +278,8 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
 
         for r in range(rows):
             for off, w in vectors:
-                _store(acc, [r, _vec(off, w)], C[row0 + r, _vec(col0 + off, w)])
+                _store(acc, [r, _vec(off, w)], _bcast(tirx.const(0, tc), w) if shape.beta == 0
+                       else C[row0 + r, _vec(col0 + off, w)])
         if nvec:
             k_loop(lambda kb, kq: step(A, B, acc, row0, rows, col0, 0, nvec, lanes, kb, kq),
                    unroll)
@@ -566,28 +567,28 @@ def _impl(shape: BrgemmShape, family: Family, steps: Callable[[BrgemmShape], tup
                        llvm_import=llvm_import)
 
 
-@register_impl(("avx2", "avx512"), "float32", "flat")
-@register_impl(("avx2", "avx512"), "float32", "blocked")
+@register_impl(("avx2", "avx512"), "float32", "flat", zeroing=True)
+@register_impl(("avx2", "avx512"), "float32", "blocked", zeroing=True)
 def fp32_impl(shape: BrgemmShape) -> PrimFunc:
     """fp32 FMA kernel (``vfmadd231ps`` on ymm or zmm registers)."""
     return _impl(shape, FP32, _fp32_steps)
 
 
-@register_impl(("avx2", "avx512"), "uint8", "vnni4")
-@register_impl(("avx2", "avx512"), "int8", "vnni4")
+@register_impl(("avx2", "avx512"), "uint8", "vnni4", zeroing=True)
+@register_impl(("avx2", "avx512"), "int8", "vnni4", zeroing=True)
 def int8_exact_impl(shape: BrgemmShape) -> PrimFunc:
     """Exact u8/s8 x s8 kernel without VNNI instructions (``vpmaddwd``)."""
     return _impl(shape, INT8_EXACT, _int8_exact_steps)
 
 
-@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4")
-@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4_w7")
+@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4", zeroing=True)
+@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4_w7", zeroing=True)
 def int8_dot_impl(shape: BrgemmShape) -> PrimFunc:
     """u8 x s8 VNNI kernel (``vpdpbusd``, VEX ymm on avx_vnni, EVEX zmm on avx512_vnni)."""
     return _impl(shape, INT8_DOT, _int8_dot_steps)
 
 
-@register_impl(("avx2", "avx512"), "uint8", "vnni4_w7")
+@register_impl(("avx2", "avx512"), "uint8", "vnni4_w7", zeroing=True)
 def int8_w7_impl(shape: BrgemmShape) -> PrimFunc:
     """u8 x s7 kernel with ``vpmaddubsw``: exact because B's layout bounds it to [-64, 63]
     (``vnni4_w7``); on full-range weights its int16 pair sums would saturate."""
@@ -596,13 +597,13 @@ def int8_w7_impl(shape: BrgemmShape) -> PrimFunc:
     return _impl(shape, INT8_SATURATING, _int8_saturating_steps)
 
 
-@register_impl(("avx2", "avx512"), "bfloat16", "vnni2")
+@register_impl(("avx2", "avx512"), "bfloat16", "vnni2", zeroing=True)
 def bf16_emulated_impl(shape: BrgemmShape) -> PrimFunc:
     """bf16 kernel for any AVX2 host: exact widening to fp32 and FMA."""
     return _impl(shape, BF16_EMULATED, _bf16_emulated_steps)
 
 
-@register_impl("avx512_bf16", "bfloat16", "vnni2")
+@register_impl("avx512_bf16", "bfloat16", "vnni2", zeroing=True)
 def bf16_dot_impl(shape: BrgemmShape) -> PrimFunc:
     """bf16 kernel with ``vdpbf16ps`` (AVX512-BF16: Cooper Lake, Zen 4, Sapphire Rapids)."""
     return _impl(shape, BF16_DOT, _bf16_dot_steps, llvm_import=_DPBF16PS_LL)

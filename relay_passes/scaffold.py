@@ -213,7 +213,8 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
     Read from the schedule's trace, not re-derived from the template's config, so the report
     names what the template really dispatched (it may pick another ISA's kernel for a block,
     e.g. AVX-512 for a copied bf16 A on AMX).  The intrinsic's name is
-    :attr:`BrgemmShape.name`, ``tpp_brgemm_<isa>_<dtype of A>_<layout>_<m>x<n>x<k>x<batch>``.
+    :attr:`BrgemmShape.name`, ``tpp_brgemm_<isa>_<dtype of A>_<layout>_<m>x<n>x<k>x<batch>``
+    (``_beta0`` after it for a kernel that overwrites C).
 
     Examples
     --------
@@ -228,12 +229,13 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
     if not names:
         return None
     name = names[-1]
-    head, _, dims = name.removeprefix(_BRGEMM_PREFIX).rpartition("_")
+    beta = 0 if name.endswith("_beta0") else 1
+    head, _, dims = name.removesuffix("_beta0").removeprefix(_BRGEMM_PREFIX).rpartition("_")
     for dtype_a, dtype_acc in DTYPES:
         isa, found, layout = head.partition(f"_{dtype_a}_")
         if found:
             m, n, k, batch = (int(d) for d in dims.split("x"))
-            shape = BrgemmShape(m, n, k, batch, dtype_a, dtype_acc, layout, isa)
+            shape = BrgemmShape(m, n, k, batch, dtype_a, dtype_acc, layout, isa, beta)
             if shape.name == name:
                 return shape
     raise ValueError(f"{name!r} is not the name of a BRGEMM intrinsic")

@@ -84,7 +84,7 @@ import numpy as np
 
 from microkernels import amx as _amx
 from microkernels import isa as _isa
-from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
+from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, zeroing
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 from microkernels.pack import Packing, padded
@@ -92,7 +92,14 @@ from microkernels.pack import Packing, padded
 from .blocking import divisors, near_divisors, vector_block
 from .gemm import _k_block, _tile_blocks, _tile_rows, _weight_values
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
-from .nest import check_exact, check_run_time_loop, finish_nest, nest_loops
+from .nest import (
+    check_exact,
+    check_run_time_loop,
+    drop_zeroing,
+    finish_nest,
+    guard,
+    nest_loops,
+)
 from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
@@ -607,6 +614,8 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     q_blocks, q_body = sch.split(q, [None, config.bq])
     k_blocks, k_body = sch.split(k, [None, config.bk])
     c_blocks, c_body = sch.split(c, [None, config.c_step * config.bc])
+    # A 1x1 conv over all channels in one block: each output tile is one kernel call.
+    single_call = all(int(sch.get(loop).extent) == 1 for loop in (c_blocks, r, s))
     logical = dict(zip(LETTERS, (n, c_blocks, k_blocks, p, q_blocks, r, s), strict=True))
     order, grid_loops = nest_loops(sch, spec, logical)
     sch.reorder(*grid_loops, *order, q_body, k_body, c_body)
@@ -614,7 +623,7 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     if problem.epilogue.ops:
         sch.compute_inline(sch.get_sblock("view"))
         epilogue = sch.get_sblock("epilogue")
-    finish_nest(sch, spec, order, grid_loops, conv, _REDUCTIONS, epilogue)
+    init = finish_nest(sch, spec, order, grid_loops, conv, _REDUCTIONS, epilogue)
     # The BRGEMM desc has no loop for a unit dimension (TVM drops them from the blocks it
     # matches), so each unit loop of the tile is fused into a neighbour.
     inner = [(q_body, config.bq), (k_body, config.bk), (c_body, config.c_step * config.bc)]
@@ -630,6 +639,9 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     shape = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
                         layout=problem.layout, isa=isa_name)
+    zeroed = zeroing(shape) if single_call else None
+    if zeroed is not None and drop_zeroing(sch, init):
+        shape = zeroed
     sch.tensorize(inner[0][0], dispatch(shape))
     if problem.zero_border:
         _skip_border_rows(sch, problem)
@@ -640,27 +652,20 @@ def _skip_border_rows(sch: s_tir.Schedule, problem: ConvProblem) -> None:
     """Predicate each BRGEMM call on its filter row reading real input rows: a call whose
     row lies in the zero border adds nothing.  DeepLab's rate-12 3x3 conv on a 16x16 map
     then makes 24 of its 48 row calls, a 3x3 conv on a 7x7 map 19 of 21."""
-    from tvm import s_tir, tirx
+    from tvm import tirx
 
     top, _, bottom, _ = problem.padding
     if problem.r == 1 or top == bottom == 0:
         return
-    update = sch.get_sblock("conv_update_o")  # the BRGEMM call, as tensorize names it
-    loop = sch.get_loops(update)[-1]
-    realize = sch.get(loop).body
-    if not isinstance(realize, s_tir.SBlockRealize):
-        raise RuntimeError("the BRGEMM call's block is not directly in its innermost loop")
-    # The block's iterators are the conv's (n, i, j, o, r, s, c): i the output row, r the tap.
-    out_row, tap = realize.iter_values[1], realize.iter_values[4]
-    row = out_row * problem.stride[0] + tap * problem.dilation[0]  # in the padded input
-    guarded = s_tir.SBlockRealize(
-        list(realize.iter_values),
-        tirx.all(realize.predicate, row >= top, row < top + problem.h), realize.block)
-    old = sch.get(loop)
-    sch.state.replace(sch.get_sref(loop),
-                      tirx.For(old.loop_var, old.min, old.extent, old.kind, guarded,
-                               old.thread_binding, old.annotations),
-                      {realize.block: realize.block})
+
+    def real_rows(realize):
+        # The block's iterators are the conv's (n, i, j, o, r, s, c): i the output row, r
+        # the tap.
+        out_row, tap = realize.iter_values[1], realize.iter_values[4]
+        row = out_row * problem.stride[0] + tap * problem.dilation[0]  # in the padded input
+        return tirx.all(row >= top, row < top + problem.h)
+
+    guard(sch, sch.get_sblock("conv_update_o"), real_rows)  # the BRGEMM call's block
 
 
 def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:

@@ -105,7 +105,7 @@ import numpy as np
 from microkernels import amx as _amx
 from microkernels import arm as _arm
 from microkernels import isa as _isa
-from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, implementations
+from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, implementations, zeroing
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 from microkernels.pack import Packing, mmla_k_block, pack_mmla, padded
@@ -113,7 +113,7 @@ from microkernels.pack import Packing, mmla_k_block, pack_mmla, padded
 from .blocking import divisors, pick_divisor
 from .cost_model import predict
 from .loop_spec import LoopSpec, LoopSpecError, parse
-from .nest import check_exact, check_run_time_loop, finish_nest, nest_loops
+from .nest import check_exact, check_run_time_loop, drop_zeroing, finish_nest, nest_loops
 from .operands import OPERANDS, TypedProblem
 from .space import BlockedGemm, Candidate, generate, heuristic
 
@@ -562,6 +562,7 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     i_blocks, i_body = sch.split(i, [None, config.bm])
     j_blocks, j_body = sch.split(j, [None, config.bn])
     k_blocks, k_body = sch.split(kk, [None, config.k_step * config.bk])
+    single_call = int(sch.get(k_blocks).extent) == 1  # the whole K in each kernel call
 
     order, grid_loops = nest_loops(sch, spec, {"a": k_blocks, "b": i_blocks, "c": j_blocks})
     sch.reorder(*grid_loops, *order, i_body, j_body, k_body)
@@ -573,13 +574,16 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     pack = (_pack_a(sch, spec, gemm, pack_depth, order, copy_x) if pack_depth is not None
             else None)
     epilogue = sch.get_sblock(_EPILOGUE) if problem.epilogue.ops or cropped else None
-    finish_nest(sch, spec, order, grid_loops, gemm, frozenset("a"), epilogue)
+    init = finish_nest(sch, spec, order, grid_loops, gemm, frozenset("a"), epilogue)
     if pack is not None:
         _parallel_pack(sch, spec, pack, gemm, pack_depth, bool(grid_loops))
     # On amx, blocks that are not tile-shaped get the AVX-512 kernel (find_impl's fallback).
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
                         layout=problem.layout, isa=isa_name)
+    zeroed = zeroing(shape) if single_call else None
+    if zeroed is not None and drop_zeroing(sch, init):
+        shape = zeroed
     # Unit loops vanish from the matched block (see the BRGEMM desc): start below them.
     extents = (config.bm, config.bn, config.k_step * config.bk)
     body = next((loop for loop, e in zip((i_body, j_body, k_body), extents, strict=True)

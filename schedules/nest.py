@@ -7,13 +7,13 @@ loops over its blocks, and these functions do the rest the same way for both.  S
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from .loop_spec import LoopSpec, LoopSpecError
 
 if TYPE_CHECKING:
-    from tvm import s_tir
+    from tvm import s_tir, tirx
     from tvm.s_tir import LoopRV, SBlockRV
 
 __all__ = ["check_exact", "check_run_time_loop", "nest_loops", "finish_nest"]
@@ -110,3 +110,43 @@ def _vectorize(sch: s_tir.Schedule, block: SBlockRV, parallel: bool) -> None:
     if parallel and outer:
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
     sch.vectorize(inner)
+
+
+def guard(sch: s_tir.Schedule, block: SBlockRV,
+          condition: Callable[[s_tir.SBlockRealize], tirx.PrimExpr]) -> None:
+    """Run ``block`` only where ``condition(realize)`` holds (ANDed onto its predicate);
+    the block must sit directly in its innermost loop (alone, or among its statements)."""
+    from tvm import s_tir, tirx
+
+    loop = sch.get_loops(block)[-1]
+    old = sch.get(loop)
+    stmts = list(old.body.seq) if isinstance(old.body, tirx.SeqStmt) else [old.body]
+    at = next((i for i, stmt in enumerate(stmts) if isinstance(stmt, s_tir.SBlockRealize)
+               and stmt.block.same_as(sch.get(block))), None)
+    if at is None:
+        raise RuntimeError(f"block {sch.get(block).name_hint} is not directly in its "
+                           "innermost loop")
+    realize = stmts[at]
+    stmts[at] = s_tir.SBlockRealize(list(realize.iter_values),
+                                    tirx.all(realize.predicate, condition(realize)),
+                                    realize.block)
+    body = tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]
+    sch.state.replace(sch.get_sref(loop),
+                      tirx.For(old.loop_var, old.min, old.extent, old.kind, body,
+                               old.thread_binding, old.annotations),
+                      {realize.block: realize.block})
+
+
+def drop_zeroing(sch: s_tir.Schedule, init: SBlockRV) -> bool:
+    """Never run ``init`` if it zeroes the accumulator (a ``beta=0`` kernel that makes the
+    only call of the reduction writes every element instead); False, and nothing changed,
+    if it stores anything else (a zero point's fold the sums start from)."""
+    from tvm import tirx
+
+    store = sch.get(init).body
+    if not (isinstance(store, tirx.BufferStore) and isinstance(store.value, (tirx.IntImm,
+                                                                              tirx.FloatImm))
+            and store.value.value == 0):
+        return False
+    guard(sch, init, lambda realize: tirx.const(False))
+    return True

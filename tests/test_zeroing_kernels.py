@@ -1,0 +1,195 @@
+"""BRGEMM kernels with ``beta=0`` (C overwritten, never read) and the schedules that use them
+where one kernel call is the whole reduction of its C block, dropping the zeroing pass.
+
+The kernels run on garbage C (NaN, or a huge integer) and must equal ``A @ B``; the schedules
+must drop their init block exactly when the call is the only one of the reduction, and
+compute the same values as numpy either way.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tvm
+from conftest import isa_target, needs_isa
+from test_brgemm_x86 import LAYOUT, _operands
+from tvm import s_tir
+from tvm.script import tirx as T
+
+from microkernels import brgemm
+from microkernels.brgemm import BrgemmShape, desc_func, dispatch, find_impl, reference, zeroing
+from microkernels.epilogue import Epilogue, EpilogueOp
+from schedules import nest
+from schedules.conv import ConvConfig, ConvProblem, pack_input
+from schedules.conv import pack_weight as conv_pack_weight
+from schedules.conv import reference as conv_reference
+from schedules.conv import schedule as conv_schedule
+from schedules.gemm import GemmConfig, GemmProblem, pack_weight
+from schedules.gemm import schedule as gemm_schedule
+from schedules.space import Candidate
+
+AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
+
+
+def _zeroed(m, n, k, batch, isa, dtype="float32", layout=None):
+    acc, default_layout = LAYOUT[dtype]
+    shape = BrgemmShape(m, n, k, batch, dtype, acc, layout or default_layout, isa, beta=0)
+    assert zeroing(dataclasses.replace(shape, beta=1)) == shape
+    return shape
+
+
+def _run_on_garbage(shape, intrin=None):
+    """The kernel tensorized into its semantics, run on C full of garbage: A @ B expected."""
+    sch = s_tir.Schedule(desc_func(shape, as_workload=True))
+    sch.tensorize(sch.get_loops(sch.get_sblock("brgemm"))[0], intrin or dispatch(shape))
+    kernel = tvm.compile(sch.mod, target=isa_target(shape.isa))
+    a, b, c, ra, rb = _operands(shape, np.random.default_rng(3))
+    garbage = np.full_like(c, np.nan if c.dtype.kind == "f" else np.iinfo(c.dtype).max)
+    out = tvm.runtime.tensor(garbage)
+    kernel(tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
+    expected = reference(shape, ra, rb, np.zeros_like(c))
+    if c.dtype.kind == "f":
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-4 * shape.k)
+    else:
+        np.testing.assert_array_equal(out.numpy(), expected)
+
+
+# Odd sizes: row tails (7 = 4 + 3), columns narrower than a vector (37), batch > 1.
+@pytest.mark.parametrize("dtype,layout", [("float32", "flat"), ("float32", "blocked"),
+                                          ("uint8", "vnni4"), ("int8", "vnni4"),
+                                          ("uint8", "vnni4_w7"), ("bfloat16", "vnni2")])
+def test_avx2_kernels_overwrite_c(dtype, layout):
+    _run_on_garbage(_zeroed(7, 37, 8, 3, "avx2", dtype, layout))
+
+
+@needs_isa("avx512_vnni")
+@pytest.mark.parametrize("isa,dtype", [("avx512", "float32"), ("avx512_vnni", "uint8")])
+def test_avx512_kernels_overwrite_c(isa, dtype):
+    _run_on_garbage(_zeroed(7, 37, 8, 3, isa, dtype))
+
+
+def test_generic_kernel_zeroes_first():
+    shape = BrgemmShape(5, 9, 3, 2, isa="avx2", beta=0)
+    name = f"{shape.name}_generic"
+    if s_tir.TensorIntrin.get(name, allow_missing=True) is None:
+        s_tir.TensorIntrin.register(name, desc_func(shape), brgemm._generic_impl(shape))
+    _run_on_garbage(shape, name)
+
+
+def test_zeroing_keeps_the_implementation():
+    """A beta=0 kernel is offered only by the implementation that runs the beta=1 shape:
+    AMX's tile kernels and the MMLA layout have none, and never fall back to another."""
+    avx2 = BrgemmShape(28, 64, 64, isa="avx2")
+    assert zeroing(avx2).name == avx2.name + "_beta0"
+    assert find_impl(zeroing(avx2))[0] == find_impl(avx2)[0] == "avx2"
+    tiles = BrgemmShape(32, 32, 64, 1, "bfloat16", "float32", "vnni2", "amx")
+    assert find_impl(tiles)[0] == "amx" and zeroing(tiles) is None
+    mmla = BrgemmShape(4, 8, 8, 1, "int8", "int32", "mmla", "neon_i8mm")
+    assert zeroing(mmla) is None
+    with pytest.raises(ValueError, match="beta=0 variant"):
+        find_impl(dataclasses.replace(mmla, beta=0))
+    with pytest.raises(ValueError, match="beta must be 0 or 1"):
+        BrgemmShape(6, 16, 8, beta=2)
+
+
+# -------------------------------------------------------------------------------- schedules
+
+
+@T.prim_func(s_tir=True)
+def _matmul(a: T.Buffer((8, 4), "float32"), b: T.Buffer((4, 16), "float32"),
+            c: T.Buffer((8, 16), "float32")):
+    for i, j, k in T.grid(8, 16, 4):
+        with T.sblock("C"):
+            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+            with T.init():
+                c[vi, vj] = T.float32(0)
+            c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+
+
+@T.prim_func(s_tir=True)
+def _matmul_without_zeroing(a: T.Buffer((8, 4), "float32"), b: T.Buffer((4, 16), "float32"),
+                            c: T.Buffer((8, 16), "float32")):
+    for i, j in T.grid(8, 16):
+        with T.sblock("C_init"):
+            T.where(T.bool(False))
+            vi, vj = T.axis.remap("SS", [i, j])
+            c[vi, vj] = T.float32(0)
+        for k in range(4):
+            with T.sblock("C_update"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+
+
+def test_drop_zeroing_structure():
+    sch = s_tir.Schedule(_matmul)
+    block = sch.get_sblock("C")
+    init = sch.decompose_reduction(block, sch.get_loops(block)[2])
+    assert nest.drop_zeroing(sch, init)
+    tvm.ir.assert_structural_equal(
+        sch.mod["main"], _matmul_without_zeroing.with_attr("global_symbol", "_matmul"))
+
+
+def test_drop_zeroing_keeps_other_starting_values():
+    @T.prim_func(s_tir=True)
+    def starts_at_one(a: T.Buffer((8, 4), "float32"), c: T.Buffer((8,), "float32")):
+        for i, k in T.grid(8, 4):
+            with T.sblock("C"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                with T.init():
+                    c[vi] = T.float32(1)
+                c[vi] = c[vi] + a[vi, vk]
+
+    sch = s_tir.Schedule(starts_at_one)
+    block = sch.get_sblock("C")
+    init = sch.decompose_reduction(block, sch.get_loops(block)[1])
+    before = sch.mod["main"]
+    assert not nest.drop_zeroing(sch, init)
+    tvm.ir.assert_structural_equal(sch.mod["main"], before)
+
+
+def _dropped(sch, init_name):
+    """Whether the schedule's init block never runs."""
+    return "T.where(T.bool(False))" in sch.mod.script() and init_name in sch.mod.script()
+
+
+@pytest.mark.parametrize("problem,config,dropped", [
+    # 1x1, every channel in one block: one call per tile (odd sizes, two images).
+    (ConvProblem(2, 12, 5, 7, 24, 1, 1), ConvConfig(bq=7, bc=12, bk=8), True),
+    (ConvProblem(1, 20, 3, 9, 16, 1, 1, epilogue=BIAS_RELU),
+     ConvConfig(bq=9, bc=20, bk=16, spec="ACbfgde"), True),
+    # Two channel blocks, or three filter taps per row: several calls add up.
+    (ConvProblem(1, 24, 5, 7, 16, 1, 1), ConvConfig(bq=7, bc=12, bk=8), False),
+    (ConvProblem(1, 8, 6, 6, 16, 3, 3, padding=1, epilogue=BIAS_RELU),
+     ConvConfig(bq=6, bc=8, bk=16), False),
+])
+def test_conv_drops_zeroing_only_for_single_call_tiles(problem, config, dropped):
+    sch = conv_schedule(problem, config, "avx2")
+    assert _dropped(sch, "conv_init") == dropped
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((problem.n, problem.c, problem.h, problem.w)).astype("float32")
+    w = rng.standard_normal((problem.k, problem.c, problem.r, problem.s)).astype("float32")
+    bias = rng.standard_normal(problem.k).astype("float32")
+    y = tvm.runtime.tensor(np.full((problem.rows, problem.k), np.nan, "float32"))
+    args = [pack_input(x, problem), conv_pack_weight(w, config.bk, problem)]
+    args += [bias] if problem.epilogue.ops else []
+    tvm.compile(sch.mod, target=AVX2)(*map(tvm.runtime.tensor, args), y)
+    want = conv_reference(problem, x, w).transpose(0, 2, 3, 1).reshape(problem.rows, problem.k)
+    if problem.epilogue.ops:
+        want = np.maximum(want + bias, 0)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("k_step,dropped", [(3, True), (1, False)])
+def test_gemm_drops_zeroing_only_for_the_whole_k(k_step, dropped):
+    problem = GemmProblem(13, 24, 48)
+    config = GemmConfig(bm=13, bn=8, bk=16, candidate=Candidate("BCa", {}, {"a": k_step}))
+    sch = gemm_schedule(problem, config, "avx2")
+    assert _dropped(sch, "C_init") == dropped
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((13, 48)).astype("float32")
+    w = rng.standard_normal((48, 24)).astype("float32")
+    y = tvm.runtime.tensor(np.full((13, 24), np.nan, "float32"))
+    tvm.compile(sch.mod, target=AVX2)(tvm.runtime.tensor(x),
+                                      tvm.runtime.tensor(pack_weight(w, config.bn)), y)
+    np.testing.assert_allclose(y.numpy(), x @ w, rtol=1e-4, atol=1e-4)
