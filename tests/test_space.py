@@ -150,11 +150,15 @@ def test_heuristic():
     assert heuristic(2, 32, 32, DEFAULT_CACHES, 1, bm=64, bn=64, bk=512, k_step=2) == \
         Candidate("cBCa", {"c": (2,)}, {"a": 2})  # 1024 x 64 panels: blocks of two fit
     # BERT's 128 x 3072 x 768 (two row blocks, 48 column blocks, A 384 KiB, B 9 MiB) on a
-    # 512 KiB L2: with a 32 MiB L3 the swap (rule 4) keeps each A panel in L2 and streams B
-    # from L3; with 8 MiB, B would come from memory once per row block: not swapped (rule 5).
+    # 512 KiB L2 and an 8 MiB L3: B would come from memory once per row block, not swapped
+    # (rule 5).
+    # Nor when the swap leaves one row block per thread (rule 4 needs two each): 2 threads
+    # on two row blocks, or 4 on four, keep the plain order; 2 threads on four swap.
     bert_ffn = dict(bm=64, bn=64, bk=384, k_step=2)
-    assert heuristic(2, 2, 48, Caches(32 << 10, 512 << 10, 32 << 20), 2, **bert_ffn) == \
-        Candidate("BCa", {}, {"a": 2})
+    big_l3 = Caches(32 << 10, 512 << 10, 32 << 20)
+    assert heuristic(2, 2, 48, big_l3, 2, **bert_ffn) == Candidate("CBa", {}, {"a": 2})
+    assert heuristic(2, 4, 48, big_l3, 2, **bert_ffn) == Candidate("BCa", {}, {"a": 2})
+    assert heuristic(2, 4, 48, big_l3, 4, **bert_ffn) == Candidate("CBa", {}, {"a": 2})
     assert heuristic(2, 2, 48, Caches(32 << 10, 512 << 10, 8 << 20), 2, **bert_ffn) == \
         Candidate("CBa", {}, {"a": 2})
     assert heuristic(32, 32, 32, DEFAULT_CACHES, 2, k_step=4).step("a") == 4
