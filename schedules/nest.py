@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from tvm import s_tir, tirx
     from tvm.s_tir import LoopRV, SBlockRV
 
-__all__ = ["check_exact", "check_run_time_loop", "nest_loops", "finish_nest"]
+__all__ = ["check_exact", "check_run_time_loop", "nest_loops", "finish_nest", "guard",
+           "drop_zeroing"]
 
 
 def check_exact(spec: LoopSpec) -> None:
