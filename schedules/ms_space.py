@@ -42,7 +42,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from microkernels.brgemm import BrgemmShape, dispatch
+from microkernels.brgemm import BrgemmShape, dispatch, zeroing
 from microkernels.machine import Machine, machine_of
 
 from .gemm import GemmConfig, GemmProblem, default_config, ranked_configs, schedule, workload
@@ -115,14 +115,19 @@ def _as_configs(problem: GemmProblem, machine: Machine,
 
 
 def register_intrinsics(configs: Sequence[GemmConfig], isa: str) -> None:
-    """Register the BRGEMM intrinsics the configs' traces name (needed to replay them).
+    """Register the BRGEMM intrinsics the configs' traces name (needed to replay them): each
+    config's kernel and, where its implementation has one, the ``beta=0`` variant a schedule
+    whose call is the whole K uses.
 
     Examples
     --------
     >>> register_intrinsics([GemmConfig.of("BCa", 48, 64, 64)], "avx2")  # doctest: +SKIP
     """
     for c in configs:
-        dispatch(BrgemmShape(m=c.bm, n=c.bn, k=c.bk, batch=c.k_step, layout="flat", isa=isa))
+        shape = BrgemmShape(m=c.bm, n=c.bn, k=c.bk, batch=c.k_step, layout="flat", isa=isa)
+        for kernel in (shape, zeroing(shape)):
+            if kernel is not None:
+                dispatch(kernel)
 
 
 def gemm_space(problem: GemmProblem, target: Target,
