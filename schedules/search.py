@@ -24,6 +24,7 @@ Examples
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -255,9 +256,7 @@ def _disagreement(pairs: list[tuple[float, float]]) -> float:
     >>> round(_disagreement([(1.0, 2.0), (1.1, 2.2), (1.1, 2.0)]), 6)  # the third: 10 % off
     0.05
     """
-    (a0, b0), rest = pairs[0], pairs[1:]
-    off = sorted(abs(a / a0 / (b / b0) - 1) for a, b in rest)
-    if not off:
+    if len(pairs) < 2:  # nothing to compare (contenders that failed in a half are left out)
         return 0.0
-    mid = len(off) // 2
-    return off[mid] if len(off) % 2 else (off[mid - 1] + off[mid]) / 2
+    (a0, b0), rest = pairs[0], pairs[1:]
+    return statistics.median(abs(a / a0 / (b / b0) - 1) for a, b in rest)

@@ -203,6 +203,16 @@ def test_noisy_halves_widen_the_tie(monkeypatch, disagree, wins):
     assert result.tie_margin == pytest.approx(max(MARGIN, 1 - 1 / (1 + disagree)))
 
 
+def test_final_round_survives_contenders_failing_there(monkeypatch):
+    """A server that fails the final round (every contender's error instead of seconds)
+    leaves the batch times standing and the noise unmeasured: the margin stays 2 %."""
+    default, first, *_ = _ranked(2)
+    _fake_measure(monkeypatch, lambda c, final: ("RemoteError: lost" if final
+                                                 else {default: 1.0, first: 0.9}.get(c, 2.0)))
+    result = tune(PROBLEM, TARGET, top_k=2)
+    assert result.best == first and result.tie_margin == MARGIN
+
+
 def test_final_round_takes_at_most_nine_contenders(monkeypatch):
     calls = []
     _fake_measure(monkeypatch, lambda c, final: 1.0, calls)
