@@ -84,7 +84,7 @@ import numpy as np
 
 from microkernels import amx as _amx
 from microkernels import isa as _isa
-from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, zeroing
+from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 from microkernels.pack import Packing, padded
@@ -95,10 +95,10 @@ from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
 from .nest import (
     check_exact,
     check_run_time_loop,
-    drop_zeroing,
     finish_nest,
     guard,
     nest_loops,
+    zeroing_kernel,
 )
 from .operands import OPERANDS, TypedProblem
 
@@ -639,9 +639,8 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     shape = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
                         layout=problem.layout, isa=isa_name)
-    zeroed = zeroing(shape) if single_call else None
-    if zeroed is not None and drop_zeroing(sch, init):
-        shape = zeroed
+    if single_call:
+        shape = zeroing_kernel(sch, init, shape)
     sch.tensorize(inner[0][0], dispatch(shape))
     if problem.zero_border:
         _skip_border_rows(sch, problem)

@@ -105,7 +105,7 @@ import numpy as np
 from microkernels import amx as _amx
 from microkernels import arm as _arm
 from microkernels import isa as _isa
-from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, implementations, zeroing
+from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, implementations
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 from microkernels.pack import Packing, mmla_k_block, pack_mmla, padded
@@ -113,7 +113,7 @@ from microkernels.pack import Packing, mmla_k_block, pack_mmla, padded
 from .blocking import divisors, pick_divisor
 from .cost_model import predict
 from .loop_spec import LoopSpec, LoopSpecError, parse
-from .nest import check_exact, check_run_time_loop, drop_zeroing, finish_nest, nest_loops
+from .nest import check_exact, check_run_time_loop, finish_nest, nest_loops, zeroing_kernel
 from .operands import OPERANDS, TypedProblem
 from .space import BlockedGemm, Candidate, generate, heuristic
 
@@ -581,9 +581,8 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
                         layout=problem.layout, isa=isa_name)
-    zeroed = zeroing(shape) if single_call else None
-    if zeroed is not None and drop_zeroing(sch, init):
-        shape = zeroed
+    if single_call:
+        shape = zeroing_kernel(sch, init, shape)
     # Unit loops vanish from the matched block (see the BRGEMM desc): start below them.
     extents = (config.bm, config.bn, config.k_step * config.bk)
     body = next((loop for loop, e in zip((i_body, j_body, k_body), extents, strict=True)

@@ -16,8 +16,10 @@ if TYPE_CHECKING:
     from tvm import s_tir, tirx
     from tvm.s_tir import LoopRV, SBlockRV
 
+    from microkernels.brgemm import BrgemmShape
+
 __all__ = ["check_exact", "check_run_time_loop", "nest_loops", "finish_nest", "guard",
-           "drop_zeroing"]
+           "drop_zeroing", "zeroing_kernel"]
 
 
 def check_exact(spec: LoopSpec) -> None:
@@ -136,6 +138,16 @@ def guard(sch: s_tir.Schedule, block: SBlockRV,
                       tirx.For(old.loop_var, old.min, old.extent, old.kind, body,
                                old.thread_binding, old.annotations),
                       {realize.block: realize.block})
+
+
+def zeroing_kernel(sch: s_tir.Schedule, init: SBlockRV, shape: BrgemmShape) -> BrgemmShape:
+    """The kernel for a call that is the whole reduction of its C block: the ``beta=0``
+    variant of ``shape``, with ``init`` dropped, where the implementation has one and
+    ``init`` stores zeros; else ``shape``, nothing changed."""
+    from microkernels.brgemm import zeroing
+
+    zeroed = zeroing(shape)
+    return zeroed if zeroed is not None and drop_zeroing(sch, init) else shape
 
 
 def drop_zeroing(sch: s_tir.Schedule, init: SBlockRV) -> bool:
