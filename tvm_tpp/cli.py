@@ -554,7 +554,7 @@ def _parser() -> argparse.ArgumentParser:
                    "one machine; they time one at a time (building still overlaps)")
 
     p = add("bench-gemm", cmd_bench_gemm,
-            "GEMM GFLOPS (--dtype float32) or GOPS (int8, bfloat16: x tpp-float32, % of "
+            "GEMM GFLOPS (--dtype float32) or GOPS (int8, bfloat16: x tpp-float32, %% of "
             "the dtype's peak): tpp, tuned tpp, numpy, torch, TVM default, MetaSchedule")
     from .bench.gemm import add_arguments
 
