@@ -159,6 +159,11 @@ def test_default_config_choices(caches):
     # fits in half of either L2, so each weight panel sweeps the whole plane.
     mid = default_config(ConvProblem(1, 128, 28, 28, 512, 1, 1), machine)
     assert mid.spec == "ACbfgde"
+    # Four K blocks, a 64 KiB filter, a 3 MiB output that fits neither L2: whole output rows
+    # instead of strided K-block slivers of them, unless a K block's 784 KiB plane fits in
+    # half of L2 (then each weight panel sweeps it, as above).
+    expand = default_config(ConvProblem(1, 64, 56, 56, 256, 1, 1), machine)
+    assert expand.spec == ("ADEcbfg" if caches is L2_1MIB else "ACbfgde")
 
 
 @pytest.mark.parametrize(
