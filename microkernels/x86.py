@@ -68,6 +68,7 @@ __all__ = [
     "Step",
     "register_tile",
     "row_tiles",
+    "tile_columns",
     "brgemm_func",
     "fp32_impl",
     "int8_exact_impl",
@@ -129,16 +130,28 @@ class RegisterTile:
             raise ValueError(f"register tile dimensions must be positive: {self}")
 
 
+def tile_columns(target: _isa.Isa) -> int:
+    """Columns (32-bit accumulators) of the widest register tile on ``target``: 2 vectors
+    with 16 registers, 4 with 32 — 16 on AVX2, 64 on AVX-512.  A BRGEMM whose ``n`` is this
+    wide is one column tile: each register tile's results are stored once, right after its
+    reduction.
+
+    >>> tile_columns(_isa.from_name("avx2")), tile_columns(_isa.from_name("avx512"))
+    (16, 64)
+    """
+    return (2 if target.vector_registers <= 16 else 4) * target.lanes("float32")
+
+
 def register_tile(shape: BrgemmShape, family: Family) -> RegisterTile:
     """The register tile a kernel of ``family`` uses for ``shape`` on ``shape.isa``.
 
-    As many vectors along N as the block has (at most 2 with 16 registers, 4 with 32), then
-    as many rows as the remaining registers hold: 6x16 for fp32 on AVX2, 6x64 on AVX-512.
+    As many vectors along N as the block has, up to :func:`tile_columns`, then as many rows
+    as the remaining registers hold: 6x16 for fp32 on AVX2, 6x64 on AVX-512.
     """
     target = _isa.from_name(shape.isa)
     lanes = target.lanes("float32")
     regs = target.vector_registers
-    vectors = min(2 if regs <= 16 else 4, -(-shape.n // lanes))
+    vectors = min(tile_columns(target) // lanes, -(-shape.n // lanes))
     free = regs - vectors * family.b_registers - family.a_registers
     rows = max(1, min(shape.m, MAX_ROWS, free // vectors))
     return RegisterTile(rows, vectors, lanes)

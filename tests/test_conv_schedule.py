@@ -132,7 +132,7 @@ def test_loop_specs(spec, c_step, block_steps):
 def test_candidates_are_correct(problem):
     """Every configuration the tuner may pick computes the conv (all built in one module)."""
     found = candidates(problem, _machine())
-    assert found[0] == _default(problem) and len(set(found)) == len(found) <= 12
+    assert found[0] == _default(problem) and len(set(found)) == len(found) <= 14
     assert len({c.spec for c in found}) > 1 and len({(c.bq, c.bk, c.c_step) for c in found}) > 1
     funcs = build(problem, found, tvm.target.Target(TARGETS["avx2"]), "avx2")
     for config, func in zip(found, funcs, strict=True):
@@ -149,21 +149,24 @@ def test_avx512_kernel():
 @pytest.mark.parametrize("caches", [L2_1MIB, L2_2MIB], ids=["l2-1MiB", "l2-2MiB"])
 def test_default_config_choices(caches):
     machine = _machine(caches=caches)
+    # AVX2: K blocks of one register tile (16 columns).
     deep = default_config(ConvProblem(1, 512, 7, 7, 512, 3, 3, padding=1), machine)
-    assert (deep.bq, deep.bc, deep.bk, deep.spec) == (7, 512, 64, "ACbfgde")
+    assert (deep.bq, deep.bc, deep.bk, deep.spec) == (7, 512, 16, "ACbfgde")
     wide = default_config(ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1), machine)
-    assert (wide.bq, wide.bc, wide.bk, wide.spec) == (28, 64, 64, "ACDebfg")
+    assert (wide.bq, wide.bc, wide.bk, wide.spec) == (28, 64, 16, "ACbfgde")
     prime = default_config(ConvProblem(1, 8, 29, 29, 8, 1, 1), machine)
     assert prime.bq == 29  # no divisor of 29 between 7 and 28: one block
     # Eight K blocks give each thread two tasks; a K block's 28 x 28 output plane (196 KiB)
     # fits in half of either L2, so each weight panel sweeps the whole plane.
     mid = default_config(ConvProblem(1, 128, 28, 28, 512, 1, 1), machine)
     assert mid.spec == "ACbfgde"
-    # Four K blocks, a 64 KiB filter, a 3 MiB output that fits neither L2: whole output rows
-    # instead of strided K-block slivers of them, unless a K block's 784 KiB plane fits in
-    # half of L2 (then each weight panel sweeps it, as above).
-    expand = default_config(ConvProblem(1, 64, 56, 56, 256, 1, 1), machine)
-    assert expand.spec == ("ADEcbfg" if caches is L2_1MIB else "ACbfgde")
+    # AVX-512's 64-channel K blocks: four of them, a 64 KiB filter, a 3 MiB output that fits
+    # neither L2: whole output rows instead of strided K-block slivers of them, unless a K
+    # block's 784 KiB plane fits in half of L2 (then each weight panel sweeps it, as above).
+    expand = default_config(ConvProblem(1, 64, 56, 56, 256, 1, 1), _machine("avx512", caches))
+    assert (expand.bk, expand.spec) == (64, "ADEcbfg" if caches is L2_1MIB else "ACbfgde")
+    # A width the register tile does not divide keeps vector_block's wider block.
+    assert default_config(ConvProblem(1, 64, 8, 8, 24, 1, 1), machine).bk == 24
 
 
 @pytest.mark.parametrize(
