@@ -156,15 +156,15 @@ def test_default_config_choices(caches):
     assert (wide.bq, wide.bc, wide.bk, wide.spec) == (28, 64, 16, "ACbfgde")
     prime = default_config(ConvProblem(1, 8, 29, 29, 8, 1, 1), machine)
     assert prime.bq == 29  # no divisor of 29 between 7 and 28: one block
-    # Eight K blocks give each thread two tasks; a K block's 28 x 28 output plane (196 KiB)
-    # fits in half of either L2, so each weight panel sweeps the whole plane.
+    # 32 K blocks give each thread two tasks or more; a K block's 28 x 28 output plane fits in
+    # half of either L2, so each weight panel sweeps the whole plane, unless the 256 KiB
+    # filter fits in half of L2 and the 1.5 MiB output does not fit in it: whole output rows
+    # then, instead of streaming the output to memory K block by K block.
     mid = default_config(ConvProblem(1, 128, 28, 28, 512, 1, 1), machine)
-    assert mid.spec == "ACbfgde"
-    # AVX-512's 64-channel K blocks: four of them, a 64 KiB filter, a 3 MiB output that fits
-    # neither L2: whole output rows instead of strided K-block slivers of them, unless a K
-    # block's 784 KiB plane fits in half of L2 (then each weight panel sweeps it, as above).
+    assert mid.spec == ("ADEcbfg" if caches is L2_1MIB else "ACbfgde")
+    # The same with AVX-512's 64-channel K blocks: a 64 KiB filter, a 3 MiB output.
     expand = default_config(ConvProblem(1, 64, 56, 56, 256, 1, 1), _machine("avx512", caches))
-    assert (expand.bk, expand.spec) == (64, "ADEcbfg" if caches is L2_1MIB else "ACbfgde")
+    assert (expand.bk, expand.spec) == (64, "ADEcbfg")
     # A width the register tile does not divide keeps vector_block's wider block.
     assert default_config(ConvProblem(1, 64, 8, 8, 24, 1, 1), machine).bk == 24
 
