@@ -66,6 +66,8 @@ _SQLITE_NOTADB, _SQLITE_CORRUPT = 26, 11  # SQLite's result codes
 _BUSY_SECONDS = 120.0
 
 log = logging.getLogger(__name__)
+#: (database path, key) pairs whose stale record was reported (once per process).
+_WARNED_STALE: set[tuple[str, str]] = set()
 
 
 class StoreError(ValueError):
@@ -437,22 +439,42 @@ class Database:
         log.warning(f"tuning database {self.path}: dropped the invalid record of "
                     f"{key.text()} ({why}); it will be tuned again")
 
-    def get(self, key: TuningKey, problem: Problem | None = None, isa: str | None = None
-            ) -> Config | None:
+    def get(self, key: TuningKey, problem: Problem | None = None, isa: str | None = None,
+            default: Config | None = None) -> Config | None:
         """The configuration kept for ``key``, or None (also for a record found invalid, which
         is deleted).  Given the ``problem`` (and the ``isa`` to schedule it for), the record
-        must also fit it (:func:`check_config`)."""
+        must also fit it (:func:`check_config`).  Given today's ``default``, a record tuned
+        against another default is stale (its winner beat only that one, which later code
+        replaced): None, the record kept, with one warning per key (see :meth:`stale`)."""
         found = self._read(key)
         if found is None:
             return None
-        _, config, text = found
+        record, config, text = found
         if problem is not None:
             try:
                 check_config(problem, config, isa)
             except ValueError as err:
                 self._drop(key, text, f"does not fit its operator: {err}")
                 return None
+        if default is not None and self.stale(key, record, default):
+            return None
         return config
+
+    def stale(self, key: TuningKey, record: dict, default: Config) -> bool:
+        """Whether ``record`` was tuned against a default other than ``default``: its first
+        measurement (the tuner's default then) names another configuration.  Records without
+        measurements (put by hand) are never stale."""
+        measured = record.get("measured")
+        first = measured[0] if isinstance(measured, list) and measured else None
+        then = first.get("config") if isinstance(first, dict) else None
+        if then is None or then == OPS[key.op].to_json(default):
+            return False
+        if (str(self.path), key.text()) not in _WARNED_STALE:
+            _WARNED_STALE.add((str(self.path), key.text()))
+            log.warning(f"tuning database {self.path}: {key.text()} was tuned against an "
+                        "older default configuration; the current default is used until it "
+                        "is tuned again")
+        return True
 
     def record(self, key: TuningKey) -> dict | None:
         """The stored record (config, measured GFLOPS, tuning seconds, measurements), or None."""

@@ -34,7 +34,7 @@ from microkernels.machine import machine_of
 
 from .database import Database, TuningKey
 from .measure import Measurer, measure
-from .ops import Config, Problem, op_of
+from .ops import Choice, Config, Problem, op_of
 
 if TYPE_CHECKING:
     from tvm.target import Target
@@ -150,13 +150,21 @@ def tune(
     op = op_of(problem)
     key = TuningKey.of(problem, target)
     machine = machine_of(target)
-    # A stored record is used only if it fits the problem; a bad one is dropped and re-tuned.
-    if database is not None and \
-            (known := database.get(key, problem, machine.isa.name)) is not None:
-        return TuneResult(known, cached=True, tune_seconds=0.0)
+    # A stored record is used only if it fits the problem (a bad one is dropped and re-tuned)
+    # and was tuned against today's default (a stale one is tuned again, its winner among
+    # the candidates right after the default).
+    default = op.default(problem, machine)
+    earlier = None
+    if database is not None:
+        known = database.get(key, problem, machine.isa.name)
+        if known is not None and database.get(key, default=default) is not None:
+            return TuneResult(known, cached=True, tune_seconds=0.0)
+        earlier = known
     start = time.perf_counter()
     choices, generated = op.choices(problem, machine, max_candidates)
     chosen = choices[:1 + top_k]
+    if earlier is not None and all(c.config != earlier for c in chosen):
+        chosen.insert(1, Choice(None, None, None, earlier))
 
     measurements: list[Measurement] = []
     incumbent: Measurement | None = None

@@ -77,9 +77,11 @@ class Tuner:
 
     def config(self, problem: Problem, target: Target) -> Config | None:
         """``problem``'s tuned configuration on ``target``'s machine, or None if untuned (or
-        if the stored record does not fit ``problem``: it is dropped, with a warning)."""
-        return self.database.get(TuningKey.of(problem, target), problem,
-                                 machine_of(target).isa.name)
+        if the stored record does not fit ``problem``: it is dropped, with a warning; or if
+        it was tuned against another default: :meth:`Database.stale`)."""
+        machine = machine_of(target)
+        return self.database.get(TuningKey.of(problem, target), problem, machine.isa.name,
+                                 default=op_of(problem).default(problem, machine))
 
 
 @dataclass

@@ -210,3 +210,19 @@ def test_a_file_as_work_directory(tmp_path):
     (tmp_path / "work").write_text("")
     with pytest.raises(ValueError, match="is a file, not a work directory"):
         Database(tmp_path / "work" / FILE_NAME)
+
+
+def test_a_record_tuned_against_another_default_is_stale(tmp_path, caplog):
+    """A record whose first measurement (the tuner's default then) is not today's default is
+    not used — its winner beat only that old default — and stays in the database."""
+    old_default, new_default = GemmConfig.of("CBa", 48, 64, 96), GemmConfig.of("aBC", 48, 64, 96)
+    db = Database(tmp_path / FILE_NAME)
+    db.put(_key(), CONFIG, measured=[{"config": OPS["dense"].to_json(old_default)}])
+    assert db.get(_key()) == CONFIG and db.get(_key(), default=old_default) == CONFIG
+    assert not _warnings(caplog)
+    assert db.get(_key(), PROBLEM, "avx2", default=new_default) is None
+    assert db.get(_key(), default=new_default) is None and len(db) == 1
+    (line,) = _warnings(caplog)  # once per key
+    assert f"{_key().text()} was tuned against an older default configuration" in line
+    db.put(_key(48), CONFIG, measured=[])  # nothing measured (a record put by hand): kept
+    assert db.get(_key(), default=new_default) == CONFIG

@@ -74,6 +74,24 @@ def test_tuned_config_is_correct(tmp_path):
     np.testing.assert_allclose(y.numpy(), x @ w, rtol=1e-4, atol=1e-4)
 
 
+def test_a_record_tuned_against_an_older_default_is_tuned_again(tmp_path, monkeypatch):
+    """After the default changed, builds use today's default, and the next tuning measures
+    it with the old winner among the candidates; the new winner replaces the record."""
+    db = Database(tmp_path / "tuning.db")
+    key = TuningKey.of(PROBLEM, TARGET)
+    old_default, *others = [c for c in _ranked(8) if c != DEFAULT]
+    old_winner = others[-1]
+    db.put(key, old_winner, measured=[{"config": OPS["dense"].to_json(old_default)}])
+    tuner = Tuner(db)
+    assert tuner.config(PROBLEM, TARGET) is None
+    assert config_for(PROBLEM, TARGET, tuner) == DEFAULT
+    calls = []
+    _fake_measure(monkeypatch, lambda c, final: 0.5 if c == old_winner else 1.0, calls)
+    result = tune(PROBLEM, TARGET, database=db, top_k=1)
+    assert not result.cached and calls[0][:2] == [DEFAULT, old_winner]
+    assert result.best == old_winner and tuner.config(PROBLEM, TARGET) == old_winner
+
+
 def test_lookup_only_tuner_returns_none_for_unknown(tmp_path):
     tuner = Tuner(Database(tmp_path / "t.db"))
     assert tuner.config(PROBLEM, TARGET) is None
