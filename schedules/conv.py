@@ -84,14 +84,13 @@ import numpy as np
 
 from microkernels import amx as _amx
 from microkernels import isa as _isa
-from microkernels import x86 as _x86
 from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 from microkernels.pack import Packing, padded
 
 from .blocking import divisors, near_divisors, vector_block
-from .gemm import _k_block, _tile_blocks, _tile_rows, _weight_values
+from .gemm import _k_block, _tile_blocks, _tile_rows, _tile_width, _weight_values
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
 from .nest import (
     check_exact,
@@ -755,7 +754,7 @@ def _column_block(k: int, target: _isa.Isa) -> int:
     (:func:`microkernels.x86.tile_columns`; each call's results are stored tile by tile, and
     the epilogue follows every 16 columns on AVX2), else :func:`vector_block`'s up to 64."""
     lanes = target.lanes("float32")
-    width = _x86.tile_columns(target) if target.arch == "x86_64" else 0
+    width = _tile_width(target)
     if width and k % width == 0:
         return vector_block(k, lanes, limit=width)
     return vector_block(k, lanes)

@@ -733,7 +733,7 @@ def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
         bm, bn = _tile_blocks(m, n)
         bk = _k_block(k, problem.alpha, _amx.TILE_BYTES // problem.element_bytes)
     else:
-        width = _x86.tile_columns(machine.isa) if machine.isa.arch == "x86_64" else 0
+        width = _tile_width(machine.isa)
         if problem.m <= GEMV_ROWS and width and n % width == 0:
             # A GEMV streams B: one register tile of columns per call reads its panel as one
             # sequential stream (on a Zen 1, 1x4096x25088: 25.8 instead of 18.5 GB/s at 64).
@@ -748,6 +748,12 @@ def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     candidate = heuristic(k_blocks, m // bm, n // bn, machine.caches, machine.threads, bm=bm,
                           bn=bn, bk=bk, dtype_bytes=problem.element_bytes, k_step=k_blocks)
     return GemmConfig(bm, bn, bk, candidate)
+
+
+def _tile_width(target: _isa.Isa) -> int:
+    """Columns of the x86 kernels' widest register tile (:func:`microkernels.x86.tile_columns`),
+    0 elsewhere: blocks of this width make each BRGEMM call one column tile."""
+    return _x86.tile_columns(target) if target.arch == "x86_64" else 0
 
 
 def _k_block(k: int, alpha: int, preferred: int) -> int:

@@ -224,5 +224,5 @@ def test_a_record_tuned_against_another_default_is_stale(tmp_path, caplog):
     assert db.get(_key(), default=new_default) is None and len(db) == 1
     (line,) = _warnings(caplog)  # once per key
     assert f"{_key().text()} was tuned against an older default configuration" in line
-    db.put(_key(48), CONFIG, measured=[])  # nothing measured (a record put by hand): kept
+    db.put(_key(), CONFIG, measured=[])  # nothing measured (a record put by hand): kept
     assert db.get(_key(), default=new_default) == CONFIG
