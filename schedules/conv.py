@@ -693,12 +693,13 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
       the K blocks stay outer, each weight panel read once per sweep.  Also ``ADEcbfg`` when
       a K block's slice of an output row ends inside a cache line (``bk`` of 28 or 68 floats):
       tasks over K blocks would then share the lines at their edges.  And ``ADEcbfg`` when
-      K spans several blocks, the filter fits in half of L2 and the output does not fit in
-      L2 (ResNet's and DenseNet's 1x1 and 3x3 convs on 56 x 56 maps, on a 512 KiB L2): a
-      task's K-block slivers, or a K block's whole plane, would stream the output to memory
-      block by block; whole rows go out sequentially while the filter is re-read from L2
-      (on a Zen 1, in one process: ResNet-50 3.6 % faster at batch 1, 1.3 % at batch 8,
-      DenseNet-121 2.1 %).
+      K spans several blocks, the filter fits in half of L3 and the output does not fit in
+      L2 (ResNet's and DenseNet's 1x1 and 3x3 convs on 56 x 56 maps, VGG's 3x3 convs up to
+      256 channels, on a 512 KiB L2): a task's K-block slivers, or a K block's whole plane,
+      would stream the output to memory block by block; whole rows go out sequentially
+      while the filter is re-read from L2 or L3 (on a Zen 1, in one process: with filters
+      up to half of L2, ResNet-50 3.6 % faster at batch 1, 1.3 % at batch 8, DenseNet-121
+      2.1 %; up to half of L3, VGG-19 a further 0.9-2.3 %, the others unchanged).
 
     Examples
     --------
@@ -739,7 +740,7 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     slivers = (bk * 4) % _isa.CACHE_LINE != 0  # a K block's output row ends mid-line
     k_blocks = problem.group_k // bk  # per group
     small_filter = filters <= machine.caches.l1d // 2
-    big_output = filters <= machine.caches.l2 // 2 and plane * (problem.k // bk) > machine.caches.l2
+    big_output = filters <= machine.caches.l3 // 2 and plane * (problem.k // bk) > machine.caches.l2
     if problem.k // bk > 1 and (k_blocks > 1 and (small_filter or big_output) or slivers):
         spec = "ADEcbfg"
     elif tasks >= 2 * machine.threads and plane <= machine.caches.l2 // 2:

@@ -158,10 +158,16 @@ def test_default_config_choices(caches):
     assert prime.bq == 29  # no divisor of 29 between 7 and 28: one block
     # 32 K blocks give each thread two tasks or more; a K block's 28 x 28 output plane fits in
     # half of either L2, so each weight panel sweeps the whole plane, unless the 256 KiB
-    # filter fits in half of L2 and the 1.5 MiB output does not fit in it: whole output rows
+    # filter fits in half of L3 and the 1.5 MiB output does not fit in L2: whole output rows
     # then, instead of streaming the output to memory K block by K block.
     mid = default_config(ConvProblem(1, 128, 28, 28, 512, 1, 1), machine)
     assert mid.spec == ("ADEcbfg" if caches is L2_1MIB else "ACbfgde")
+    # VGG's 2.25 MiB 3x3 filter: re-read from L3 for each row of its 3 MiB output, unless it
+    # outgrows half of L3.
+    vgg = ConvProblem(1, 256, 56, 56, 256, 3, 3, padding=1)
+    assert default_config(vgg, machine).spec == "ADEcbfg"
+    small_l3 = _machine(caches=isa.Caches(32 * 1024, 512 * 1024, 4 << 20))
+    assert default_config(vgg, small_l3).spec == "ACbfgde"
     # The same with AVX-512's 64-channel K blocks: a 64 KiB filter, a 3 MiB output.
     expand = default_config(ConvProblem(1, 64, 56, 56, 256, 1, 1), _machine("avx512", caches))
     assert (expand.bk, expand.spec) == (64, "ADEcbfg")
