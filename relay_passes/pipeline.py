@@ -28,6 +28,7 @@ from .batch_matmul import rewrite_batch_matmul
 from .conv import rewrite_conv
 from .dense import rewrite_dense
 from .guards import guard_gathers
+from .inplace import write_over_dead_operands
 from .keep_int8 import keep_int8
 from .prepare import prepare, sum_to_add
 from .qdq import rewrite_qdq
@@ -96,9 +97,21 @@ def tpp_pipeline(
                 cpu.library_dispatch_passes(target)
                 + cpu.legalize_passes(target)
                 + [fallback_schedules(), fast_math()]
-                + cpu.dataflow_lower_passes(target)
+                + _dataflow_lower_passes(target)
                 + cpu.finalize_passes(target),
                 name="TppLower",
             )(mod)
 
     return _pipeline
+
+
+def _dataflow_lower_passes(target: Target) -> list[tvm.transform.Pass]:
+    """TVM's CPU dataflow lowering with :func:`~.inplace.write_over_dead_operands` right after
+    ``RewriteDataflowReshape``: every view is a ``reshape`` by then, and the dataflow blocks
+    whose liveness it reads are still there."""
+    passes = cpu.dataflow_lower_passes(target)
+    first = passes[0].info.name
+    if first != "RewriteDataflowReshape":
+        raise RuntimeError(f"TVM's CPU dataflow lowering starts with {first}, "
+                           "not RewriteDataflowReshape")
+    return [passes[0], write_over_dead_operands(), *passes[1:]]
