@@ -15,6 +15,8 @@ network 1.3 % at batch 1 (the two builds exported, timed in alternating processe
   element: every block that writes the output is a single store whose read region of
   parameter ``i`` is that store's own element, no other block touches either buffer, and the
   two have one shape and dtype (:func:`elementwise_operands`);
+* the function has static shapes only (a symbolic one is computed where a tensor is
+  allocated; in place, nowhere);
 * ``args[i]`` (the first such parameter that qualifies) is a dataflow variable of the same
   block that nothing reads after this call, and nothing that shares its memory does either:
   views (``reshape``) and anything else not produced by a ``call_tir`` are assumed to share
@@ -87,8 +89,15 @@ def write_over_dead_operands() -> tvm.transform.Pass:
     def _pass(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         rewriter = _InPlace(mod)
         for gv, func in list(mod.functions.items()):
-            if isinstance(func, relax.Function):
-                rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+            # Re-emitting a function with symbolic shapes can lose where a shape expression
+            # is computed (NonMaxSuppression's "8 * s * s_1 has not been computed"): such
+            # functions, and those with nothing to change, are left as they are.
+            if isinstance(func, relax.Function) and not relax.analysis.defined_symbolic_vars(
+                    func):
+                new_func = rewriter.visit_expr(func)
+                if rewriter.replace:
+                    rewriter.builder_.update_func(gv, new_func)
+                    rewriter.replace.clear()
         return rewriter.builder_.get()
 
     return _pass
@@ -143,22 +152,28 @@ class _InPlace(relax.PyExprMutator):
         self.mod = mod
         self.inplace_kernels: dict[tuple[tvm.ir.GlobalVar, int], tvm.ir.GlobalVar] = {}
         self.operands_of: dict[tvm.ir.GlobalVar, tuple[int, ...]] = {}
+        self.replace: dict[relax.Var, relax.Expr] = {}  # bound var -> its in-place value
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.DataflowBlock:
         bindings = list(block.bindings)
         last_use = _last_uses(bindings)
         group = _Groups()
         for binding in bindings:
-            value = binding.value
-            if not _is_call_tir(value):
-                for var in _vars_in(value):
+            if not _is_call_tir(binding.value):
+                for var in _vars_in(binding.value):
                     group.union(binding.var, var)
-        new_bindings = []
         for index, binding in enumerate(bindings):
             value = self._rewrite(binding, index, last_use, group)
-            new_bindings.append(relax.VarBinding(binding.var, value)
-                                if value is not binding.value else binding)
-        return super().visit_dataflow_block_(relax.DataflowBlock(new_bindings, block.span))
+            if value is not binding.value:
+                self.replace[binding.var] = value
+        return super().visit_dataflow_block_(block)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var not in self.replace:
+            super().visit_var_binding_(binding)
+            return
+        value = self.builder_.normalize(self.replace[binding.var])
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
 
     def _rewrite(self, binding: relax.VarBinding, index: int, last_use: dict[relax.Var, int],
                  group: _Groups) -> relax.Expr:

@@ -197,6 +197,22 @@ def test_live_operands_kept(emit, params):
     tvm.ir.assert_structural_equal(write_over_dead_operands()(mod), mod)
 
 
+def test_symbolic_functions_kept():
+    """A function with symbolic shapes is left as it is (re-emitted, it could lose where a
+    shape expression is computed)."""
+    bb = relax.BlockBuilder()
+    k = {name: bb.add_func(f, name) for name, f in (("double", double), ("add_relu", add_relu))}
+    x, s = relax.Var("x", TENSOR), relax.Var("s", relax.TensorType(("n",), F32))
+    with bb.function("main", [x, s]):
+        with bb.dataflow():
+            r = _call(bb, k["double"], x)
+            y = bb.emit_output(relax.call_tir(k["add_relu"], [x, r], TENSOR))
+            t = bb.emit_output(relax.op.add(s, s))
+        bb.emit_func_output(relax.Tuple([y, t]))
+    mod = bb.get()
+    tvm.ir.assert_structural_equal(write_over_dead_operands()(mod), mod)
+
+
 # ---------------------------------------------------------------------------------------------
 # Real networks
 # ---------------------------------------------------------------------------------------------
