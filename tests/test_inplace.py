@@ -202,7 +202,8 @@ def test_symbolic_functions_kept():
     shape expression is computed)."""
     bb = relax.BlockBuilder()
     k = {name: bb.add_func(f, name) for name, f in (("double", double), ("add_relu", add_relu))}
-    x, s = relax.Var("x", TENSOR), relax.Var("s", relax.TensorType(("n",), F32))
+    n = tvm.tirx.Var("n", "int64")
+    x, s = relax.Var("x", TENSOR), relax.Var("s", relax.TensorType((n,), F32))
     with bb.function("main", [x, s]):
         with bb.dataflow():
             r = _call(bb, k["double"], x)
