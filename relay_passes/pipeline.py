@@ -25,6 +25,7 @@ from schedules.fallback import fallback_schedules
 from schedules.tuner import TaskCollector, Tuner
 
 from .batch_matmul import rewrite_batch_matmul
+from .concat_chain import write_concat_chains
 from .conv import rewrite_conv
 from .dense import rewrite_dense
 from .guards import guard_gathers
@@ -69,6 +70,8 @@ def tpp_rewrites(
         mod = rewrite_conv(mod, target, found, tuner, precision)
         # What dense left: matmuls whose operands both vary.
         mod = rewrite_batch_matmul(mod, target, found, tuner, precision)
+        # DenseNet's concat chains: each layer's channels written into one buffer.
+        mod = write_concat_chains(mod)
         # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
         # Cancelled permutes leave var-to-var aliases, across which FuseOps would not fuse
         # a chain into its consumer (HardSwish into the pad of the depthwise conv after it).
