@@ -7,7 +7,8 @@ Modules: :mod:`.scaffold` (what the passes share: the :class:`Offload` record, e
 the rewrite loop, kernel marking, the leftover report), :mod:`.prepare` (BatchNorm folding, the
 ONNX Sum repair, :func:`~.prepare.prepare`), :mod:`.dense`, :mod:`.conv` and
 :mod:`.batch_matmul` (the three offload passes), :mod:`.layouts` (NHWC/NCHW cancellation between
-TPP convs) and :mod:`.pipeline`.
+TPP convs), :mod:`.concat_chain` (concat chains written into one buffer), :mod:`.inplace`
+(outputs written over dead operands) and :mod:`.pipeline`.
 """
 
 from .scaffold import Offload, tpp_flops_fraction
