@@ -86,19 +86,10 @@ def copy_kernel(src_shape: tuple[int, ...], channels: int, offset: int, dtype: s
                     for j in T.vectorized(lanes):
                         B2[p, offset + v * lanes + j] = S2[p, v * lanes + j]
 
-    @T.prim_func(s_tir=True)
-    def write(buf: T.handle, src: T.handle):
-        B = T.match_buffer(buf, (n, h, w, channels), dtype)
-        S = T.match_buffer(src, (n, h, w, c), dtype)
-        with T.sblock("root"):
-            S2 = T.decl_buffer((rows, c), dtype, data=S.data)
-            B2 = T.decl_buffer((rows, channels), dtype, data=B.data)
-            for p in T.parallel(rows):
-                for v in T.serial(c // lanes):
-                    for j in T.vectorized(lanes):
-                        B2[p, offset + v * lanes + j] = S2[p, v * lanes + j]
-
-    return write if in_place else copy
+    if not in_place:
+        return copy
+    # In place, the buffer comes first (call_tir_inplace's operand 0 is the one written).
+    return tvm.tirx.PrimFunc(list(reversed(copy.params)), copy.body, copy.ret_type, copy.attrs)
 
 
 def _concat_parts(value: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
