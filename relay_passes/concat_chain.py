@@ -18,7 +18,7 @@ A later write never touches the channels an earlier ``c_i`` reads, so its reader
 same values wherever they run.  A chain is two or more channels-last (NHWC, axis 3) concats
 of two static-shape tensors of one dtype, each taking the previous one as its first input;
 a concat that feeds two concats' first inputs ends the chain (the two would write the same
-channels).
+channels).  Functions with symbolic shapes are left as they are.
 
 Examples
 --------
@@ -50,7 +50,8 @@ def write_concat_chains(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` with every concat chain (module doc) written in place into one buffer."""
     rewriter = _Chains(mod)
     for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
+        # As in relay_passes.inplace: a function with symbolic shapes is not re-emitted.
+        if isinstance(func, relax.Function) and not relax.analysis.defined_symbolic_vars(func):
             new_func = rewriter.visit_expr(func)
             if rewriter.plan:
                 rewriter.builder_.update_func(gv, new_func)
