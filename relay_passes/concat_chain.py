@@ -39,7 +39,7 @@ import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
-from .scaffold import add_kernel, static_shape
+from .scaffold import add_kernel, is_call_to, rewrite_static_functions, static_shape
 
 __all__ = ["write_concat_chains", "copy_kernel"]
 
@@ -49,14 +49,8 @@ _CHANNELS = 3  # NHWC
 def write_concat_chains(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` with every concat chain (module doc) written in place into one buffer."""
     rewriter = _Chains(mod)
-    for gv, func in list(mod.functions.items()):
-        # As in relay_passes.inplace: a function with symbolic shapes is not re-emitted.
-        if isinstance(func, relax.Function) and not relax.analysis.defined_symbolic_vars(func):
-            new_func = rewriter.visit_expr(func)
-            if rewriter.plan:
-                rewriter.builder_.update_func(gv, new_func)
-                rewriter.plan.clear()
-    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+    return relax.transform.DeadCodeElimination()(
+        rewrite_static_functions(mod, rewriter, rewriter.plan))
 
 
 def copy_kernel(src_shape: tuple[int, ...], channels: int, offset: int, dtype: str,
@@ -95,8 +89,7 @@ def copy_kernel(src_shape: tuple[int, ...], channels: int, offset: int, dtype: s
 
 def _concat_parts(value: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
     """The two inputs of a static-shape channels-last concat of one dtype, or None."""
-    if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
-            and value.op.name == "relax.concat"):
+    if not is_call_to(value, "relax.concat"):
         return None
     parts = value.args[0]
     if not isinstance(parts, relax.Tuple) or len(parts.fields) != 2:
@@ -110,10 +103,14 @@ def _concat_parts(value: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
     return parts.fields[0], parts.fields[1]
 
 
-def _chains(bindings: list[relax.Binding]) -> list[list[relax.Var]]:
-    """The concat chains among ``bindings``: lists of bound vars, first concat first."""
-    concats = {b.var: parts for b in bindings if isinstance(b, relax.VarBinding)
-               and (parts := _concat_parts(b.value)) is not None}
+def _concats(bindings: list[relax.Binding]) -> dict[relax.Var, tuple[relax.Expr, relax.Expr]]:
+    """Each chainable concat among ``bindings`` (:func:`_concat_parts`) -> its two inputs."""
+    return {b.var: parts for b in bindings if isinstance(b, relax.VarBinding)
+            and (parts := _concat_parts(b.value)) is not None}
+
+
+def _chains(concats: dict[relax.Var, tuple[relax.Expr, relax.Expr]]) -> list[list[relax.Var]]:
+    """The chains among ``concats`` (:func:`_concats`): lists of bound vars, first first."""
     heads: dict[relax.Var, list[relax.Var]] = {}  # concat -> the concats it is first input of
     for var, (first, _) in concats.items():
         if isinstance(first, relax.Var) and first in concats:
@@ -140,12 +137,11 @@ class _Chains(relax.PyExprMutator):
         self.parts: dict[relax.Var, tuple[relax.Expr, relax.Expr]] = {}
 
     def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.DataflowBlock:
-        bindings = list(block.bindings)
-        for chain in _chains(bindings):
+        concats = _concats(list(block.bindings))
+        for chain in _chains(concats):
             for position, var in enumerate(chain):
                 self.plan[var] = (chain, position)
-        self.parts.update({b.var: _concat_parts(b.value) for b in bindings
-                           if isinstance(b, relax.VarBinding) and b.var in self.plan})
+                self.parts[var] = concats[var]
         return super().visit_dataflow_block_(block)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:

@@ -49,6 +49,8 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
+from .scaffold import is_call_to, rewrite_static_functions
+
 __all__ = ["elementwise_operands", "in_place", "write_over_dead_operands"]
 
 
@@ -88,17 +90,7 @@ def write_over_dead_operands() -> tvm.transform.Pass:
     @tvm.transform.module_pass(opt_level=0, name="WriteOverDeadOperands")
     def _pass(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         rewriter = _InPlace(mod)
-        for gv, func in list(mod.functions.items()):
-            # Re-emitting a function with symbolic shapes can lose where a shape expression
-            # is computed (NonMaxSuppression's "8 * s * s_1 has not been computed"): such
-            # functions, and those with nothing to change, are left as they are.
-            if isinstance(func, relax.Function) and not relax.analysis.defined_symbolic_vars(
-                    func):
-                new_func = rewriter.visit_expr(func)
-                if rewriter.replace:
-                    rewriter.builder_.update_func(gv, new_func)
-                    rewriter.replace.clear()
-        return rewriter.builder_.get()
+        return rewrite_static_functions(mod, rewriter, rewriter.replace)
 
     return _pass
 
@@ -159,7 +151,7 @@ class _InPlace(relax.PyExprMutator):
         last_use = _last_uses(bindings)
         group = _Groups()
         for binding in bindings:
-            if not _is_call_tir(binding.value):
+            if not is_call_to(binding.value, "relax.call_tir"):
                 for var in _vars_in(binding.value):
                     group.union(binding.var, var)
         for index, binding in enumerate(bindings):
@@ -179,7 +171,7 @@ class _InPlace(relax.PyExprMutator):
                  group: _Groups) -> relax.Expr:
         """The binding's value, in place if it can be."""
         value = binding.value
-        if not _is_call_tir(value) or len(value.args) > 2 or not isinstance(
+        if not is_call_to(value, "relax.call_tir") or len(value.args) > 2 or not isinstance(
                 value.ty_args[0], relax.TensorType):
             return value  # symbolic tir_vars or several outputs
         kernel, args = value.args[0], list(value.args[1].fields)
@@ -221,10 +213,6 @@ def _dead_after(args: list[relax.Expr], operand: int, index: int,
            for i, a in enumerate(args) if i != operand):
         return False
     return max(last_use[m] for m in members) == index
-
-
-def _is_call_tir(value: relax.Expr) -> bool:
-    return isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.call_tir"))
 
 
 def _vars_in(expr: relax.Expr) -> list[relax.Var]:

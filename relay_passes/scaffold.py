@@ -693,6 +693,24 @@ def offload_patterns(
     return new_mod
 
 
+def rewrite_static_functions(mod: tvm.IRModule, mutator: relax.PyExprMutator,
+                             pending: dict) -> tvm.IRModule:
+    """``mod`` with each Relax function of static shapes visited by ``mutator``, kept where
+    the visit left ``pending`` (the mutator's record of its planned rewrites) empty.
+
+    A function re-emitted without changes, or one with symbolic shapes, could lose where a
+    shape expression is computed (NonMaxSuppression's "8 * s * s_1 has not been computed"):
+    such functions stay as they are.  ``pending`` is cleared after each function.
+    """
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function) and not relax.analysis.defined_symbolic_vars(func):
+            new_func = mutator.visit_expr(func)
+            if pending:
+                mutator.builder_.update_func(gv, new_func)
+                pending.clear()
+    return mutator.builder_.get()
+
+
 def add_kernel(builder: relax.BlockBuilder, func: tvm.tirx.PrimFunc,
                name: str) -> tvm.ir.GlobalVar:
     """Add the scheduled PrimFunc ``func`` to ``builder``'s module as the kernel ``name``.
