@@ -1,8 +1,9 @@
 """Graph preparation: the inference simplifications that expose GEMM/conv patterns with
 constant weights, before any TPP rewrite.
 
-* :func:`fold_batchnorm` folds inference BatchNorm into the conv2d weights before it, in numpy;
-* :func:`prepare` is the pass the ``tpp`` pipeline starts with: that folding, then TVM's
+* :func:`prepare` is the pass the ``tpp`` pipeline starts with: BatchNorm and the other
+  per-channel scale-shift chains folded in numpy, into the conv before them where there is
+  one (:func:`~relay_passes.scale_shift.fold_scale_shift`), then TVM's
   ``DecomposeOpsForInference`` and ``FoldConstant`` (transposes of constant weights go);
 * :func:`sum_to_add` repairs the ONNX importer's ``Sum``, which hides a residual add;
   :func:`~relay_passes.conv.rewrite_conv` applies it before matching;
@@ -34,23 +35,24 @@ ONNX ``Sum(a, b)`` as the importer leaves it, and repaired:
 
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax
 from tvm.ir.expr import TensorLoad
-from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
+from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
 from .conv_transpose import transposed_as_conv
 from .scaffold import is_call_to, static_shape
+from .scale_shift import fold_scale_shift
 
-__all__ = ["conv1d_as_conv2d", "fold_batchnorm", "prepare", "sum_to_add", "te_extrema_to_ops"]
+__all__ = ["conv1d_as_conv2d", "prepare", "sum_to_add", "te_extrema_to_ops"]
 
 
 def prepare() -> tvm.transform.Pass:
     """Inference simplifications that expose GEMM/conv patterns with constant weights.
 
-    BatchNorm is folded into conv weights in numpy first (before DecomposeOpsForInference
-    turns it into arithmetic; TVM's FoldConstant would compile a kernel per fold).
+    BatchNorm and its scale-shift neighbours are folded in numpy first (before
+    DecomposeOpsForInference turns BatchNorm into arithmetic; TVM's FoldConstant would compile
+    a kernel per fold).
     """
     return tvm.transform.Sequential(
         [
@@ -60,8 +62,8 @@ def prepare() -> tvm.transform.Pass:
                                       name="TppConv1dAsConv2d"),
             tvm.transform.module_pass(lambda mod, _ctx: transposed_as_conv(mod), opt_level=0,
                                       name="TppTransposedAsConv"),
-            tvm.transform.module_pass(lambda mod, _ctx: fold_batchnorm(mod), opt_level=0,
-                                      name="TppFoldBatchnorm"),
+            tvm.transform.module_pass(lambda mod, _ctx: fold_scale_shift(mod), opt_level=0,
+                                      name="TppFoldScaleShift"),
             relax.transform.DecomposeOpsForInference(),
             relax.transform.FoldConstant(),
             # After the folding: Clip's bounds are where(isnan(b), inf, b) until then.
@@ -72,76 +74,6 @@ def prepare() -> tvm.transform.Pass:
     )
 
 
-def fold_batchnorm(mod: tvm.IRModule) -> tvm.IRModule:
-    """Fold inference BatchNorm into the constant weights of the conv2d before it, in numpy.
-
-    ``batch_norm(conv2d(x, W) [+ c], g, b, m, v)[0]`` -> ``conv2d(x, W * s) + (b + (c - m) * s)``
-    with ``s = g / sqrt(v + eps)`` per output channel (``c``: the conv's own per-channel bias,
-    as exporters write a ``Conv`` with ``B`` before a BatchNorm).  Relax's
-    FoldBatchnormToConv2D leaves the products for FoldConstant, which compiles a kernel for
-    each one (a minute on ResNet-50); numpy does them in milliseconds.  The caller's module
-    stays as it was.
-
-    Examples
-    --------
-    >>> x = relax.Var("x", relax.TensorType((1, 2, 5, 5), "float32"))
-    >>> bb = relax.BlockBuilder()
-    >>> with bb.function("main", [x]):
-    ...     conv = bb.emit(relax.op.nn.conv2d(x, relax.const(np.ones((3, 2, 3, 3), "float32"))))
-    ...     biased = bb.emit(relax.op.add(conv, relax.const(np.ones((1, 3, 1, 1), "float32"))))
-    ...     stats = [relax.const(np.full(3, v, "float32")) for v in (2.0, 0.5, 1.0, 4.0)]
-    ...     norm = bb.emit(relax.op.nn.batch_norm(biased, *stats, axis=1, epsilon=0.0,
-    ...                                           training=False))
-    ...     _ = bb.emit_func_output(bb.emit(relax.TupleGetItem(norm, 0)))
-    >>> folded = fold_batchnorm(bb.get())["main"].body.blocks[0].bindings
-    >>> [b.value.op.name for b in folded]
-    ['relax.nn.conv2d', 'relax.add']
-    >>> float(folded[1].value.args[1].value.numpy().ravel()[0])  # 0.5 + (1 - 1) * 2 / 2
-    0.5
-    """
-    mod = mod.clone()
-    conv = is_op("relax.nn.conv2d")(wildcard(), is_const())
-    own_bias = is_const()
-    stats = [is_const() for _ in range(4)]
-    norm = is_op("relax.nn.batch_norm")(is_op("relax.add")(conv, own_bias) | conv, *stats)
-    pattern = is_tuple_get_item(norm, 0)
-
-    def rewriter(orig, matches):
-        call, bn = matches[conv], matches[norm]
-        attrs = bn.attrs
-        if attrs.training or int(attrs.axis) != 1 or str(call.attrs.kernel_layout) != "OIHW" \
-                or str(call.attrs.data_layout) != "NCHW" or call.args[1].ty.dtype != "float32":
-            return orig
-        gamma, beta, mean, var = (matches[p].value.numpy().astype(np.float64) for p in stats)
-        if not attrs.scale:
-            gamma = np.ones_like(gamma)
-        if not attrs.center:
-            beta = np.zeros_like(beta)
-        weight = call.args[1].value.numpy()
-        channels = weight.shape[0]
-        if own_bias in matches:
-            shift = matches[own_bias].value.numpy().astype(np.float64)
-            if shift.size != channels or shift.shape not in ((1, channels, 1, 1),
-                                                             (channels, 1, 1)):
-                return orig  # not a per-channel bias: the add stays as it is
-            mean = mean - shift.reshape(channels)
-        scale = gamma / np.sqrt(var + float(attrs.epsilon))
-        if scale.shape != (channels,):
-            return orig
-        a = call.attrs
-        folded = relax.op.nn.conv2d(
-            call.args[0], relax.const((weight * scale[:, None, None, None]).astype(np.float32)),
-            a.strides, a.padding, a.dilation, int(a.groups), str(a.data_layout),
-            str(a.kernel_layout), str(a.out_layout), a.out_dtype)
-        bias = (beta - mean * scale).astype(np.float32).reshape(1, -1, 1, 1)
-        return relax.op.add(folded, relax.const(bias))
-
-    for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = rewrite_call(pattern, rewriter, func)
-    return relax.transform.DeadCodeElimination()(mod)
-
-
 def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
     """``conv1d(x, W) [+ b]`` (NCW data, a constant OIW weight, a constant bias) as
     ``conv2d`` of height 1: ``reshape(conv2d(reshape(x, [N, C, 1, L]), W[:, :, None], ...)
@@ -150,6 +82,7 @@ def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
 
     Examples
     --------
+    >>> import numpy as np
     >>> x = relax.Var("x", relax.TensorType((1, 4, 9), "float32"))
     >>> bb = relax.BlockBuilder()
     >>> with bb.function("main", [x]):

@@ -1,5 +1,6 @@
-"""Graph preparation: BatchNorm folded into the conv before it, the ONNX Sum repaired into
-adds, constant transposes folded by ``prepare()``.
+"""Graph preparation: the ONNX Sum repaired into adds, constant transposes folded by
+``prepare()``, BatchNorm gone from a conv-BN-ReLU-Sum block (``tests/test_scale_shift.py``
+checks the folding itself).
 
 Each rewrite is checked structurally (Before/Expected modules) and numerically (ONNX models of
 odd sizes built through the pipeline for a plain llvm target, which prepares and then lowers
@@ -16,12 +17,11 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 import tvm_tpp
-from relay_passes.prepare import fold_batchnorm, prepare, sum_to_add
+from relay_passes.prepare import prepare, sum_to_add
 from tvm_tpp.compiler import import_model
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
 LLVM = {"kind": "llvm", "mcpu": "haswell"}
-X_SHAPE, W_SHAPE = (1, 3, 5, 7), (4, 3, 3, 3)
 
 
 def _bn_stats(rng: np.random.Generator, c: int) -> list[np.ndarray]:
@@ -38,76 +38,6 @@ def _main(params: list[relax.Var], body) -> tvm.IRModule:
             out = bb.emit_output(body(bb, *params))
         bb.emit_func_output(out)
     return bb.get()
-
-
-def _conv_bn(w: relax.Expr, stats: list[np.ndarray], own_bias: np.ndarray | None = None,
-             **bn_attrs) -> tvm.IRModule:
-    def body(bb, x, *_):
-        y = bb.emit(relax.op.nn.conv2d(x, w, padding=1))
-        if own_bias is not None:
-            y = bb.emit(relax.op.add(y, relax.const(own_bias)))
-        norm = bb.emit(relax.op.nn.batch_norm(y, *map(relax.const, stats), axis=1,
-                                              epsilon=1e-5, training=False, **bn_attrs))
-        return relax.TupleGetItem(norm, 0)
-
-    params = [relax.Var("x", relax.TensorType(X_SHAPE, "float32"))]
-    if isinstance(w, relax.Var):
-        params.append(w)
-    return _main(params, body)
-
-
-@pytest.mark.parametrize("center, scale", [(True, True), (False, True), (True, False)])
-def test_batchnorm_folds_into_conv_weight_and_bias(center, scale):
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal(W_SHAPE).astype("float32")
-    gamma, beta, mean, var = _bn_stats(rng, W_SHAPE[0])
-    before = _conv_bn(relax.const(w), [gamma, beta, mean, var], center=center, scale=scale)
-
-    # What fold_batchnorm promises: W * s and b - m * s, s = g / sqrt(v + eps), in float64.
-    g = gamma.astype(np.float64) if scale else np.ones(W_SHAPE[0])
-    bias = beta.astype(np.float64) if center else np.zeros(W_SHAPE[0])
-    s = g / np.sqrt(var.astype(np.float64) + 1e-5)
-    folded_w = (w * s[:, None, None, None]).astype("float32")
-    folded_b = (bias - mean * s).astype("float32").reshape(1, -1, 1, 1)
-    expected = _main([relax.Var("x", relax.TensorType(X_SHAPE, "float32"))], lambda bb, x: (
-        relax.op.add(bb.emit(relax.op.nn.conv2d(x, relax.const(folded_w), padding=1)),
-                     relax.const(folded_b))))
-    tvm.ir.assert_structural_equal(fold_batchnorm(before), expected)
-
-
-@pytest.mark.parametrize("bias_shape", [(1, 4, 1, 1), (4, 1, 1)])
-def test_batchnorm_after_a_conv_with_its_own_bias_folds_both(bias_shape):
-    """``Conv(x, W, B)`` then BatchNorm, as Caffe2 and PyTorch exports with ``bias=True``
-    write it (ShuffleNet's stem): the conv's bias shifts the mean."""
-    rng = np.random.default_rng(2)
-    w = rng.standard_normal(W_SHAPE).astype("float32")
-    c = rng.standard_normal(bias_shape).astype("float32")
-    gamma, beta, mean, var = _bn_stats(rng, W_SHAPE[0])
-    before = _conv_bn(relax.const(w), [gamma, beta, mean, var], own_bias=c)
-
-    s = gamma.astype(np.float64) / np.sqrt(var.astype(np.float64) + 1e-5)
-    folded_w = (w * s[:, None, None, None]).astype("float32")
-    folded_b = (beta + (c.reshape(-1) - mean.astype(np.float64)) * s).astype("float32")
-    expected = _main([relax.Var("x", relax.TensorType(X_SHAPE, "float32"))], lambda bb, x: (
-        relax.op.add(bb.emit(relax.op.nn.conv2d(x, relax.const(folded_w), padding=1)),
-                     relax.const(folded_b.reshape(1, -1, 1, 1)))))
-    tvm.ir.assert_structural_equal(fold_batchnorm(before), expected)
-
-
-def test_batchnorm_after_a_conv_plus_a_full_tensor_stays():
-    """An added constant that varies over the image is no per-channel bias."""
-    rng = np.random.default_rng(3)
-    before = _conv_bn(relax.const(rng.standard_normal(W_SHAPE).astype("float32")),
-                      _bn_stats(rng, W_SHAPE[0]),
-                      own_bias=rng.standard_normal((1, 4, 5, 7)).astype("float32"))
-    tvm.ir.assert_structural_equal(fold_batchnorm(before), before)
-
-
-def test_batchnorm_after_a_conv_with_varying_weights_stays():
-    rng = np.random.default_rng(1)
-    before = _conv_bn(relax.Var("w", relax.TensorType(W_SHAPE, "float32")),
-                      _bn_stats(rng, W_SHAPE[0]))
-    tvm.ir.assert_structural_equal(fold_batchnorm(before), before)
 
 
 @I.ir_module
