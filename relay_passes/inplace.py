@@ -49,7 +49,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
-from .scaffold import is_call_to, rewrite_static_functions
+from .scaffold import is_call_to, rewrite_static_functions, visit_binding_replaced
 
 __all__ = ["elementwise_operands", "in_place", "write_over_dead_operands"]
 
@@ -161,11 +161,7 @@ class _InPlace(relax.PyExprMutator):
         return super().visit_dataflow_block_(block)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var not in self.replace:
-            super().visit_var_binding_(binding)
-            return
-        value = self.builder_.normalize(self.replace[binding.var])
-        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+        visit_binding_replaced(self, binding, self.replace)
 
     def _rewrite(self, binding: relax.VarBinding, index: int, last_use: dict[relax.Var, int],
                  group: _Groups) -> relax.Expr:

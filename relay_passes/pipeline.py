@@ -1,7 +1,8 @@
 """The Relax pipeline of the ``tpp`` target.
 
-Graph preparation (:func:`relay_passes.prepare.prepare`: inference-only decompositions,
-BatchNorm folded into conv weights, constant folding), then for targets carrying the ``tpp``
+Graph preparation (:func:`relay_passes.prepare.prepare`: scale-shift chains such as BatchNorm
+folded, into conv weights where a conv precedes them, inference-only decompositions,
+constant folding), then for targets carrying the ``tpp``
 key the TPP rewrites and TVM's CPU lowering with schedules for what stayed with TVM
 (:mod:`schedules.fallback`); other targets get TVM's default CPU pipeline unchanged.
 

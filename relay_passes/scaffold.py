@@ -711,6 +711,17 @@ def rewrite_static_functions(mod: tvm.IRModule, mutator: relax.PyExprMutator,
     return mutator.builder_.get()
 
 
+def visit_binding_replaced(mutator: relax.PyExprMutator, binding: relax.VarBinding,
+                           replace: Mapping[relax.Var, relax.Expr]) -> None:
+    """``mutator``'s visit of ``binding``, with ``replace[binding.var]`` as the value where
+    there is one, bound to the same variable (so its readers need no remapping)."""
+    if binding.var not in replace:
+        relax.PyExprMutator.visit_var_binding_(mutator, binding)
+        return
+    value = mutator.builder_.normalize(replace[binding.var])
+    mutator.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+
+
 def add_kernel(builder: relax.BlockBuilder, func: tvm.tirx.PrimFunc,
                name: str) -> tvm.ir.GlobalVar:
     """Add the scheduled PrimFunc ``func`` to ``builder``'s module as the kernel ``name``.

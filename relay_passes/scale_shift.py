@@ -43,7 +43,7 @@ import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
 
-from .scaffold import is_call_to, static_shape
+from .scaffold import is_call_to, static_shape, visit_binding_replaced
 
 __all__ = ["fold_scale_shift"]
 
@@ -88,11 +88,7 @@ class _ScaleShift(relax.PyExprMutator):
         return super().visit_dataflow_block_(block)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var not in self.replace:
-            super().visit_var_binding_(binding)
-            return
-        value = self.builder_.normalize(self.replace[binding.var])
-        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+        visit_binding_replaced(self, binding, self.replace)
 
 
 def _plan(bindings: list[relax.VarBinding]) -> dict[relax.Var, relax.Expr]:

@@ -140,3 +140,22 @@ def isa_target(isa_name: str, mcpu: str | None = None):
 ORT_INT8_EXACT = runs_here("avx512_vnni") or runs_here("avx_vnni")
 #: The int8 weights whose products ONNX Runtime sums exactly on this host.
 S8_WEIGHTS = (-128, 127) if ORT_INT8_EXACT else (-64, 63)
+
+
+def bn_stats(rng: np.random.Generator, c: int) -> list[np.ndarray]:
+    """BatchNorm's gamma, beta, mean and variance for ``c`` channels."""
+    return [rng.uniform(0.8, 1.2, c).astype("float32"), rng.normal(0, 0.1, c).astype("float32"),
+            rng.normal(0, 0.1, c).astype("float32"), rng.uniform(0.5, 1.5, c).astype("float32")]
+
+
+def relax_main(params: list, body):
+    """An IRModule ``main(*params)`` whose dataflow block ``body(bb, *params)`` computes the
+    output."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, *params))
+        bb.emit_func_output(out)
+    return bb.get()

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from conftest import bn_stats, relax_main
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 from tvm.script import ir as I
@@ -22,22 +23,6 @@ from tvm_tpp.compiler import import_model
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
 LLVM = {"kind": "llvm", "mcpu": "haswell"}
-
-
-def _bn_stats(rng: np.random.Generator, c: int) -> list[np.ndarray]:
-    """gamma, beta, mean, variance."""
-    return [rng.uniform(0.8, 1.2, c).astype("float32"), rng.normal(0, 0.1, c).astype("float32"),
-            rng.normal(0, 0.1, c).astype("float32"), rng.uniform(0.5, 1.5, c).astype("float32")]
-
-
-def _main(params: list[relax.Var], body) -> tvm.IRModule:
-    """``main(*params)`` whose dataflow block ``body(bb, *params)`` computes the output."""
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(body(bb, *params))
-        bb.emit_func_output(out)
-    return bb.get()
 
 
 @I.ir_module
@@ -95,9 +80,9 @@ def test_prepare_folds_the_transpose_of_a_constant_weight():
     """ONNX Gemm(transB=1) imports as ``x @ permute_dims(W)``: the dense pattern wants W."""
     w = np.random.default_rng(2).standard_normal((9, 13)).astype("float32")
     x = relax.Var("x", relax.TensorType((5, 13), "float32"))
-    before = _main([x], lambda bb, x: relax.op.matmul(
+    before = relax_main([x], lambda bb, x: relax.op.matmul(
         x, bb.emit(relax.op.permute_dims(relax.const(w)))))
-    expected = _main([relax.Var("x", relax.TensorType((5, 13), "float32"))],
+    expected = relax_main([relax.Var("x", relax.TensorType((5, 13), "float32"))],
                      lambda bb, x: relax.op.matmul(x, relax.const(np.ascontiguousarray(w.T))))
     tvm.ir.assert_structural_equal(prepare()(before), expected)
 
@@ -108,7 +93,7 @@ def _conv_bn_sum_model(conv_bias: bool = False) -> onnx.ModelProto:
     rng = np.random.default_rng(3)
     c = 5
     weights = {"w": rng.standard_normal((c, c, 3, 3)).astype("float32") / 6}
-    weights.update(zip(["g", "b", "m", "v"], _bn_stats(rng, c), strict=True))
+    weights.update(zip(["g", "b", "m", "v"], bn_stats(rng, c), strict=True))
     if conv_bias:
         weights["cb"] = rng.standard_normal(c).astype("float32")
     nodes = [helper.make_node("Conv", ["x", "w", "cb"] if conv_bias else ["x", "w"], ["y"],

@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from conftest import bn_stats, relax_main
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -23,28 +24,12 @@ X_SHAPE, W_SHAPE = (1, 3, 5, 7), (4, 3, 3, 3)
 Y_SHAPE = (1, 4, 5, 7)
 
 
-def _bn_stats(rng: np.random.Generator, c: int) -> list[np.ndarray]:
-    """gamma, beta, mean, variance."""
-    return [rng.uniform(0.8, 1.2, c).astype("float32"), rng.normal(0, 0.1, c).astype("float32"),
-            rng.normal(0, 0.1, c).astype("float32"), rng.uniform(0.5, 1.5, c).astype("float32")]
-
-
 def _bn_affine(stats: list[np.ndarray], scale: bool = True, center: bool = True
                ) -> tuple[np.ndarray, np.ndarray]:
     """BatchNorm as ``x * s + t`` per channel, in float64."""
     gamma, beta, mean, var = (a.astype(np.float64) for a in stats)
     s = (gamma if scale else 1.0) / np.sqrt(var + 1e-5)
     return s, (beta if center else 0.0) - mean * s
-
-
-def _main(params: list[relax.Var], body) -> tvm.IRModule:
-    """``main(*params)`` whose dataflow block ``body(bb, *params)`` computes the output."""
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(body(bb, *params))
-        bb.emit_func_output(out)
-    return bb.get()
 
 
 def _x(shape=X_SHAPE, dtype="float32") -> relax.Var:
@@ -70,13 +55,13 @@ def _conv_bn(w: relax.Expr, stats: list[np.ndarray], own_bias: np.ndarray | None
         return _batchnorm(bb, y, stats, **bn_attrs)
 
     params = [_x()] + ([w] if isinstance(w, relax.Var) else [])
-    return _main(params, body)
+    return relax_main(params, body)
 
 
 def _conv_plus(w: np.ndarray, scale: np.ndarray | None, shift: np.ndarray) -> tvm.IRModule:
     """Expected: ``conv2d(x, W * scale) + shift``."""
     weight = w if scale is None else (w * scale.reshape(-1, 1, 1, 1)).astype("float32")
-    return _main([_x()], lambda bb, x: relax.op.add(
+    return relax_main([_x()], lambda bb, x: relax.op.add(
         bb.emit(relax.op.nn.conv2d(x, relax.const(weight), padding=1)),
         relax.const(shift.astype("float32"))))
 
@@ -85,7 +70,7 @@ def _conv_plus(w: np.ndarray, scale: np.ndarray | None, shift: np.ndarray) -> tv
 def test_batchnorm_folds_into_conv_weight_and_bias(center, scale):
     rng = np.random.default_rng(0)
     w = rng.standard_normal(W_SHAPE).astype("float32")
-    stats = _bn_stats(rng, W_SHAPE[0])
+    stats = bn_stats(rng, W_SHAPE[0])
     before = _conv_bn(relax.const(w), stats, center=center, scale=scale)
     s, t = _bn_affine(stats, scale, center)
     tvm.ir.assert_structural_equal(fold_scale_shift(before),
@@ -99,7 +84,7 @@ def test_conv_bias_batchnorm_and_scale_layer_fold_into_the_conv(bias_shape):
     rng = np.random.default_rng(2)
     w = rng.standard_normal(W_SHAPE).astype("float32")
     c = rng.standard_normal(bias_shape).astype("float32")
-    stats = _bn_stats(rng, W_SHAPE[0])
+    stats = bn_stats(rng, W_SHAPE[0])
     mul, add = (rng.uniform(0.5, 1.5, 4).astype("float32") for _ in range(2))
 
     def body(bb, x):
@@ -111,7 +96,7 @@ def test_conv_bias_batchnorm_and_scale_layer_fold_into_the_conv(bias_shape):
     s4, t4, m4, a4 = (v.reshape(1, -1, 1, 1) for v in (s, t, mul.astype(np.float64),
                                                       add.astype(np.float64)))
     shift = (c.astype(np.float64) * s4 + t4) * m4 + a4
-    tvm.ir.assert_structural_equal(fold_scale_shift(_main([_x()], body)),
+    tvm.ir.assert_structural_equal(fold_scale_shift(relax_main([_x()], body)),
                                    _conv_plus(w, s * mul, shift))
 
 
@@ -137,7 +122,8 @@ def test_a_preactivation_chain_becomes_one_multiply_and_add():
         y = bb.emit(relax.op.multiply(y, relax.const(scale.astype("float32"))))
         return relax.op.nn.relu(bb.emit(relax.op.add(y, relax.const(shift.astype("float32")))))
 
-    tvm.ir.assert_structural_equal(fold_scale_shift(_main([_x()], body)), _main([_x()], expected))
+    tvm.ir.assert_structural_equal(fold_scale_shift(relax_main([_x()], body)),
+                                   relax_main([_x()], expected))
 
 
 def test_constant_first_steps_and_a_scalar():
@@ -154,12 +140,13 @@ def test_constant_first_steps_and_a_scalar():
         y = bb.emit(relax.op.multiply(x, relax.const(np.float32(-2.0))))
         return relax.op.add(y, _channels(c * 2 + 0.5))
 
-    tvm.ir.assert_structural_equal(fold_scale_shift(_main([_x()], body)), _main([_x()], expected))
+    tvm.ir.assert_structural_equal(fold_scale_shift(relax_main([_x()], body)),
+                                   relax_main([_x()], expected))
 
 
 def test_batchnorm_after_a_conv_with_varying_weights_becomes_a_scale_shift():
     rng = np.random.default_rng(1)
-    stats = _bn_stats(rng, W_SHAPE[0])
+    stats = bn_stats(rng, W_SHAPE[0])
     w = relax.Var("w", relax.TensorType(W_SHAPE, "float32"))
     s, t = _bn_affine(stats)
 
@@ -169,7 +156,7 @@ def test_batchnorm_after_a_conv_with_varying_weights_becomes_a_scale_shift():
 
     tvm.ir.assert_structural_equal(
         fold_scale_shift(_conv_bn(w, stats)),
-        _main([_x(), relax.Var("w", relax.TensorType(W_SHAPE, "float32"))], expected))
+        relax_main([_x(), relax.Var("w", relax.TensorType(W_SHAPE, "float32"))], expected))
 
 
 def _two_steps(first, second, shape=X_SHAPE, dtype="float32"):
@@ -178,7 +165,7 @@ def _two_steps(first, second, shape=X_SHAPE, dtype="float32"):
         y = bb.emit(first(x))
         return second(y)
 
-    return _main([_x(shape, dtype)], body)
+    return relax_main([_x(shape, dtype)], body)
 
 
 _C3 = np.array([1.0, 0.0, 2.0], "float32").reshape(1, 3, 1, 1)
@@ -203,15 +190,15 @@ def test_what_is_no_chain_stays(case):
         "float16": lambda: _two_steps(
             lambda x: relax.op.add(x, relax.const(np.float16(3.0))),
             lambda y: relax.op.multiply(y, relax.const(np.float16(2.0))), dtype="float16"),
-        "varying tensor operand": lambda: _main([_x(), relax.Var("v", relax.TensorType(
+        "varying tensor operand": lambda: relax_main([_x(), relax.Var("v", relax.TensorType(
             X_SHAPE, "float32"))], lambda bb, x, v: relax.op.multiply(
                 bb.emit(relax.op.add(x, k)), v)),
-        "spatial scale of a conv": lambda: _main([_x()], lambda bb, x: relax.op.multiply(
+        "spatial scale of a conv": lambda: relax_main([_x()], lambda bb, x: relax.op.multiply(
             bb.emit(relax.op.nn.conv2d(x, relax.const(rng.standard_normal(W_SHAPE).astype(
                 "float32")), padding=1)), relax.const(rng.uniform(0.5, 2, (1, 1, 5, 7)).astype(
                     "float32")))),
-        "training batch norm": lambda: _main([_x()], lambda bb, x: _batchnorm(
-            bb, x, _bn_stats(rng, 3), training=True)),
+        "training batch norm": lambda: relax_main([_x()], lambda bb, x: _batchnorm(
+            bb, x, bn_stats(rng, 3), training=True)),
     }[case]()
     tvm.ir.assert_structural_equal(fold_scale_shift(before), before)
 
@@ -239,7 +226,7 @@ def test_an_intermediate_read_twice_ends_the_chain():
         z = bb.emit(relax.op.add(bb.emit(relax.op.multiply(y, b)), c))
         return relax.Tuple([z, bb.emit(relax.op.multiply(y, relax.const(np.float32(2.0))))])
 
-    before = _main([_x()], body)
+    before = relax_main([_x()], body)
     tvm.ir.assert_structural_equal(fold_scale_shift(before), before)
 
 
@@ -254,7 +241,7 @@ def _densenet_like(c: int = 5) -> onnx.ModelProto:
                               pads=[1] * 4)]
     prev = "y"
     for i, width in ((1, c), (2, 2 * c)):
-        w.update((f"{k}{i}", v) for k, v in zip("gbmv", _bn_stats(rng, width), strict=True))
+        w.update((f"{k}{i}", v) for k, v in zip("gbmv", bn_stats(rng, width), strict=True))
         w[f"mul{i}"] = rng.uniform(0.5, 1.5, (width, 1, 1)).astype("float32")
         w[f"add{i}"] = rng.normal(0, 0.2, (width, 1, 1)).astype("float32")
         nodes += [helper.make_node("BatchNormalization", [prev] + [f"{k}{i}" for k in "gbmv"],
