@@ -178,7 +178,7 @@ def _batchnorm(norm: relax.Expr, values: dict[relax.Var, relax.Expr],
 
 
 def _float32_shape(x: relax.Expr) -> tuple[int, ...] | None:
-    ty = x.ty if isinstance(x, relax.Expr) else None
+    ty = x.ty
     if not isinstance(ty, relax.TensorType) or ty.dtype != "float32" or ty.shape is None:
         return None
     return static_shape(ty.shape)
@@ -199,10 +199,9 @@ def _scaled_conv(base: relax.Expr, scale: np.ndarray, values: dict[relax.Var, re
         return None
     weight = call.args[1].value.numpy()
     channels = weight.shape[0]
-    if scale.ndim > 4:
-        return None
+    # The steps broadcast to the conv's [N, K, P, Q]: at most four dims, K or 1 of them.
     scale4 = scale.reshape((1,) * (4 - scale.ndim) + scale.shape)
-    if scale4.shape[0] != 1 or scale4.shape[2:] != (1, 1) or scale4.shape[1] not in (1, channels):
+    if scale4.shape[0] != 1 or scale4.shape[2:] != (1, 1):
         return None
     per_channel = np.broadcast_to(scale4.reshape(-1), (channels,))
     return relax.op.nn.conv2d(
