@@ -583,10 +583,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated implementations to compare (default: tpp,tpp-tuned,"
                    "tvm-default,metaschedule,onnxruntime; with --rpc: tpp,tpp-tuned,"
                    "tvm-default, and metaschedule may be added), of tpp, tpp-tuned, "
-                   "tvm-default, metaschedule, onnxruntime, openvino (OpenVINO's defaults: bf16 "
+                   "tvm-default, metaschedule (--ms-trials trials), metaschedule-1x and "
+                   "metaschedule-10x (MetaSchedule searching as long as tpp-tuned tuned, and "
+                   "10 times as long: after tpp-tuned), "
+                   "onnxruntime, openvino (OpenVINO's defaults: bf16 "
                    "on CPUs with AVX512-BF16 or AMX), openvino-f32 (its f32 precision hint); "
                    "the openvino rows need pip install 'tvm-tpp[openvino]'")
-    p.add_argument("--ms-trials", type=int, default=64, help="MetaSchedule's total trials")
+    p.add_argument("--ms-trials", type=int, default=64,
+                   help="MetaSchedule's total trials (the metaschedule row)")
     p.add_argument("--work-dir", help="models, logs and tuning databases "
                    "(default: ~/.cache/tvm-tpp/bench; reused by later runs)")
     p.add_argument("--json", help="write rows, host and command line as JSON")

@@ -45,12 +45,15 @@ from .workloads import GemmWorkload, ModelWorkload, Workload
 if TYPE_CHECKING:
     from .protocol import Job
 
-__all__ = ["IMPLS", "NATIVE_FEATURES", "Built", "Unavailable", "build", "gemm_problem",
-           "host_llvm", "native_feature", "supports"]
+__all__ = ["BUDGET_TRIALS_PER_ITER", "IMPLS", "NATIVE_FEATURES", "TIME_MATCHED", "Built",
+           "Unavailable", "build", "gemm_problem", "host_llvm", "native_feature", "supports"]
 
 #: Every implementation, in table order (each benchmark shows those its workload supports).
 IMPLS = ("tpp", "tpp-tuned", "tpp-float32", "numpy", "torch", "tvm-default", "metaschedule",
-         "onnxruntime", "openvino", "openvino-f32")
+         "metaschedule-1x", "metaschedule-10x", "onnxruntime", "openvino", "openvino-f32")
+#: MetaSchedule given a multiple of the wall time tpp-tuned searched for (models only): the
+#: harness puts tpp-tuned's seconds in ``Job.ms_budget``.
+TIME_MATCHED = {"metaschedule-1x": 1.0, "metaschedule-10x": 10.0}
 
 #: ``say(text)``: progress of a long build, shown by the harness.
 Say = Callable[[str], None]
@@ -66,6 +69,9 @@ class Built:
 
     ``run`` gives its outputs; ``timer`` times it (None: not timed, the reference);
     ``compile_seconds`` is None where the benchmark does not report it (GEMMs);
+    ``search_seconds`` is what the searches behind a tuned build took, this run's or, for
+    results reused from a database, the earlier runs' (tpp-tuned models: the budget of the
+    time-matched MetaSchedule rows);
     ``explain`` is the TPP tuner's model ranking next to its measurements (GEMMs).
     """
 
@@ -76,6 +82,7 @@ class Built:
     target: str = ""
     notes: str = ""
     explain: dict[str, Any] | None = None
+    search_seconds: float | None = None
 
 
 def host_llvm(threads: int):
@@ -178,19 +185,31 @@ def _symbolic_build(job: Job, proto, target: str, shapes: dict[str, list[int]] |
 
 
 def _model_tpp_tuned(job: Job, workload: ModelWorkload, say: Say) -> Built:
+    from schedules.database import Database, TuningKey
+
     from .. import compiler
 
     proto, _, inputs = workload.load()
     cached: list[bool] = []
+    searches: list[float] = []
+    database = Database(Path(job.work_dir) / compiler.DATABASE)
+    target = _tpp_target(job.threads)
+
+    def on_tuned(problem, result) -> None:
+        cached.append(result.cached)
+        record = database.record(TuningKey.of(problem, target)) if result.cached else None
+        searches.append(float((record or {}).get("tune_seconds", 0.0)) if result.cached
+                        else result.tune_seconds)
+
     start = time.perf_counter()
     compiled = compiler.compile(proto, target=f"tpp -num-cores={job.threads}",
                                 input_shapes=workload.input_shapes, tune=True,
                                 tune_budget=job.tune_budget, work_dir=job.work_dir,
-                                on_tuned=lambda problem, result: cached.append(result.cached),
-                                precision=_compile_precision(job))
+                                on_tuned=on_tuned, precision=_compile_precision(job))
     seconds = time.perf_counter() - start - compiled.tune_seconds
     return _vm_built(compiled.executable, inputs, max(seconds, 0.0),
-                     tune_seconds=compiled.tune_seconds, target=str(compiled.target),
+                     tune_seconds=compiled.tune_seconds, search_seconds=sum(searches),
+                     target=str(compiled.target),
                      notes=f"{job.precision}: database {Path(job.work_dir) / compiler.DATABASE}: "
                      f"{cached.count(False)} operators tuned, {sum(cached)} cached")
 
@@ -215,11 +234,22 @@ def _needs_metaschedule() -> None:
                           "'tvm-tpp[tune]'")
 
 
+#: Trials per MetaSchedule iteration under a time budget: small batches, so the gradient
+#: scheduler's first round reaches every task before the budget runs out (a task without a
+#: record is compiled untuned).
+BUDGET_TRIALS_PER_ITER = 16
+#: The trial cap of a budgeted search: the deadline, not the count, ends it.
+_BUDGET_TRIAL_CAP = 1_000_000
+
+
 def metaschedule_relax(mod, target, database_dir: Path, trials: int, seed: int, runner,
-                       say: Say) -> tuple[Any, metaschedule.MetaScheduleDatabase, str]:
+                       say: Say, budget_seconds: float | None = None
+                       ) -> tuple[Any, metaschedule.MetaScheduleDatabase, str]:
     """A Relax module built with MetaSchedule's search (``trials`` over its tasks, timed by
     ``runner``: a ``LocalRunner`` here or an ``RPCRunner`` on a tracker's servers), the
-    database searched (or reused) and a note on how the trials were spent."""
+    database searched (or reused) and a note on how the trials were spent.  With
+    ``budget_seconds`` the search runs until that wall time is spent instead of for
+    ``trials`` (:class:`~tvm_tpp.bench.metaschedule.Deadline`)."""
     import tvm
     from tvm import relax
     from tvm.s_tir import meta_schedule as ms
@@ -243,33 +273,67 @@ def metaschedule_relax(mod, target, database_dir: Path, trials: int, seed: int, 
     tasks = ms.relax_integration.extract_tasks(fused, target)
     if not tasks:
         raise RuntimeError("MetaSchedule found no tasks to tune in this model")
-    per_task = max(1, trials // len(tasks))
-    say(f"MetaSchedule, {trials} trials")
+    if budget_seconds is None:
+        per_task = max(1, trials // len(tasks))
+        settings = {"trials": trials, "per_task": per_task}
+        per_iter, callbacks, deadline = min(64, per_task), "default", None
+        say(f"MetaSchedule, {trials} trials")
+    else:
+        trials = per_task = _BUDGET_TRIAL_CAP
+        per_iter = BUDGET_TRIALS_PER_ITER
+        settings = {"budget_seconds": round(budget_seconds, 1), "per_iter": per_iter}
+        deadline = metaschedule.Deadline(budget_seconds)
+        callbacks = [*ms.measure_callback.MeasureCallback.create("default"),
+                     deadline.callback()]
+        say(f"MetaSchedule, {budget_seconds:.0f} s")
+
+    def run_search(path: str):
+        if deadline is not None:
+            deadline.start()
+        try:
+            return ms.relax_integration.tune_relax(
+                mod=fused, params={}, target=target, work_dir=path,
+                max_trials_global=trials, max_trials_per_task=per_task,
+                num_trials_per_iter=per_iter, builder=local_builder(timeout_sec=600),
+                runner=runner, cost_model="xgb", seed=seed, measure_callbacks=callbacks)
+        except Exception:  # the deadline's exception comes back through TVM's FFI
+            if deadline is None or not deadline.hit:
+                raise
+            return ms.database.JSONDatabase(work_dir=path)
+
     searched = metaschedule.search(
-        database_dir,
-        {"trials": trials, "tasks": len(tasks), "per_task": per_task,
-         "target": str(target), "seed": seed},
-        lambda path: ms.relax_integration.tune_relax(
-            mod=fused, params={}, target=target, work_dir=path,
-            max_trials_global=trials, max_trials_per_task=per_task,
-            num_trials_per_iter=min(64, per_task), builder=local_builder(timeout_sec=600),
-            runner=runner, cost_model="xgb", seed=seed))
+        database_dir, {**settings, "tasks": len(tasks), "target": str(target), "seed": seed},
+        run_search)
     executable = ms.relax_integration.compile_relax(searched.database, mod, target, params=None)
-    return executable, searched, (f"{trials} trials over {len(tasks)} tasks = {per_task} per "
-                                  f"task, xgb; {searched.note()}")
+    if deadline is None:
+        spent = f"{trials} trials over {len(tasks)} tasks = {per_task} per task"
+    elif searched.earlier_seconds is not None:
+        spent = f"a {budget_seconds:.1f} s budget over {len(tasks)} tasks"
+    else:
+        spent = (f"a {budget_seconds:.1f} s budget: {deadline.trials} trials ({per_iter} per "
+                 f"iteration), {len(deadline.measured_tasks)} of {len(tasks)} tasks measured")
+    return executable, searched, f"{spent}, xgb; {searched.note()}"
 
 
 def _model_metaschedule(job: Job, workload: ModelWorkload, say: Say) -> Built:
     _needs_metaschedule()
     from tvm.s_tir import meta_schedule as ms
 
+    budget = None
+    if job.impl in TIME_MATCHED:
+        if job.ms_budget is None:
+            raise ValueError(f"{job.impl} needs the tuning seconds of tpp-tuned (Job.ms_budget)")
+        budget = TIME_MATCHED[job.impl] * job.ms_budget
     proto, specs, inputs = workload.load()
     target = host_llvm(job.threads)
     start = time.perf_counter()
+    key = workload.key if budget is None else f"{workload.key}_{job.impl.split('-')[-1]}"
     executable, searched, note = metaschedule_relax(
         _relax_module(proto, specs), target,
-        metaschedule.database_dir(job.work_dir, workload.key, job.threads), job.ms_trials,
-        job.seed, ms.runner.LocalRunner(timeout_sec=120), say)
+        metaschedule.database_dir(job.work_dir, key, job.threads), job.ms_trials,
+        job.seed, ms.runner.LocalRunner(timeout_sec=120), say, budget_seconds=budget)
+    if budget is not None:
+        note = f"{job.impl.split('-')[-1]} tpp-tuned's search, {note}"
     build_seconds = time.perf_counter() - start - searched.tune_seconds - \
         searched.startup_seconds
     return _vm_built(executable, inputs, max(build_seconds, 0.0),
@@ -649,6 +713,8 @@ _BUILDERS: dict[str, dict[type, Callable[..., Built]]] = {
     "torch": {GemmWorkload: _gemm_torch},
     "tvm-default": {ModelWorkload: _model_tvm_default, GemmWorkload: _gemm_tvm_default},
     "metaschedule": {ModelWorkload: _model_metaschedule, GemmWorkload: _gemm_metaschedule},
+    "metaschedule-1x": {ModelWorkload: _model_metaschedule},
+    "metaschedule-10x": {ModelWorkload: _model_metaschedule},
     "onnxruntime": {ModelWorkload: _model_onnxruntime},
     "openvino": {ModelWorkload: _model_openvino},
     "openvino-f32": {ModelWorkload: _model_openvino},

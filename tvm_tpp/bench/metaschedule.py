@@ -20,11 +20,12 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetaScheduleDatabase", "database_dir", "missing_packages", "search"]
+__all__ = ["Deadline", "DeadlineReached", "MetaScheduleDatabase", "database_dir",
+           "missing_packages", "search"]
 
 # MetaSchedule's cost model and workers: the [tune] extra.
 _NEEDS = ("xgboost", "psutil", "cloudpickle")
@@ -108,3 +109,74 @@ def search(path: Path, settings: dict[str, Any], run_search: Callable[[str], Any
     tune_seconds = time.perf_counter() - start
     meta_path.write_text(json.dumps({**settings, "tune_seconds": tune_seconds}))
     return MetaScheduleDatabase(database, path, tune_seconds, None, startup)
+
+
+class DeadlineReached(RuntimeError):
+    """A :class:`Deadline`'s time is up: raised out of the MetaSchedule search to end it."""
+
+
+@dataclass
+class Deadline:
+    """A wall-time budget for a MetaSchedule search, and what the search did within it.
+
+    :meth:`callback` gives the ``MeasureCallback`` that enforces it: after each measured batch
+    it counts the trials and, once ``seconds`` have passed since :meth:`start`, raises
+    :class:`DeadlineReached` out of the search (MetaSchedule itself only knows trial counts,
+    and terminating its tasks from a callback trips its scheduler's checks).  The search
+    thus ends at the first batch measured after the deadline: it can run over by one batch,
+    and never ends before one.  Every batch measured is in the database already (the default
+    callbacks, which come first, put it there).
+
+    Examples
+    --------
+    >>> d = Deadline(60.0).start()
+    >>> d.after_batch(1, ["build failed", None])
+    >>> d.trials, sorted(d.measured_tasks), d.hit
+    (2, [1], False)
+    >>> try:
+    ...     Deadline(0.0).start().after_batch(0, [None])
+    ... except DeadlineReached as err:
+    ...     print(err)
+    MetaSchedule's 0.0 s budget is spent
+    """
+
+    seconds: float
+    trials: int = 0
+    measured_tasks: set[int] = field(default_factory=set)
+    hit: bool = False
+    _end: float = float("inf")
+
+    def __post_init__(self) -> None:
+        if not self.seconds >= 0:
+            raise ValueError(f"a MetaSchedule budget must be >= 0 seconds, got {self.seconds}")
+
+    def start(self) -> Deadline:
+        """Start the clock (the search starts right after)."""
+        self._end = time.perf_counter() + self.seconds
+        return self
+
+    def after_batch(self, task_id: int, run_errors: list[str | None]) -> None:
+        """Count a measured batch (``run_errors``: each trial's error, None if it ran), and
+        end the search when the time is up."""
+        self.trials += len(run_errors)
+        if any(error is None for error in run_errors):
+            self.measured_tasks.add(task_id)
+        if time.perf_counter() >= self._end:
+            self.hit = True
+            raise DeadlineReached(f"MetaSchedule's {self.seconds:.1f} s budget is spent")
+
+    def callback(self) -> Any:
+        """The ``MeasureCallback`` calling :meth:`after_batch` (add it after the defaults,
+        which put each batch in the database first)."""
+        from tvm.ir.utils import derived_object
+        from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
+
+        deadline = self
+
+        @derived_object
+        class _DeadlineCallback(PyMeasureCallback):
+            def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
+                      runner_results) -> None:
+                deadline.after_batch(task_id, [r.error_msg for r in runner_results])
+
+        return _DeadlineCallback()

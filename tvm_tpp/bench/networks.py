@@ -78,7 +78,8 @@ IMPLS = tuple(i for i in _impls.IMPLS
 #: The row a low-precision run adds: tpp on the float32 model (not chosen with ``impls``).
 FLOAT32 = "tpp-float32"
 #: Implementations every other row's speedup is given against, when they were benchmarked.
-BASELINES = (FLOAT32, "tvm-default", "metaschedule", "onnxruntime", "openvino", "openvino-f32")
+BASELINES = (FLOAT32, "tvm-default", "metaschedule", *_impls.TIME_MATCHED, "onnxruntime",
+             "openvino", "openvino-f32")
 #: Rows whose precision is the library's own choice (OpenVINO's default is bf16 on CPUs with
 #: AVX512-BF16 or AMX): their notes begin with ``"<precision>:"``, and a row that ran in a
 #: lower precision than the run's gets that precision's tolerance.
@@ -112,10 +113,12 @@ class BenchConfig:
     repeat
         Timed samples per implementation (fewer for runs over ``slow_seconds``).
     impls
-        Implementations, a subset of :data:`IMPLS` (default: all but :data:`FLOAT32` and the
-        optional OpenVINO rows, :data:`SELF_CHOSEN`).
+        Implementations, a subset of :data:`IMPLS` (default: all but :data:`FLOAT32`, the
+        optional OpenVINO rows, :data:`SELF_CHOSEN`, and the time-matched MetaSchedule rows).
     ms_trials
-        MetaSchedule's total trial budget, split evenly over the model's tasks.
+        MetaSchedule's total trial budget, split evenly over the model's tasks (the
+        ``metaschedule`` row; ``metaschedule-1x`` and ``metaschedule-10x`` search for as long
+        as ``tpp-tuned``'s tuning took, and ten times that: they need it before them).
     work_dir
         Models, inputs, outputs, worker logs and tuning databases.
     seed
@@ -153,7 +156,8 @@ class BenchConfig:
     batches: tuple[int, ...] = (1,)
     threads: int = field(default_factory=_isa.num_cores)
     repeat: int = 10
-    impls: tuple[str, ...] = tuple(i for i in IMPLS if i != FLOAT32 and i not in SELF_CHOSEN)
+    impls: tuple[str, ...] = tuple(i for i in IMPLS if i != FLOAT32 and i not in SELF_CHOSEN
+                                   and i not in _impls.TIME_MATCHED)
     ms_trials: int = 64
     work_dir: Path = field(default_factory=default_work_dir)
     seed: int = 0
@@ -188,6 +192,10 @@ class BenchConfig:
         if unknown or not self.impls or len(set(self.impls)) != len(self.impls):
             raise ValueError(f"implementations must be distinct names from {', '.join(IMPLS)}; "
                              f"got {', '.join(self.impls) or 'none'}")
+        for n, impl in enumerate(self.impls):
+            if impl in _impls.TIME_MATCHED and "tpp-tuned" not in self.impls[:n]:
+                raise ValueError(f"{impl} searches for as long as tpp-tuned tuned: put "
+                                 "tpp-tuned before it in the implementations")
         for name in ("threads", "repeat", "ms_trials"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
@@ -418,10 +426,11 @@ def _workload(case: _Case, impl: str, float_model: bool = False) -> ModelWorkloa
                          case.symbolic_batch)
 
 
-def _start(cfg: BenchConfig, case: _Case, impl: str, float_model: bool = False) -> Worker:
+def _start(cfg: BenchConfig, case: _Case, impl: str, float_model: bool = False,
+           ms_budget: float | None = None) -> Worker:
     float_model = float_model or impl == FLOAT32
     job = Job(impl, cfg.threads, str(cfg.work_dir), (_workload(case, impl, float_model),),
-              seed=cfg.seed, ms_trials=cfg.ms_trials,
+              seed=cfg.seed, ms_trials=cfg.ms_trials, ms_budget=ms_budget,
               precision="float32" if float_model else cfg.precision)
     log = f"{impl}{'-float32' if float_model and impl != FLOAT32 else ''}.log"
     return start_worker(cfg.worker_command, job, case.run_dir / "logs" / log)
@@ -471,14 +480,20 @@ def _bench_case(cfg: BenchConfig, case: _Case, progress: Progress) -> list[Row]:
     progress.say(f"{case.title}: reference done", advance=1)
     rows: dict[str, Row] = {}
     live: list[_Timed] = []
+    tpp_search: float | None = None  # tpp-tuned's, for the time-matched MetaSchedule rows
     try:
         for impl in cfg.compared:
             reference, ref_error = references.get(impl == FLOAT32, references[False])
             if impl == FLOAT32 and case.float_path is None:
                 rows[impl] = Row(**base, impl=impl, status="skipped", error=ref_error)
                 continue
+            if impl in _impls.TIME_MATCHED and tpp_search is None:
+                rows[impl] = Row(**base, impl=impl, status="skipped",
+                                 error="no tuning time of tpp-tuned to match (its row failed)")
+                continue
             progress.say(f"{case.title}: building {impl}")
-            worker = _start(cfg, case, impl)
+            worker = _start(cfg, case, impl, ms_budget=tpp_search if impl in _impls.TIME_MATCHED
+                            else None)
             try:
                 answer = _setup(cfg, case, worker, progress, impl)
             except WorkerError as err:
@@ -499,6 +514,8 @@ def _bench_case(cfg: BenchConfig, case: _Case, progress: Progress) -> list[Row]:
                 rows[impl] = Row(**base, impl=impl, status="error",
                                  error=f"worker reported no run time: {answer}")
                 continue
+            if impl == "tpp-tuned" and isinstance(answer.get("search_seconds"), (int, float)):
+                tpp_search = float(answer["search_seconds"])
             outputs = Path(_workload(case, impl, impl == FLOAT32).outputs)
             rel, abs_, problem = _check(outputs, reference)
             live.append(_Timed(impl, worker, answer, cfg.sampling.plan(float(run_seconds)),

@@ -81,6 +81,9 @@ class Job:
         Seed of the GEMM operands and of the searches.
     ms_trials
         MetaSchedule's total trial budget per workload.
+    ms_budget
+        Seconds tpp-tuned searched for the workload: the time-matched MetaSchedule rows
+        (:data:`~tvm_tpp.bench.impls.TIME_MATCHED`) search for a multiple of it.
     top_k, tune_budget
         Candidates the TPP tuner measures per operator, and its seconds per operator.
     explain
@@ -99,6 +102,7 @@ class Job:
     workloads: tuple[Workload, ...] = ()
     seed: int = 0
     ms_trials: int = 64
+    ms_budget: float | None = None
     top_k: int = 8
     tune_budget: float | None = None
     explain: bool = False
@@ -114,6 +118,8 @@ class Job:
         for name in ("threads", "ms_trials", "top_k"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.ms_budget is not None and not self.ms_budget >= 0:
+            raise ValueError(f"ms_budget must be >= 0 seconds, got {self.ms_budget}")
         if self.tune_budget is not None and not self.tune_budget > 0:
             raise ValueError(f"tune_budget must be > 0 seconds, got {self.tune_budget}")
         if not self.tvm_default_limit > 0:
@@ -175,7 +181,8 @@ def _prepare(job: Job, index: int, workload: Workload, say: Callable[[str], None
         traceback.print_exc()
         return {"prepared": index, "error": reason(err)}, None
     answer = {"prepared": index, "ok": True, "compile_seconds": built.compile_seconds,
-              "tune_seconds": built.tune_seconds, "run_seconds": run_seconds,
+              "tune_seconds": built.tune_seconds, "search_seconds": built.search_seconds,
+              "run_seconds": run_seconds,
               "target": built.target, "notes": built.notes, **checked}
     if job.explain and built.explain is not None:
         answer["explain"] = built.explain

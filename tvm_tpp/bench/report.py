@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from microkernels import isa as _isa
 
+from .impls import BUDGET_TRIALS_PER_ITER, TIME_MATCHED
 from .networks import BASELINES, TOLERANCE, TOLERANCES, BenchConfig, Row
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ __all__ = ["explanation", "format_bench_kernel", "host_info", "print_gemm_report
 _SIMD_PREFIXES = ("avx", "fma", "amx", "f16c", "asimd", "sve", "sme", "bf16", "i8mm", "fphp")
 _NOT_SIMD = frozenset({"smep"})
 # Implementations whose worker notes (offload counts, tuning budget, database) are footnoted.
-_NOTED = ("tpp", "tpp-tuned", "metaschedule", "openvino", "openvino-f32")
+_NOTED = ("tpp", "tpp-tuned", "metaschedule", "metaschedule-1x", "metaschedule-10x", "openvino",
+          "openvino-f32")
 
 
 def _fmt(value: float | None, spec: str, missing: str = "-") -> str:
@@ -255,6 +257,7 @@ def _table(rows: Sequence[Row], cfg: BenchConfig) -> tuple[list[str], list[list[
         "work dir's database), apart from latency.",
         *_precision_notes(cfg),
         *_openvino_notes(cfg),
+        *_time_matched_notes(cfg),
         *notes,
     ]
     return header, cells, footnotes
@@ -283,6 +286,18 @@ def _openvino_notes(cfg: BenchConfig) -> list[str]:
             "with INFERENCE_PRECISION_HINT f32; both with INFERENCE_NUM_THREADS = the threads "
             "above" + (" and on the int8 (QDQ) file" if cfg.precision == "int8" else "")
             + "; each row's note begins with the precision it ran in."]
+
+
+def _time_matched_notes(cfg: BenchConfig) -> list[str]:
+    """What the time-matched MetaSchedule rows are (nothing without them)."""
+    matched = [i for i in cfg.compared if i in TIME_MATCHED]
+    if not matched:
+        return []
+    return [f"{' / '.join(matched)} = MetaSchedule searching for "
+            f"{' / '.join(f'{TIME_MATCHED[i]:g}x' for i in matched)} the seconds tpp-tuned's "
+            "search took (its database's, where it reused one), in batches of "
+            f"{BUDGET_TRIALS_PER_ITER} trials; the search ends at the first batch measured "
+            "after that, so its tune s can exceed the budget by one batch."]
 
 
 def print_report(rows: Sequence[Row], cfg: BenchConfig, wall_seconds: float | None = None,
