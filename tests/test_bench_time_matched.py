@@ -22,18 +22,35 @@ from tvm_tpp.onnx_import import input_specs
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
 
-def test_deadline_counts_batches_until_its_time_is_up(monkeypatch):
+def test_deadline_counts_and_stops_the_next_batch_after_collecting_those_in_flight(
+        monkeypatch):
     now = [100.0]
     monkeypatch.setattr(metaschedule.time, "perf_counter", lambda: now[0])
+
+    class Task:
+        def __init__(self, in_flight):
+            self.builder_results = ["built"] if in_flight else None
+
+    class Scheduler:
+        tasks_ = [Task(True), Task(False), Task(True)]
+        joined = []
+
+        def join_running_task(self, i):
+            self.joined.append(i)
+            deadline.measured(i, [None, "timeout"])  # what the callbacks do on a join
+
+    scheduler = Scheduler()
     deadline = Deadline(30.0).start()
-    deadline.after_batch(0, ["build failed", "build failed"])  # measured nothing
+    deadline.measured(0, ["build failed", "build failed"])  # ran nothing
     now[0] = 129.9
-    deadline.after_batch(2, [None, "timeout", None])
-    assert (deadline.trials, deadline.measured_tasks, deadline.hit) == (5, {2}, False)
+    deadline.before_build(scheduler)
+    assert (deadline.trials, deadline.measured_tasks, deadline.hit) == (2, set(), False)
+    assert scheduler.joined == []
     now[0] = 130.0
     with pytest.raises(DeadlineReached, match="30.0 s budget"):
-        deadline.after_batch(1, [None])
-    assert (deadline.trials, deadline.measured_tasks, deadline.hit) == (6, {1, 2}, True)
+        deadline.before_build(scheduler)
+    assert scheduler.joined == [0, 2]
+    assert (deadline.trials, deadline.measured_tasks, deadline.hit) == (6, {0, 2}, True)
 
 
 def test_deadline_rejects_a_negative_budget():
@@ -136,9 +153,9 @@ def test_without_tpp_tuned_s_time_the_rows_are_skipped(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_budgeted_search_stops_after_one_batch_and_builds(tmp_path):
-    """A zero budget: the search ends at its first measured batch, and the model built from
-    that database (one task tuned, the others untuned) still matches ONNX Runtime."""
+def test_a_budgeted_search_stops_and_builds_from_what_it_measured(tmp_path):
+    """A 20 s budget on a one-task model: the search ends within a few batches, keeps what
+    they measured, and the model built from that database matches ONNX Runtime."""
     pytest.importorskip("xgboost")
     proto = make_dense_model(m=3, k=24, n=40)
     onnx.save(proto, str(tmp_path / "m.onnx"))
@@ -147,12 +164,13 @@ def test_a_budgeted_search_stops_after_one_batch_and_builds(tmp_path):
     workload = ModelWorkload(str(tmp_path / "m.onnx"), str(tmp_path / "inputs.npz"),
                              str(tmp_path / "out.npz"), "dense_3")
     start = time.perf_counter()
-    built = impls.build(Job("metaschedule-1x", 1, str(tmp_path), ms_budget=0.0), workload,
+    built = impls.build(Job("metaschedule-10x", 1, str(tmp_path), ms_budget=2.0), workload,
                         lambda text: None)
     assert time.perf_counter() - start < 600
-    assert f"{impls.BUDGET_TRIALS_PER_ITER} trials ({impls.BUDGET_TRIALS_PER_ITER} per " \
-        "iteration)" in built.notes
-    assert built.notes.startswith("1x tpp-tuned's search, a 0.0 s budget")
+    trials = int(built.notes.split(" budget: ")[1].split()[0])
+    assert trials % impls.BUDGET_TRIALS_PER_ITER == 0 and 0 < trials < 1000, built.notes
+    assert built.notes.startswith("10x tpp-tuned's search, a 20.0 s budget")
+    assert "1 of 1 tasks measured" in built.notes
     _, rel_err = max_errors(built.run(), run_onnxruntime(proto, inputs, 1))
     assert rel_err < 1e-5
 

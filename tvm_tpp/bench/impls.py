@@ -288,14 +288,18 @@ def metaschedule_relax(mod, target, database_dir: Path, trials: int, seed: int, 
         say(f"MetaSchedule, {budget_seconds:.0f} s")
 
     def run_search(path: str):
+        builder = local_builder(timeout_sec=600)
+        scheduler = ms.task_scheduler.TaskScheduler.create("gradient")
         if deadline is not None:
+            builder = deadline.builder(builder, scheduler)
             deadline.start()
         try:
             return ms.relax_integration.tune_relax(
                 mod=fused, params={}, target=target, work_dir=path,
                 max_trials_global=trials, max_trials_per_task=per_task,
-                num_trials_per_iter=per_iter, builder=local_builder(timeout_sec=600),
-                runner=runner, cost_model="xgb", seed=seed, measure_callbacks=callbacks)
+                num_trials_per_iter=per_iter, builder=builder, runner=runner,
+                cost_model="xgb", seed=seed, measure_callbacks=callbacks,
+                task_scheduler=scheduler)
         except Exception:  # the deadline's exception comes back through TVM's FFI
             if deadline is None or not deadline.hit:
                 raise

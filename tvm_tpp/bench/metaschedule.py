@@ -119,25 +119,38 @@ class DeadlineReached(RuntimeError):
 class Deadline:
     """A wall-time budget for a MetaSchedule search, and what the search did within it.
 
-    :meth:`callback` gives the ``MeasureCallback`` that enforces it: after each measured batch
-    it counts the trials and, once ``seconds`` have passed since :meth:`start`, raises
-    :class:`DeadlineReached` out of the search (MetaSchedule itself only knows trial counts,
-    and terminating its tasks from a callback trips its scheduler's checks).  The search
-    thus ends at the first batch measured after the deadline: it can run over by one batch,
-    and never ends before one.  Every batch measured is in the database already (the default
-    callbacks, which come first, put it there).
+    MetaSchedule itself only knows trial counts, and its gradient scheduler sends every task
+    a batch before it collects any result, so a budget cannot wait for results to stop it.
+    :meth:`builder` wraps the search's builder: once ``seconds`` have passed since
+    :meth:`start`, the next batch sent to be built first collects every batch still being
+    measured (their records go to the database, as always) and then raises
+    :class:`DeadlineReached` out of the search.  It overruns by the wait for those
+    measurements; a budget spent before the first batch measures nothing.
+    :meth:`callback` counts the trials measured and the tasks with at least one that ran.
 
     Examples
     --------
     >>> d = Deadline(60.0).start()
-    >>> d.after_batch(1, ["build failed", None])
+    >>> d.measured(1, ["build failed", None])
     >>> d.trials, sorted(d.measured_tasks), d.hit
     (2, [1], False)
+    >>> class Task:
+    ...     builder_results = None  # a batch being measured has them
+    >>> class Scheduler:
+    ...     tasks_ = [Task(), Task()]
+    ...     joined = []
+    ...     def join_running_task(self, i):
+    ...         self.joined.append(i)
+    >>> scheduler = Scheduler()
+    >>> scheduler.tasks_[1].builder_results = ["built"]
+    >>> d = Deadline(0.0).start()
     >>> try:
-    ...     Deadline(0.0).start().after_batch(0, [None])
+    ...     d.before_build(scheduler)
     ... except DeadlineReached as err:
     ...     print(err)
     MetaSchedule's 0.0 s budget is spent
+    >>> scheduler.joined, d.hit
+    ([1], True)
     """
 
     seconds: float
@@ -155,28 +168,50 @@ class Deadline:
         self._end = time.perf_counter() + self.seconds
         return self
 
-    def after_batch(self, task_id: int, run_errors: list[str | None]) -> None:
-        """Count a measured batch (``run_errors``: each trial's error, None if it ran), and
-        end the search when the time is up."""
+    def measured(self, task_id: int, run_errors: list[str | None]) -> None:
+        """Count a measured batch (``run_errors``: each trial's error, None if it ran)."""
         self.trials += len(run_errors)
         if any(error is None for error in run_errors):
             self.measured_tasks.add(task_id)
-        if time.perf_counter() >= self._end:
-            self.hit = True
-            raise DeadlineReached(f"MetaSchedule's {self.seconds:.1f} s budget is spent")
+
+    def before_build(self, scheduler: Any) -> None:
+        """Before a batch is built: once the time is up, collect the batches in flight (each
+        task with built candidates awaits its measurements) and end the search."""
+        if time.perf_counter() < self._end:
+            return
+        self.hit = True
+        for i, task in enumerate(scheduler.tasks_):
+            if task.builder_results is not None:
+                scheduler.join_running_task(i)
+        raise DeadlineReached(f"MetaSchedule's {self.seconds:.1f} s budget is spent")
 
     def callback(self) -> Any:
-        """The ``MeasureCallback`` calling :meth:`after_batch` (add it after the defaults,
-        which put each batch in the database first)."""
+        """The ``MeasureCallback`` that counts (add it after the defaults)."""
         from tvm.ir.utils import derived_object
         from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
         deadline = self
 
         @derived_object
-        class _DeadlineCallback(PyMeasureCallback):
+        class _Counter(PyMeasureCallback):
             def apply(self, task_scheduler, task_id, measure_candidates, builder_results,
                       runner_results) -> None:
-                deadline.after_batch(task_id, [r.error_msg for r in runner_results])
+                deadline.measured(task_id, [r.error_msg for r in runner_results])
 
-        return _DeadlineCallback()
+        return _Counter()
+
+    def builder(self, inner: Any, scheduler: Any) -> Any:
+        """``inner`` (a MetaSchedule ``Builder``) behind :meth:`before_build`, for the search
+        that ``scheduler`` (its ``TaskScheduler``) runs."""
+        from tvm.ir.utils import derived_object
+        from tvm.s_tir.meta_schedule.builder import PyBuilder
+
+        deadline = self
+
+        @derived_object
+        class _BudgetedBuilder(PyBuilder):
+            def build(self, build_inputs):
+                deadline.before_build(scheduler)
+                return inner.build(build_inputs)
+
+        return _BudgetedBuilder()

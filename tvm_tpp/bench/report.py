@@ -296,8 +296,8 @@ def _time_matched_notes(cfg: BenchConfig) -> list[str]:
     return [f"{' / '.join(matched)} = MetaSchedule searching for "
             f"{' / '.join(f'{TIME_MATCHED[i]:g}x' for i in matched)} the seconds tpp-tuned's "
             "search took (its database's, where it reused one), in batches of "
-            f"{BUDGET_TRIALS_PER_ITER} trials; the search ends at the first batch measured "
-            "after that, so its tune s can exceed the budget by one batch."]
+            f"{BUDGET_TRIALS_PER_ITER} trials; at the budget no new batch starts, and the "
+            "batches being measured are waited for (tune s can exceed the budget by that)."]
 
 
 def print_report(rows: Sequence[Row], cfg: BenchConfig, wall_seconds: float | None = None,
