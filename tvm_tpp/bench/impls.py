@@ -24,8 +24,10 @@ Examples
 >>> from tvm_tpp.bench.workloads import GemmWorkload, ModelWorkload
 >>> supports("numpy", GemmWorkload(8, 8, 8)), supports("onnxruntime", GemmWorkload(8, 8, 8))
 (True, False)
->>> print(*[i for i in IMPLS if supports(i, ModelWorkload("m.onnx", "i.npz", "o.npz", "m_1"))])
-tpp tpp-tuned tpp-float32 tvm-default metaschedule onnxruntime openvino openvino-f32
+>>> model = ModelWorkload("m.onnx", "i.npz", "o.npz", "m_1")
+>>> print(*[i for i in IMPLS if supports(i, model)])  # doctest: +NORMALIZE_WHITESPACE
+tpp tpp-tuned tpp-float32 tvm-default metaschedule metaschedule-1x metaschedule-10x
+onnxruntime openvino openvino-f32
 """
 
 from __future__ import annotations
