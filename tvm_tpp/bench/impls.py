@@ -333,13 +333,14 @@ def _model_metaschedule(job: Job, workload: ModelWorkload, say: Say) -> Built:
     proto, specs, inputs = workload.load()
     target = host_llvm(job.threads)
     start = time.perf_counter()
-    key = workload.key if budget is None else f"{workload.key}_{job.impl.split('-')[-1]}"
+    multiple = job.impl.split("-")[-1]  # "1x", "10x": its own database directory and note
+    key = workload.key if budget is None else f"{workload.key}_{multiple}"
     executable, searched, note = metaschedule_relax(
         _relax_module(proto, specs), target,
         metaschedule.database_dir(job.work_dir, key, job.threads), job.ms_trials,
         job.seed, ms.runner.LocalRunner(timeout_sec=120), say, budget_seconds=budget)
     if budget is not None:
-        note = f"{job.impl.split('-')[-1]} tpp-tuned's search, {note}"
+        note = f"{multiple} tpp-tuned's search, {note}"
     build_seconds = time.perf_counter() - start - searched.tune_seconds - \
         searched.startup_seconds
     return _vm_built(executable, inputs, max(build_seconds, 0.0),
