@@ -32,6 +32,7 @@ from .dense import rewrite_dense
 from .guards import guard_gathers
 from .inplace import write_over_dead_operands
 from .keep_int8 import keep_int8
+from .padded_outputs import write_padded_outputs
 from .prepare import prepare, sum_to_add
 from .qdq import rewrite_qdq
 from .scaffold import Offload
@@ -76,8 +77,10 @@ def tpp_rewrites(
         # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
         # Cancelled permutes leave var-to-var aliases, across which FuseOps would not fuse
         # a chain into its consumer (HardSwish into the pad of the depthwise conv after it).
-        return relax.transform.CanonicalizeBindings()(
+        mod = relax.transform.CanonicalizeBindings()(
             relax.transform.RemoveRedundantReshape()(mod))
+        # Each conv before a pad writes the padded tensor itself (needs the aliases gone).
+        return write_padded_outputs(mod)
 
     return _rewrites
 

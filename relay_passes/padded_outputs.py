@@ -1,0 +1,222 @@
+"""Kernels that write their output straight into the padded buffer the next conv reads.
+
+Every TPP conv reads a zero-padded channels-last input, so a conv whose input is another TPP
+conv's output reads ``pad(reshape(y))``: the producer writes ``y``, then a copy kernel reads
+it back and writes it again with a border around it (16 such copies in ResNet-50, 1 % of its
+time on a Zen 1; VGG-19 and DenseNet-121 pad before every 3x3 conv).  OpenVINO and oneDNN
+read the border in the consumer instead; here the producer writes its tile into the interior
+of the padded buffer (:func:`padded_output`) and fills the border itself, so the pad goes.
+
+:func:`write_padded_outputs` rewrites ``p = pad(reshape(call_tir(f, args)))`` when
+
+* ``f``'s output is ``[N*H*W, C]``, reshaped to NHWC ``[N, H, W, C]``, and ``f`` writes it
+  only element by element (no kernel matches the output as a tile: a conv with an epilogue,
+  which every conv before a pad here has, writes it from its epilogue's point stores);
+* the pad is a constant pad of the H and W axes only;
+* nothing but the reshape reads ``f``'s output and nothing but the pad reads the reshape.
+
+``p`` becomes ``reshape(call_tir(f', args))``: ``f'`` writes the ``[N*Hp*Wp, C]`` buffer whose
+NHWC view is ``p``.
+
+Examples
+--------
+>>> from tvm.script import tirx as T
+>>> @T.prim_func(s_tir=True)
+... def relu(x: T.Buffer((6, 8), "float32"), y: T.Buffer((6, 8), "float32")):
+...     for i, j in T.grid(6, 8):
+...         with T.sblock("epilogue"):
+...             vi, vj = T.axis.remap("SS", [i, j])
+...             y[vi, vj] = T.max(x[vi, vj], T.float32(0))
+>>> padded = padded_output(relu, (1, 2, 3), (1, 1, 1, 1), 0.0)
+>>> [tuple(int(d) for d in p.ty.shape) for p in padded.params]
+[(6, 8), (20, 8)]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+from tvm.ir.expr import TensorLoad, TensorRegion
+from tvm.script import tirx as T
+
+from .scaffold import add_kernel, is_call_to, readers, rewrite_static_functions, static_shape
+
+__all__ = ["padded_output", "write_padded_outputs"]
+
+#: (top, bottom, left, right) rows and columns of a pad around the H and W axes of NHWC.
+Padding = tuple[int, int, int, int]
+
+
+def padded_output(func: tirx.PrimFunc, images: tuple[int, int, int], padding: Padding,
+                  pad_value: float | int) -> tirx.PrimFunc | None:
+    """``func`` writing its ``[N*H*W, C]`` output (``images`` = ``(N, H, W)``) into the
+    ``[N*Hp*Wp, C]`` buffer of the NHWC image padded by ``padding`` with ``pad_value``, or
+    None when ``func`` does not write its output element by element (module doc)."""
+    *inputs, out = func.params
+    n, h, w = images
+    top, bottom, left, right = padding
+    rows, channels = (int(d) for d in out.ty.shape)
+    if rows != n * h * w:
+        raise ValueError(f"output of {rows} rows is not {n}x{h}x{w} pixels")
+    hp, wp = h + top + bottom, w + left + right
+    dtype = str(out.ty.dtype)
+    fill = _border_fill(n, hp, wp, channels, (top, top + h, left, left + w), dtype, pad_value)
+    into = fill.params[0]
+
+    def row(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Row ``i`` of the unpadded output in the padded buffer."""
+        image, pixel = i // (h * w), i % (h * w)
+        return (image * hp + pixel // w + top) * wp + pixel % w + left
+
+    tiles = []
+
+    def store(s: tirx.BufferStore) -> tirx.BufferStore:
+        if not s.buffer.same_as(out):
+            return s
+        return tirx.BufferStore(into, s.value, [row(s.indices[0]), s.indices[1]])
+
+    def load(e: TensorLoad) -> TensorLoad:
+        if not e.source.same_as(out):
+            return e
+        return tirx.BufferLoad(into, [row(e.indices[0]), e.indices[1]])
+
+    def region(r: TensorRegion) -> TensorRegion:
+        if not r.source.same_as(out):
+            return r
+        first, rest = r.region[0], r.region[1]
+        if not (isinstance(first.extent, tirx.IntImm) and first.extent.value == 1):
+            tiles.append(r)  # a tile of rows may cross a padded row's border
+            return r
+        return tirx.BufferRegion(into, [tvm.ir.Range.from_min_extent(row(first.min), 1), rest])
+
+    body = tvm_ffi.structural_map(func.body, [(tirx.BufferStore, store),
+                                              (TensorLoad, load),
+                                              (TensorRegion, region)])
+    if tiles or _mentions(body, out):
+        return None
+    root = body.block
+    block = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
+                         tirx.SeqStmt([fill.body, root.body]), root.init,
+                         root.alloc_buffers, root.match_buffers, root.annotations)
+    return tirx.PrimFunc([*inputs, into], s_tir.SBlockRealize(
+        body.iter_values, body.predicate, block), func.ret_type, func.attrs)
+
+
+def _mentions(node, var: tvm.ir.expr.Var) -> bool:
+    found = []
+    tvm_ffi.structural_walk(node, (tvm.ir.expr.Var,
+                                   lambda v: found.append(v) if v.same_as(var) else None))
+    return bool(found)
+
+
+def _border_fill(n: int, hp: int, wp: int, channels: int, interior: tuple[int, int, int, int],
+                 dtype: str, pad_value: float | int) -> tirx.PrimFunc:
+    """A PrimFunc writing ``pad_value`` into the border of its ``[n*hp*wp, channels]``
+    parameter: the rows outside ``interior`` (first row, end row, first column, end column)
+    whole, the rest left and right of the interior's columns.  It stores the value's bits
+    through an unsigned view of the buffer: TVM legalizes no bfloat16 constant store."""
+    import ml_dtypes  # numpy's bfloat16
+
+    r0, r1, c0, c1 = interior
+    lanes = next(v for v in (8, 4, 2, 1) if channels % v == 0)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    bits = np.asarray(pad_value).astype(np_dtype).view(f"uint{np.dtype(np_dtype).itemsize * 8}")
+    value = tirx.const(int(bits), str(bits.dtype))
+
+    @T.prim_func(s_tir=True)
+    def fill(buf: T.handle):
+        padded = T.match_buffer(buf, (n * hp * wp, channels), dtype)
+        padded_bits = T.decl_buffer((n * hp * wp, channels), bits.dtype, data=padded.data)
+        for image, y in T.grid(n, hp):
+            base = (image * hp + y) * wp
+            if y < r0 or y >= r1:
+                for x, v in T.grid(wp, channels // lanes):
+                    for j in T.vectorized(lanes):
+                        padded_bits[base + x, v * lanes + j] = value
+            else:
+                if c0 > 0:
+                    for x, v in T.grid(c0, channels // lanes):
+                        for j in T.vectorized(lanes):
+                            padded_bits[base + x, v * lanes + j] = value
+                if wp > c1:
+                    for x, v in T.grid(wp - c1, channels // lanes):
+                        for j in T.vectorized(lanes):
+                            padded_bits[base + c1 + x, v * lanes + j] = value
+
+    return fill
+
+
+def write_padded_outputs(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every pad of a kernel's output written by the kernel (module doc)."""
+    rewriter = _PaddedOutputs(mod)
+    return relax.transform.DeadCodeElimination()(
+        rewrite_static_functions(mod, rewriter, rewriter.replace))
+
+
+def _only_reader(reads: list[relax.Expr] | None, value: relax.Expr) -> bool:
+    return reads is not None and len(reads) == 1 and reads[0].same_as(value)
+
+
+def _pad_widths(pad: relax.Call) -> Padding | None:
+    """(top, bottom, left, right) of a constant pad of NHWC's H and W axes only, or None."""
+    if str(pad.attrs.pad_mode) != "constant":
+        return None
+    widths = [int(v) for v in pad.attrs.pad_width]
+    if len(widths) != 8 or any(widths[i] for i in (0, 1, 6, 7)) or min(widths) < 0:
+        return None
+    return widths[2], widths[3], widths[4], widths[5]
+
+
+@relax.expr_functor.mutator
+class _PaddedOutputs(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.mod = mod
+        self.replace: dict[relax.Var, relax.Expr] = {}  # pad var -> its kernel's padded call
+
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        bound = relax.analysis.get_var2val(func)
+        read_by = readers(func)
+        for var, value in bound.items():
+            if is_call_to(value, "relax.nn.pad"):
+                found = self._padded_call(value, bound, read_by)
+                if found is not None:
+                    self.replace[var] = found
+        return super().visit_function_(func)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var not in self.replace:
+            super().visit_var_binding_(binding)
+            return
+        value = self.builder_.normalize(self.replace[binding.var])
+        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+
+    def _padded_call(self, pad: relax.Call, bound, read_by) -> relax.Expr | None:
+        padding = _pad_widths(pad)
+        view = bound.get(pad.args[0]) if isinstance(pad.args[0], relax.Var) else None
+        if padding is None or not is_call_to(view, "relax.reshape"):
+            return None
+        call = bound.get(view.args[0]) if isinstance(view.args[0], relax.Var) else None
+        if (not is_call_to(call, "relax.call_tir") or len(call.args) > 2
+                or not _only_reader(read_by(call), view) or not _only_reader(read_by(view), pad)):
+            return None
+        kernel, args = call.args[0], list(call.args[1].fields)
+        func = self.mod[kernel]
+        nhwc = static_shape(view.ty.shape.values)
+        if not isinstance(func, tirx.PrimFunc) or len(func.params) != len(args) + 1 \
+                or nhwc is None or len(nhwc) != 4:
+            return None
+        n, h, w, c = nhwc
+        if static_shape(func.params[-1].ty.shape) != (n * h * w, c):
+            return None
+        pad_value = float(pad.attrs.pad_value)
+        padded = padded_output(func, (n, h, w), padding, pad_value)
+        if padded is None:
+            return None
+        top, bottom, left, right = padding
+        hp, wp = h + top + bottom, w + left + right
+        gv = add_kernel(self.builder_, padded, f"{kernel.name_hint}_padded")
+        out = relax.call_tir(gv, args, relax.TensorType((n * hp * wp, c), view.ty.dtype))
+        return relax.op.reshape(out, (n, hp, wp, c))

@@ -1,0 +1,269 @@
+"""Kernels writing their output into the padded buffer the next conv reads
+(relay_passes.padded_outputs).
+
+The PrimFunc rewrite as a Before/Expected pair and numerically on scheduled conv kernels of
+odd sizes against numpy (borders prefilled with NaN, so an unwritten one shows), the kernels
+it refuses, the Relax rewrite as Before/Expected and through the VM, the graphs it must leave
+alone, and networks built with the ``tpp`` target against ONNX Runtime, float32 and int8.
+"""
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+from test_qdq_conv import _Conv, _Inputs, _qdq_reference, _residual_block
+from tvm import relax
+from tvm.script import tirx as T
+
+import tvm_tpp
+from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.epilogue import reference as epilogue_reference
+from microkernels.machine import host
+from relay_passes.padded_outputs import padded_output, write_padded_outputs
+from relay_passes.pipeline import tpp_rewrites
+from relay_passes.scaffold import is_call_to
+from schedules.conv import ConvProblem, default_config, pack_input, pack_weight, reference, schedule
+from tvm_tpp import compiler, models
+from tvm_tpp.reference import max_errors, run_onnxruntime
+from tvm_tpp.tpp_target import target as tpp_target
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+F32 = "float32"
+
+
+@T.prim_func(private=True, s_tir=True)
+def relu(x: T.Buffer((6, 8), F32), y: T.Buffer((6, 8), F32)):
+    for i, j in T.grid(6, 8):
+        with T.sblock("epilogue"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            y[vi, vj] = T.max(x[vi, vj], T.float32(0))
+
+
+# relu's output as 2 images of 1x3 pixels, one row above them and two columns to the right.
+@T.prim_func(private=True, s_tir=True)
+def relu_padded(x: T.Buffer((6, 8), F32), padded: T.Buffer((20, 8), F32)):
+    padded_bits = T.decl_buffer((20, 8), "uint32", data=padded.data)
+    for image, y in T.grid(2, 2):
+        base: T.int32 = (image * 2 + y) * 5
+        if y < 1 or y >= 2:
+            for x_1, v in T.grid(5, 1):
+                for j in T.vectorized(8):
+                    padded_bits[base + x_1, v * 8 + j] = T.uint32(0)
+        else:
+            for x_1, v in T.grid(2, 1):
+                for j in T.vectorized(8):
+                    padded_bits[base + 3 + x_1, v * 8 + j] = T.uint32(0)
+    for i, j in T.grid(6, 8):
+        with T.sblock("epilogue"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            T.reads(x[vi, vj])
+            T.writes(padded[(vi // 3 * 2 + vi % 3 // 3 + 1) * 5 + vi % 3 % 3, vj])
+            padded[(vi // 3 * 2 + vi % 3 // 3 + 1) * 5 + vi % 3 % 3, vj] = T.max(
+                x[vi, vj], T.float32(0))
+
+
+def _copy(dtype: str) -> tvm.tirx.PrimFunc:
+    @T.prim_func(s_tir=True)
+    def copy(x: T.Buffer((35, 4), dtype), y: T.Buffer((35, 4), dtype)):
+        for i, j in T.grid(35, 4):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj]
+
+    return copy
+
+
+def test_padded_output_function():
+    tvm.ir.assert_structural_equal(padded_output(relu, (2, 1, 3), (1, 0, 0, 2), 0.0),
+                                   relu_padded)
+
+
+def _padded(y: np.ndarray, images: tuple[int, int, int], padding, value) -> np.ndarray:
+    """numpy: ``[N*H*W, C]`` -> the ``[N*Hp*Wp, C]`` rows of its padded NHWC image."""
+    top, bottom, left, right = padding
+    nhwc = y.reshape(*images, y.shape[-1])
+    out = np.pad(nhwc, [(0, 0), (top, bottom), (left, right), (0, 0)], constant_values=value)
+    return out.reshape(-1, y.shape[-1])
+
+
+def _run_padded(func, args: list[np.ndarray], rows: int, channels: int) -> np.ndarray:
+    out = tvm.runtime.tensor(np.full((rows, channels), np.nan, F32))
+    tvm.compile(func, target=tpp_target("tpp"))(*[tvm.runtime.tensor(a) for a in args], out)
+    return out.numpy()
+
+
+@pytest.mark.parametrize("c, h, w, k, r, stride, images, padding", [
+    (13, 5, 7, 24, 1, 1, 1, (1, 1, 1, 1)),
+    (13, 5, 7, 24, 1, 1, 2, (0, 1, 2, 3)),
+    (8, 9, 6, 20, 3, 1, 1, (1, 1, 1, 2)),   # a 3x3 conv (the stride-2 consumer's extra column)
+    (16, 11, 11, 16, 3, 2, 2, (3, 0, 0, 1)),
+], ids=["1x1", "1x1-two-images-asymmetric", "3x3", "3x3-stride2"])
+def test_padded_conv_kernels_match_numpy(c, h, w, k, r, stride, images, padding):
+    """A scheduled conv kernel with its bias + ReLU epilogue, writing into the padded buffer:
+    the interior is the conv, the border the pad value (all of it written)."""
+    epilogue = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
+    problem = ConvProblem(images, c, h, w, k, r, r, stride=stride, padding=r // 2,
+                          epilogue=epilogue)
+    config = default_config(problem, host())
+    func = schedule(problem, config, host().isa.name).mod["main"]
+    dims = (problem.n, problem.p, problem.q)
+    padded = padded_output(func, dims, padding, 0.0)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((images, c, h, w)).astype(F32)
+    weight = rng.standard_normal((k, c, r, r)).astype(F32)
+    bias = rng.standard_normal(k).astype(F32)
+    conv = reference(problem, x, weight).transpose(0, 2, 3, 1).reshape(problem.rows, k)
+    want = _padded(epilogue_reference(epilogue, conv.astype(F32), {"bias": bias}), dims,
+                   padding, 0.0)
+    got = _run_padded(padded, [pack_input(x, problem), pack_weight(weight, config.bk, problem),
+                               bias], want.shape[0], k)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, pad_value", [("uint8", 128), ("bfloat16", -1.5)])
+def test_border_takes_the_pad_value(dtype, pad_value):
+    """A uint8 output padded with a zero point (what a quantized conv's consumer reads), and
+    a bfloat16 one (a bf16 conv's)."""
+    dims, padding = (1, 5, 7), (2, 1, 1, 0)
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    x = np.random.default_rng(1).integers(0, 200, (35, 4)).astype(np_dtype)
+    want = _padded(x, dims, padding, pad_value)
+    out = tvm.runtime.empty(want.shape, dtype)
+    out.copyfrom(np.full(want.shape, 99, np_dtype))
+    tvm.compile(padded_output(_copy(dtype), dims, padding, pad_value),
+                target=tpp_target("tpp"))(tvm.runtime.tensor(x), out)
+    np.testing.assert_array_equal(out.numpy(), want)
+
+
+def test_kernels_writing_tiles_refused():
+    """Without an epilogue the BRGEMM matches its output as a tile of rows, which may cross
+    a padded row's border: no padded form."""
+    problem = ConvProblem(1, 8, 6, 6, 16, 3, 3, padding=1)
+    func = schedule(problem, default_config(problem, host()), host().isa.name).mod["main"]
+    assert padded_output(func, (1, 6, 6), (1, 1, 1, 1), 0.0) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The Relax rewrite
+# ---------------------------------------------------------------------------------------------
+
+
+def _module(emit) -> tvm.IRModule:
+    """main(x: [6, 8]) with one dataflow block whose outputs ``emit(bb, relu_gv, x)`` gives."""
+    bb = relax.BlockBuilder()
+    kernel = bb.add_func(relu, "relu")
+    x = relax.Var("x", relax.TensorType((6, 8), F32))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            outs = [bb.emit_output(v) for v in emit(bb, kernel, x)]
+        bb.emit_func_output(outs[0] if len(outs) == 1 else relax.Tuple(outs))
+    return bb.get()
+
+
+def _relu_nhwc(bb, kernel, x):
+    y = bb.emit(relax.call_tir(kernel, [x], relax.TensorType((6, 8), F32)))
+    return bb.emit(relax.op.reshape(y, (2, 1, 3, 8)))
+
+
+PAD = [0, 0, 1, 0, 0, 2, 0, 0]
+
+
+def test_pad_written_by_the_kernel():
+    def before(bb, kernel, x):
+        return [relax.op.nn.pad(_relu_nhwc(bb, kernel, x), PAD)]
+
+    def expected(bb, kernel, x):
+        padded = bb.add_func(relu_padded.with_attrs({"op_pattern": 8, "tirx.is_scheduled": True}),
+                             "relu_padded")
+        y = bb.emit(relax.call_tir(padded, [x], relax.TensorType((20, 8), F32)))
+        return [relax.op.reshape(y, (2, 2, 5, 8))]
+
+    mod = _module(before)
+    after = write_padded_outputs(mod)
+    dce = relax.transform.DeadCodeElimination(["main"])
+    tvm.ir.assert_structural_equal(dce(after), dce(_module(expected)))
+    x = np.random.default_rng(0).standard_normal((6, 8)).astype(F32)
+    reference_ = np.pad(np.maximum(x, 0).reshape(2, 1, 3, 8), [(0, 0), (1, 0), (0, 2), (0, 0)])
+    for built in (mod, after):
+        ex = tvm.compile(built, LLVM)
+        got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+        np.testing.assert_array_equal(got, reference_)
+
+
+def _read_twice(bb, kernel, x):  # the kernel's output is read by the pad and by a relu
+    view = _relu_nhwc(bb, kernel, x)
+    return [relax.op.nn.pad(view, PAD), relax.op.nn.relu(view)]
+
+
+def _channels_padded(bb, kernel, x):  # a pad of C (VNNI groups) is not the border
+    return [relax.op.nn.pad(_relu_nhwc(bb, kernel, x), [0, 0, 1, 0, 0, 0, 0, 4])]
+
+
+def _view_returned(bb, kernel, x):  # the unpadded view is an output of the function
+    view = bb.emit_output(_relu_nhwc(bb, kernel, x))
+    return [relax.op.nn.pad(view, PAD), view]
+
+
+@pytest.mark.parametrize("emit", [_read_twice, _channels_padded, _view_returned],
+                         ids=["read-twice", "channels", "view-returned"])
+def test_other_pads_kept(emit):
+    mod = _module(emit)
+    tvm.ir.assert_structural_equal(write_padded_outputs(mod), mod)
+
+
+# ---------------------------------------------------------------------------------------------
+# Networks
+# ---------------------------------------------------------------------------------------------
+
+
+def _kernels_and_pads(model: onnx.ModelProto) -> tuple[list[str], list[relax.Call]]:
+    """The kernels ``tpp_rewrites`` calls in ``model`` and the pads of kernel outputs left
+    (outputs that something else reads too, such as a residual add)."""
+    mod, _ = compiler.import_model(model)
+    target = tpp_target("tpp")
+    with target:
+        mod = tpp_rewrites(target)(mod)
+    bound = relax.analysis.get_var2val(mod["main"])
+    kernels, pads = [], []
+
+    def visit(expr):
+        if is_call_to(expr, "relax.call_tir"):
+            kernels.append(expr.args[0].name_hint)
+        elif is_call_to(expr, "relax.nn.pad"):
+            source = bound.get(expr.args[0])
+            source = bound.get(source.args[0]) if is_call_to(source, "relax.reshape") else None
+            if is_call_to(source, "relax.call_tir"):
+                pads.append(expr)
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return kernels, pads
+
+
+def test_resnet_convs_write_their_padded_outputs():
+    """The first conv of each of the three residual blocks writes the padded tensor the
+    second one reads; the blocks' outputs, read by the shortcut too, are padded by a copy."""
+    model = models.load("resnet_small")
+    kernels, pads = _kernels_and_pads(model)
+    assert sum(name.endswith("_padded") for name in kernels) == 3 and len(pads) == 3, kernels
+    feeds = models.random_inputs(model, seed=3)
+    got = compiler.compile(model, "tpp", untuned=True).run(**feeds)
+    errors = max_errors(got, run_onnxruntime(model, feeds))
+    assert max(errors) < 1e-5, errors
+
+
+def test_quantized_conv_writes_its_zero_point_border(tmp_path):
+    """int8: the first conv writes uint8 with its consumer's zero point around it."""
+    src, dst = tmp_path / "float.onnx", tmp_path / "qdq.onnx"
+    onnx.save(_residual_block(), str(src))
+    layer = _Conv(12, 12, (9, 7), 3)
+    quantize_static(str(src), str(dst), _Inputs(layer), quant_format=QuantFormat.QDQ,
+                    per_channel=True, activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8)
+    model = onnx.load(str(dst))
+    kernels, pads = _kernels_and_pads(model)
+    assert not pads and sum(name.endswith("_u8s8_padded") for name in kernels) == 1, kernels
+    x = layer.inputs(0)
+    got = tvm_tpp.compile(model, target="tpp").run(x=x)[0]
+    assert max_errors([got], _qdq_reference(model, {"x": x}))[1] <= 1e-2
