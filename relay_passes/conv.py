@@ -13,7 +13,8 @@ taps in the padded input: the kernels' tap offsets take it.
 
 The kernel works channels-last, so each rewritten conv reads
 ``reshape(pad(permute_dims(x, NHWC)))`` and is read through ``permute_dims(reshape(y), NCHW)``;
-:func:`relay_passes.layouts.simplify_layouts` then cancels these conversions between TPP convs.
+:func:`relay_passes.layouts.simplify_layouts` then cancels these conversions between TPP convs,
+and :func:`relay_passes.padded_outputs.write_padded_outputs` has a producing conv write the pad.
 ONNX ``Sum`` of two tensors is first turned back into ``add`` so that a ResNet's residual add
 is found (:func:`relay_passes.prepare.sum_to_add`).
 

@@ -36,12 +36,17 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-import tvm_ffi
-from tvm import relax, s_tir, tirx
-from tvm.ir.expr import TensorLoad, TensorRegion
+from tvm import relax, tirx
 from tvm.script import tirx as T
 
-from .scaffold import add_kernel, is_call_to, readers, rewrite_static_functions, static_shape
+from .scaffold import (
+    add_kernel,
+    is_call_to,
+    readers,
+    redirect_output,
+    rewrite_static_functions,
+    static_shape,
+)
 
 __all__ = ["padded_output", "write_padded_outputs"]
 
@@ -57,58 +62,26 @@ def padded_output(func: tirx.PrimFunc, images: tuple[int, int, int], padding: Pa
     *inputs, out = func.params
     n, h, w = images
     top, bottom, left, right = padding
-    rows, channels = (int(d) for d in out.ty.shape)
-    if rows != n * h * w:
-        raise ValueError(f"output of {rows} rows is not {n}x{h}x{w} pixels")
+    pixels, channels = (int(d) for d in out.ty.shape)
+    if pixels != n * h * w:
+        raise ValueError(f"output of {pixels} rows is not {n}x{h}x{w} pixels")
     hp, wp = h + top + bottom, w + left + right
     dtype = str(out.ty.dtype)
     fill = _border_fill(n, hp, wp, channels, (top, top + h, left, left + w), dtype, pad_value)
     into = fill.params[0]
 
-    def row(i: tirx.PrimExpr) -> tirx.PrimExpr:
-        """Row ``i`` of the unpadded output in the padded buffer."""
-        image, pixel = i // (h * w), i % (h * w)
-        return (image * hp + pixel // w + top) * wp + pixel % w + left
+    def rows(r: tvm.ir.Range) -> tvm.ir.Range | None:
+        """Row ``r`` of the unpadded output in the padded buffer; a tile of rows may cross a
+        padded row's border: refused."""
+        if not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1):
+            return None
+        image, pixel = r.min // (h * w), r.min % (h * w)
+        return tvm.ir.Range.from_min_extent(
+            (image * hp + pixel // w + top) * wp + pixel % w + left, 1)
 
-    tiles = []
-
-    def store(s: tirx.BufferStore) -> tirx.BufferStore:
-        if not s.buffer.same_as(out):
-            return s
-        return tirx.BufferStore(into, s.value, [row(s.indices[0]), s.indices[1]])
-
-    def load(e: TensorLoad) -> TensorLoad:
-        if not e.source.same_as(out):
-            return e
-        return tirx.BufferLoad(into, [row(e.indices[0]), e.indices[1]])
-
-    def region(r: TensorRegion) -> TensorRegion:
-        if not r.source.same_as(out):
-            return r
-        first, rest = r.region[0], r.region[1]
-        if not (isinstance(first.extent, tirx.IntImm) and first.extent.value == 1):
-            tiles.append(r)  # a tile of rows may cross a padded row's border
-            return r
-        return tirx.BufferRegion(into, [tvm.ir.Range.from_min_extent(row(first.min), 1), rest])
-
-    body = tvm_ffi.structural_map(func.body, [(tirx.BufferStore, store),
-                                              (TensorLoad, load),
-                                              (TensorRegion, region)])
-    if tiles or _mentions(body, out):
-        return None
-    root = body.block
-    block = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
-                         tirx.SeqStmt([fill.body, root.body]), root.init,
-                         root.alloc_buffers, root.match_buffers, root.annotations)
-    return tirx.PrimFunc([*inputs, into], s_tir.SBlockRealize(
-        body.iter_values, body.predicate, block), func.ret_type, func.attrs)
-
-
-def _mentions(node, var: tvm.ir.expr.Var) -> bool:
-    found = []
-    tvm_ffi.structural_walk(node, (tvm.ir.expr.Var,
-                                   lambda v: found.append(v) if v.same_as(var) else None))
-    return bool(found)
+    body = redirect_output(func, into, rows, before=fill.body)
+    return None if body is None else tirx.PrimFunc([*inputs, into], body, func.ret_type,
+                                                   func.attrs)
 
 
 def _border_fill(n: int, hp: int, wp: int, channels: int, interior: tuple[int, int, int, int],
