@@ -16,7 +16,7 @@ of the padded buffer (:func:`padded_output`) and fills the border itself, so the
 * nothing but the reshape reads ``f``'s output and nothing but the pad reads the reshape.
 
 ``p`` becomes ``reshape(call_tir(f', args))``: ``f'`` writes the ``[N*Hp*Wp, C]`` buffer whose
-NHWC view is ``p``.
+NHWC view is ``p``.  Functions with symbolic shapes (a run-time batch) are left as they are.
 
 Examples
 --------
