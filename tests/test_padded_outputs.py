@@ -12,8 +12,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
-from test_qdq_conv import _Conv, _Inputs, _qdq_reference, _residual_block
+from test_qdq_conv import _qdq_reference, _quantized_residual_block
 from tvm import relax
 from tvm.script import tirx as T
 
@@ -255,13 +254,7 @@ def test_resnet_convs_write_their_padded_outputs():
 
 def test_quantized_conv_writes_its_zero_point_border(tmp_path):
     """int8: the first conv writes uint8 with its consumer's zero point around it."""
-    src, dst = tmp_path / "float.onnx", tmp_path / "qdq.onnx"
-    onnx.save(_residual_block(), str(src))
-    layer = _Conv(12, 12, (9, 7), 3)
-    quantize_static(str(src), str(dst), _Inputs(layer), quant_format=QuantFormat.QDQ,
-                    per_channel=True, activation_type=QuantType.QUInt8,
-                    weight_type=QuantType.QInt8)
-    model = onnx.load(str(dst))
+    model, layer = _quantized_residual_block(tmp_path)
     kernels, pads = _kernels_and_pads(model)
     assert not pads and sum(name.endswith("_u8s8_padded") for name in kernels) == 1, kernels
     x = layer.inputs(0)

@@ -208,14 +208,20 @@ def _residual_block() -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def test_quantized_residual_add_joins_the_conv_kernel(tmp_path):
+def _quantized_residual_block(tmp_path) -> tuple[onnx.ModelProto, _Conv]:
+    """:func:`_residual_block` quantized (QDQ, per-channel s8 weights, u8 activations), and
+    the layer whose inputs calibrate and feed it."""
     src, dst = tmp_path / "float.onnx", tmp_path / "qdq.onnx"
     onnx.save(_residual_block(), str(src))
     layer = _Conv(12, 12, (9, 7), 3)
     quantize_static(str(src), str(dst), _Inputs(layer), quant_format=QuantFormat.QDQ,
                     per_channel=True, activation_type=QuantType.QUInt8,
                     weight_type=QuantType.QInt8)
-    model = onnx.load(str(dst))
+    return onnx.load(str(dst)), layer
+
+
+def test_quantized_residual_add_joins_the_conv_kernel(tmp_path):
+    model, layer = _quantized_residual_block(tmp_path)
     _, report = _int8_report(model)
     assert sorted(r.op for r in report) == [
         "conv2d_qdq+bias+quantize+residual+quantize_u8", "conv2d_qdq+bias+quantize_u8"]
