@@ -2,10 +2,10 @@
 
 Every TPP conv reads a zero-padded channels-last input, so a conv whose input is another TPP
 conv's output reads ``pad(reshape(y))``: the producer writes ``y``, then a copy kernel reads
-it back and writes it again with a border around it (16 such copies in ResNet-50, 1 % of its
-time on a Zen 1; VGG-19 and DenseNet-121 pad before every 3x3 conv).  OpenVINO and oneDNN
-read the border in the consumer instead; here the producer writes its tile into the interior
-of the padded buffer (:func:`padded_output`) and fills the border itself, so the pad goes.
+it back and writes it again with a border around it (16 such copies in ResNet-50, 1 % of
+its profiled time on a Zen 1; VGG-19 and DenseNet-121 pad before every 3x3 conv).  OpenVINO
+and oneDNN read the border in the consumer instead; here the producer writes its tile into
+the interior of the padded buffer (:func:`padded_output`) and fills the border itself.
 
 :func:`write_padded_outputs` rewrites ``p = pad(reshape(call_tir(f, args)))`` when
 
@@ -46,6 +46,7 @@ from .scaffold import (
     redirect_output,
     rewrite_static_functions,
     static_shape,
+    visit_binding_replaced,
 )
 
 __all__ = ["padded_output", "write_padded_outputs"]
@@ -160,11 +161,7 @@ class _PaddedOutputs(relax.PyExprMutator):
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var not in self.replace:
-            super().visit_var_binding_(binding)
-            return
-        value = self.builder_.normalize(self.replace[binding.var])
-        self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+        visit_binding_replaced(self, binding, self.replace)
 
     def _padded_call(self, pad: relax.Call, bound, read_by) -> relax.Expr | None:
         padding = _pad_widths(pad)
