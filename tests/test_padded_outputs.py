@@ -240,6 +240,7 @@ def _kernels_and_pads(model: onnx.ModelProto) -> tuple[list[str], list[relax.Cal
     return kernels, pads
 
 
+@pytest.mark.slow  # 8 s; the int8 block below checks the pass through a network by default
 def test_resnet_convs_write_their_padded_outputs():
     """The first conv of each of the three residual blocks writes the padded tensor the
     second one reads; the blocks' outputs, read by the shortcut too, are padded by a copy."""
