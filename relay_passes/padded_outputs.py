@@ -34,16 +34,19 @@ Examples
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import tvm
-from tvm import relax, tirx
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+from tvm.ir.expr import TensorLoad, TensorRegion
 from tvm.script import tirx as T
 
 from .scaffold import (
     add_kernel,
     is_call_to,
     readers,
-    redirect_output,
     rewrite_static_functions,
     static_shape,
     visit_binding_replaced,
@@ -80,9 +83,57 @@ def padded_output(func: tirx.PrimFunc, images: tuple[int, int, int], padding: Pa
         return tvm.ir.Range.from_min_extent(
             (image * hp + pixel // w + top) * wp + pixel % w + left, 1)
 
-    body = redirect_output(func, into, rows, before=fill.body)
+    body = _redirect_output(func, into, rows, fill.body)
     return None if body is None else tirx.PrimFunc([*inputs, into], body, func.ret_type,
                                                    func.attrs)
+
+
+def _redirect_output(func: tirx.PrimFunc, into: tvm.ir.expr.Var,
+                     rows: Callable[[tvm.ir.Range], tvm.ir.Range | None],
+                     before: tirx.Stmt) -> s_tir.SBlockRealize | None:
+    """The body of ``func`` writing its ``[rows, columns]`` output (its last parameter) into
+    the 2-D buffer ``into`` instead, row range ``r`` at ``rows(r)``, with ``before`` run first
+    in the root block; None when ``rows`` refuses an accessed row range (returns None) or
+    ``func`` uses its output otherwise than by element and region accesses."""
+    out = func.params[-1]
+    refused = []
+
+    def point(indices):
+        row = rows(tvm.ir.Range.from_min_extent(indices[0], 1))
+        if row is None:
+            refused.append(indices)
+            return list(indices)
+        return [row.min, indices[1]]
+
+    def store(s: tirx.BufferStore) -> tirx.BufferStore:
+        if not s.buffer.same_as(out):
+            return s
+        return tirx.BufferStore(into, s.value, point(s.indices))
+
+    def load(e: TensorLoad) -> TensorLoad:
+        return tirx.BufferLoad(into, point(e.indices)) if e.source.same_as(out) else e
+
+    def region(r: TensorRegion) -> TensorRegion:
+        if not r.source.same_as(out):
+            return r
+        row = rows(r.region[0])
+        if row is None:
+            refused.append(r)
+            return r
+        return tirx.BufferRegion(into, [row, r.region[1]])
+
+    body = tvm_ffi.structural_map(func.body, [(tirx.BufferStore, store), (TensorLoad, load),
+                                              (TensorRegion, region)])
+    used = []
+    tvm_ffi.structural_walk(body, (tvm.ir.expr.Var,
+                                   lambda v: used.append(v) if v.same_as(out) else None))
+    if refused or used:
+        return None
+    root = body.block
+    return s_tir.SBlockRealize(body.iter_values, body.predicate, s_tir.SBlock(
+        root.iter_vars, root.reads, root.writes, root.name_hint,
+        tirx.SeqStmt([before, root.body]), root.init, root.alloc_buffers, root.match_buffers,
+        root.annotations))
 
 
 def _border_fill(n: int, hp: int, wp: int, channels: int, interior: tuple[int, int, int, int],

@@ -61,7 +61,6 @@ __all__ = [
     "with_config",
     "offload_name",
     "offload_patterns",
-    "redirect_output",
     "report_leftovers",
     "same_dims",
     "tpp_flops_fraction",
@@ -734,75 +733,6 @@ def add_kernel(builder: relax.BlockBuilder, func: tvm.tirx.PrimFunc,
     kernel = func.without_attr("global_symbol").with_attrs(
         {"op_pattern": _OP_PATTERN_OPAQUE, "tirx.is_scheduled": True})
     return builder.add_func(kernel, name)
-
-
-def redirect_output(func: tvm.tirx.PrimFunc, into: tvm.ir.expr.Var,
-                    rows: Callable[[tvm.ir.Range], tvm.ir.Range | None], columns_from: int = 0,
-                    before: tvm.tirx.Stmt | None = None) -> s_tir.SBlockRealize | None:
-    """The body of ``func`` writing its ``[rows, columns]`` output (its last parameter) into
-    the 2-D buffer ``into`` instead: row range ``r`` at ``rows(r)``, columns shifted by
-    ``columns_from``; ``before`` (if given) runs first, in the root block.  None when ``rows``
-    refuses one of the output's accessed row ranges (returns None), or when ``func`` uses its
-    output otherwise than by element and region accesses.
-
-    Examples
-    --------
-    >>> from tvm.script import tirx as T
-    >>> @T.prim_func(s_tir=True)
-    ... def twice(x: T.Buffer((3, 4), "float32"), y: T.Buffer((3, 4), "float32")):
-    ...     for i, j in T.grid(3, 4):
-    ...         with T.sblock("epilogue"):
-    ...             vi, vj = T.axis.remap("SS", [i, j])
-    ...             y[vi, vj] = x[vi, vj] * T.float32(2)
-    >>> wide = tvm.tirx.decl_buffer((3, 10), "float32", "wide")
-    >>> body = redirect_output(twice, wide, lambda r: r, columns_from=6)
-    >>> "wide[vi, vj + 6]" in tvm.tirx.PrimFunc([twice.params[0], wide], body).script()
-    True
-    """
-    import tvm_ffi
-    from tvm import tirx
-    from tvm.ir.expr import TensorLoad, TensorRegion
-
-    out = func.params[-1]
-    refused = []
-
-    def point(indices):
-        row = rows(tvm.ir.Range.from_min_extent(indices[0], 1))
-        if row is None:
-            refused.append(indices)
-            return list(indices)
-        return [row.min, indices[1] + columns_from]
-
-    def store(s: tirx.BufferStore) -> tirx.BufferStore:
-        if not s.buffer.same_as(out):
-            return s
-        return tirx.BufferStore(into, s.value, point(s.indices))
-
-    def load(e: TensorLoad) -> TensorLoad:
-        return tirx.BufferLoad(into, point(e.indices)) if e.source.same_as(out) else e
-
-    def region(r: TensorRegion) -> TensorRegion:
-        if not r.source.same_as(out):
-            return r
-        row, cols = rows(r.region[0]), r.region[1]
-        if row is None:
-            refused.append(r)
-            return r
-        return tirx.BufferRegion(into, [row, tvm.ir.Range.from_min_extent(
-            cols.min + columns_from, cols.extent)])
-
-    body = tvm_ffi.structural_map(func.body, [(tirx.BufferStore, store), (TensorLoad, load),
-                                              (TensorRegion, region)])
-    used = []
-    tvm_ffi.structural_walk(body, (tvm.ir.expr.Var,
-                                   lambda v: used.append(v) if v.same_as(out) else None))
-    if refused or used:
-        return None
-    root = body.block
-    inner = root.body if before is None else tirx.SeqStmt([before, root.body])
-    return s_tir.SBlockRealize(body.iter_values, body.predicate, s_tir.SBlock(
-        root.iter_vars, root.reads, root.writes, root.name_hint, inner, root.init,
-        root.alloc_buffers, root.match_buffers, root.annotations))
 
 
 def report_leftovers(mod: tvm.IRModule, report: list[Offload], op_name: str,
