@@ -74,60 +74,53 @@ def padded_output(func: tirx.PrimFunc, images: tuple[int, int, int], padding: Pa
     fill = _border_fill(n, hp, wp, channels, (top, top + h, left, left + w), dtype, pad_value)
     into = fill.params[0]
 
-    def rows(r: tvm.ir.Range) -> tvm.ir.Range | None:
-        """Row ``r`` of the unpadded output in the padded buffer; a tile of rows may cross a
-        padded row's border: refused."""
-        if not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1):
-            return None
-        image, pixel = r.min // (h * w), r.min % (h * w)
-        return tvm.ir.Range.from_min_extent(
-            (image * hp + pixel // w + top) * wp + pixel % w + left, 1)
+    def row(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        """Row ``i`` of the unpadded output in the padded buffer."""
+        image, pixel = i // (h * w), i % (h * w)
+        return (image * hp + pixel // w + top) * wp + pixel % w + left
 
-    body = _redirect_output(func, into, rows, fill.body)
+    body = _redirect_output(func, into, row, fill.body)
     return None if body is None else tirx.PrimFunc([*inputs, into], body, func.ret_type,
                                                    func.attrs)
 
 
 def _redirect_output(func: tirx.PrimFunc, into: tvm.ir.expr.Var,
-                     rows: Callable[[tvm.ir.Range], tvm.ir.Range | None],
+                     row: Callable[[tirx.PrimExpr], tirx.PrimExpr],
                      before: tirx.Stmt) -> s_tir.SBlockRealize | None:
     """The body of ``func`` writing its ``[rows, columns]`` output (its last parameter) into
-    the 2-D buffer ``into`` instead, row range ``r`` at ``rows(r)``, with ``before`` run first
-    in the root block; None when ``rows`` refuses an accessed row range (returns None) or
-    ``func`` uses its output otherwise than by element and region accesses."""
+    the 2-D buffer ``into`` instead, output row ``i`` at ``row(i)``, with ``before`` run first
+    in the root block; None when ``func`` accesses a range of several output rows (a tile of
+    rows may cross a padded row's border) or uses its output otherwise than by element and
+    region accesses."""
     out = func.params[-1]
-    refused = []
-
-    def point(indices):
-        row = rows(tvm.ir.Range.from_min_extent(indices[0], 1))
-        if row is None:
-            refused.append(indices)
-            return list(indices)
-        return [row.min, indices[1]]
+    tiles = []
 
     def store(s: tirx.BufferStore) -> tirx.BufferStore:
         if not s.buffer.same_as(out):
             return s
-        return tirx.BufferStore(into, s.value, point(s.indices))
+        return tirx.BufferStore(into, s.value, [row(s.indices[0]), s.indices[1]])
 
     def load(e: TensorLoad) -> TensorLoad:
-        return tirx.BufferLoad(into, point(e.indices)) if e.source.same_as(out) else e
+        if not e.source.same_as(out):
+            return e
+        return tirx.BufferLoad(into, [row(e.indices[0]), e.indices[1]])
 
     def region(r: TensorRegion) -> TensorRegion:
         if not r.source.same_as(out):
             return r
-        row = rows(r.region[0])
-        if row is None:
-            refused.append(r)
+        first = r.region[0]
+        if not (isinstance(first.extent, tirx.IntImm) and first.extent.value == 1):
+            tiles.append(r)
             return r
-        return tirx.BufferRegion(into, [row, r.region[1]])
+        return tirx.BufferRegion(into, [tvm.ir.Range.from_min_extent(row(first.min), 1),
+                                        r.region[1]])
 
     body = tvm_ffi.structural_map(func.body, [(tirx.BufferStore, store), (TensorLoad, load),
                                               (TensorRegion, region)])
     used = []
     tvm_ffi.structural_walk(body, (tvm.ir.expr.Var,
                                    lambda v: used.append(v) if v.same_as(out) else None))
-    if refused or used:
+    if tiles or used:
         return None
     root = body.block
     return s_tir.SBlockRealize(body.iter_values, body.predicate, s_tir.SBlock(
