@@ -54,11 +54,12 @@ from tvm.target import Target
 
 from microkernels.brgemm import LAYOUTS, BrgemmShape
 from microkernels.epilogue import Epilogue, EpilogueOp
-from microkernels.machine import machine_of
+from microkernels.machine import Machine, machine_of
 from schedules import depthwise
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
+    default_config,
     pack_weight,
     schedule,
     unfold_weight,
@@ -225,6 +226,12 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
             return orig
         operands.append(to_matrix(matches[pattern.residual]))
     problem = conv_problem(call, dtype, pattern.epilogue(matches))
+    x = call.args[0]
+    found = _preactivation(x, problem, bound, read_by, target)
+    if found is not None:  # computed inside the kernel, per pixel tile
+        x, prologue, prologue_operands = found
+        problem = replace(problem, prologue=prologue)
+        operands = [*prologue_operands, *operands]
     # A bf16 conv read only by bf16 convs writes bf16 itself (its epilogue converts): they
     # read it through a float32 view that simplify_layouts cancels against their own cast.
     handoff = (dtype == "bfloat16" and isinstance(problem, ConvProblem)
@@ -232,11 +239,57 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if handoff:
         problem = replace(problem, epilogue=Epilogue(
             (*problem.epilogue.ops, EpilogueOp("convert", dtype="bfloat16"))))
-    x = call.args[0] if dtype == "float32" else relax.op.astype(call.args[0], dtype)
+    x = x if dtype == "float32" else relax.op.astype(x, dtype)
     out, kernel, brgemm = emit_conv(x, problem, call.args[1].value.numpy(), operands,
                                     add_kernel, target, tuner, batch=conv_batch(call))
     report.append(offload(pattern.name("conv2d", matches), problem, kernel, brgemm, target))
     return relax.op.astype(out, "float32") if handoff else out
+
+
+def _preactivation(x: relax.Expr, problem: ConvProblem | DepthwiseProblem,
+                   bound: Mapping[relax.Var, relax.Expr],
+                   read_by: Callable[[relax.Expr], list[relax.Expr] | None], target: Target
+                   ) -> tuple[relax.Expr, Epilogue, list[relax.Expr]] | None:
+    """``(x0, prologue, operands)`` when the conv's input ``x`` is ``relu([x0 * s] [+ b])``
+    with constant per-channel ``s`` and ``b`` (DenseNet's BatchNorm and ReLU before each 1x1
+    conv) that only this conv reads, ``x0`` is no conv's output (whose epilogue the chain
+    is), and the conv can compute it per pixel tile (a float32 1x1 conv of stride 1 without
+    padding, whose pixel tiles share out evenly among the threads): ``operands`` are the
+    constants, in the prologue's order."""
+    if not (isinstance(problem, ConvProblem) and problem.dtype == "float32"
+            and (problem.r, problem.s, problem.stride, problem.groups) == (1, 1, (1, 1), 1)
+            and not any(problem.padding)):
+        return None
+    relu = bound.get(x) if isinstance(x, relax.Var) else None
+    if not is_call_to(relu, "relax.nn.relu") or len(read_by(relu) or ()) != 1:
+        return None
+    ops, operands, value = [EpilogueOp("relu")], [], relu.args[0]
+    for kind, op_name in (("bias", "relax.add"), ("scale", "relax.multiply")):
+        step = bound.get(value) if isinstance(value, relax.Var) else None
+        if not is_call_to(step, op_name) or len(read_by(step) or ()) != 1:
+            continue
+        data, constant = step.args
+        vector = (_channel_vector(constant.value.numpy(), problem.c)
+                  if isinstance(constant, tvm.ir.expr.Constant) else None)
+        if vector is not None:
+            ops.insert(0, EpilogueOp(kind, broadcast="row", name=f"pre_{kind}"))
+            operands.insert(0, relax.const(vector))
+            value = data
+    if is_call_to(bound.get(value) if isinstance(value, relax.Var) else None,
+                  "relax.nn.conv2d"):
+        return None  # the chain is the producing conv's epilogue (ResNet's 3x3 -> 1x1)
+    fused = replace(problem, prologue=Epilogue(tuple(ops)))
+    if not _even_pixel_tiles(fused, machine_of(target)):
+        return None
+    return value, fused.prologue, operands
+
+
+def _even_pixel_tiles(problem: ConvProblem, machine: Machine) -> bool:
+    """Whether the pixel tiles a prologue conv runs in parallel (its default config's
+    ``n * p * q/bq``) keep every thread within 1/8 of an even share: seven 7x7 rows on two
+    threads would not (DenseNet-121's last block at batch 1 ran slower so on a Zen 1)."""
+    tiles = problem.n * problem.p * (problem.q // default_config(problem, machine).bq)
+    return -(-tiles // machine.threads) * machine.threads * 8 <= tiles * 9
 
 
 def _read_by_convs_only(value: relax.Expr,
@@ -298,9 +351,10 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     result, the kernel's name with its loop_spec (for the report), and its BRGEMM.
 
     ``weight`` is the OIHW filter in values :func:`schedules.conv.pack_weight` takes for the
-    dtype; ``operands`` are the epilogue's, in its order (``[K]`` vectors, ``[N*P*Q, K]``
-    matrices: :func:`to_matrix`).  Borders and padded channels of the input hold
-    ``pad_value`` (a quantized input's zero point: real zeros).  A
+    dtype; ``operands`` are the prologue's (``[C]`` vectors), then the epilogue's, each in
+    its order (``[K]`` vectors, ``[N*P*Q, K]`` matrices: :func:`to_matrix`).  Borders and
+    padded channels of the input hold ``pad_value`` (a quantized input's zero point: real
+    zeros).  A
     :class:`~schedules.depthwise.DepthwiseProblem` (``weight`` ``[C, 1, R, S]``) becomes the
     depthwise kernel, which calls no BRGEMM (None).  Filter taps that read only padding are
     left out where it is zeros (:meth:`~schedules.conv.ConvGeometry.without_dead_taps`).
@@ -328,6 +382,7 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     sh, sw = problem.stride
     name = (f"tpp_conv2d_{_images(problem, batch)}x{problem.c}x{problem.h}x{problem.w}_"
             f"{problem.k}x{problem.r}x{problem.s}_s{sh}x{sw}" + _geometry_tag(problem)
+            + (f"_pre_{problem.prologue.name}" if problem.prologue.ops else "")
             + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
             + _DTYPE_TAGS[problem.dtype])
     gv = add_kernel(func, name)

@@ -34,15 +34,12 @@ Examples
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import tvm
-import tvm_ffi
-from tvm import relax, s_tir, tirx
-from tvm.ir.expr import TensorLoad, TensorRegion
+from tvm import relax, tirx
 from tvm.script import tirx as T
 
+from .kernel_buffers import redirect
 from .scaffold import (
     add_kernel,
     is_call_to,
@@ -79,54 +76,9 @@ def padded_output(func: tirx.PrimFunc, images: tuple[int, int, int], padding: Pa
         image, pixel = i // (h * w), i % (h * w)
         return (image * hp + pixel // w + top) * wp + pixel % w + left
 
-    body = _redirect_output(func, into, row, fill.body)
+    body = redirect(func, out, into, row, fill.body)
     return None if body is None else tirx.PrimFunc([*inputs, into], body, func.ret_type,
                                                    func.attrs)
-
-
-def _redirect_output(func: tirx.PrimFunc, into: tvm.ir.expr.Var,
-                     row: Callable[[tirx.PrimExpr], tirx.PrimExpr],
-                     before: tirx.Stmt) -> s_tir.SBlockRealize | None:
-    """The body of ``func`` writing its ``[rows, columns]`` output (its last parameter) into
-    the 2-D buffer ``into`` instead, output row ``i`` at ``row(i)``, with ``before`` run first
-    in the root block; None when ``func`` accesses a range of several output rows (a tile of
-    rows may cross a padded row's border) or uses its output otherwise than by element and
-    region accesses."""
-    out = func.params[-1]
-    tiles = []
-
-    def store(s: tirx.BufferStore) -> tirx.BufferStore:
-        if not s.buffer.same_as(out):
-            return s
-        return tirx.BufferStore(into, s.value, [row(s.indices[0]), s.indices[1]])
-
-    def load(e: TensorLoad) -> TensorLoad:
-        if not e.source.same_as(out):
-            return e
-        return tirx.BufferLoad(into, [row(e.indices[0]), e.indices[1]])
-
-    def region(r: TensorRegion) -> TensorRegion:
-        if not r.source.same_as(out):
-            return r
-        first = r.region[0]
-        if not (isinstance(first.extent, tirx.IntImm) and first.extent.value == 1):
-            tiles.append(r)
-            return r
-        return tirx.BufferRegion(into, [tvm.ir.Range.from_min_extent(row(first.min), 1),
-                                        r.region[1]])
-
-    body = tvm_ffi.structural_map(func.body, [(tirx.BufferStore, store), (TensorLoad, load),
-                                              (TensorRegion, region)])
-    used = []
-    tvm_ffi.structural_walk(body, (tvm.ir.expr.Var,
-                                   lambda v: used.append(v) if v.same_as(out) else None))
-    if tiles or used:
-        return None
-    root = body.block
-    return s_tir.SBlockRealize(body.iter_values, body.predicate, s_tir.SBlock(
-        root.iter_vars, root.reads, root.writes, root.name_hint,
-        tirx.SeqStmt([before, root.body]), root.init, root.alloc_buffers, root.match_buffers,
-        root.annotations))
 
 
 def _border_fill(n: int, hp: int, wp: int, channels: int, interior: tuple[int, int, int, int],

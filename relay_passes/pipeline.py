@@ -36,6 +36,7 @@ from .padded_outputs import write_padded_outputs
 from .prepare import prepare, sum_to_add
 from .qdq import rewrite_qdq
 from .scaffold import Offload
+from .slice_reads import read_slices_in_place
 
 __all__ = ["prepare", "tpp_rewrites", "tpp_pipeline"]
 
@@ -79,8 +80,9 @@ def tpp_rewrites(
         # a chain into its consumer (HardSwish into the pad of the depthwise conv after it).
         mod = relax.transform.CanonicalizeBindings()(
             relax.transform.RemoveRedundantReshape()(mod))
-        # Each conv before a pad writes the padded tensor itself (needs the aliases gone).
-        return write_padded_outputs(mod)
+        # Kernels read channel prefixes of DenseNet's block buffers in place, and each conv
+        # before a pad writes the padded tensor itself (both need the aliases gone).
+        return write_padded_outputs(read_slices_in_place(mod))
 
     return _rewrites
 

@@ -93,6 +93,7 @@ from .blocking import divisors, near_divisors, vector_block
 from .gemm import _k_block, _tile_blocks, _tile_rows, _tile_width, _weight_values
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
 from .nest import (
+    block_realize,
     check_exact,
     check_run_time_loop,
     finish_nest,
@@ -103,7 +104,7 @@ from .nest import (
 from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
-    from tvm import s_tir, tirx
+    from tvm import s_tir, te, tirx
     from tvm.tirx import PrimFunc
 
 __all__ = [
@@ -126,6 +127,8 @@ __all__ = [
 #: Loop letters in declaration order: N, Cb, Kb, P, Q blocks, R, S ([PL] Listing 4).
 LETTERS = "abcdefg"
 _REDUCTIONS = frozenset("bfg")
+#: Elementwise ops a prologue applies to the input, per input channel.
+_PROLOGUE_KINDS = frozenset({"scale", "bias", "relu"})
 
 #: X's dtype -> the dtypes a conv may write (a chain's last op decides).
 _OUT_DTYPES: dict[str, tuple[str, ...]] = {
@@ -337,16 +340,38 @@ class ConvProblem(ConvGeometry):
     dilation: tuple[int, int] | int = (1, 1)
     groups: int = 1
     zero_border: bool = True
+    prologue: Epilogue = field(default_factory=Epilogue)
 
     def __post_init__(self) -> None:
         self._validate(("n", "c", "h", "w", "k", "r", "s", "groups"), "conv", "conv")
         if not isinstance(self.zero_border, bool):
             raise TypeError(f"zero_border must be a bool, got {self.zero_border!r}")
+        self._check_prologue()
         if self.c % self.groups or self.k % self.groups:
             raise ValueError(f"groups={self.groups} must divide C={self.c} and K={self.k}")
         if self.groups > 1 and (self.c // self.groups) % self.alpha:
             raise ValueError(f"a grouped {self.dtype} conv needs whole VNNI groups of "
                              f"{self.alpha} channels per group, got {self.c // self.groups}")
+
+    def _check_prologue(self) -> None:
+        if not isinstance(self.prologue, Epilogue):
+            raise TypeError(f"prologue must be an Epilogue, got {type(self.prologue).__name__}")
+        if not self.prologue.ops:
+            return
+        # Input pixels map one to one onto output pixels: no border the chain would change.
+        if (self.dtype != "float32" or (self.r, self.s) != (1, 1) or self.stride != (1, 1)
+                or any(self.padding) or self.groups != 1):
+            raise ValueError("a prologue needs a float32 1x1 conv of stride 1, without padding "
+                             "or groups")
+        for op in self.prologue.ops:
+            per_channel = op.broadcast in ("", "row") or op.value is not None
+            if op.kind not in _PROLOGUE_KINDS or not per_channel:
+                raise ValueError(f"a prologue takes {', '.join(sorted(_PROLOGUE_KINDS))} per "
+                                 f"input channel, got {op.tag!r}")
+        names = {o.name for o in self.prologue.inputs()} & {
+            o.name for o in self.epilogue.inputs(self.epilogue_dtype)}
+        if names:
+            raise ValueError(f"prologue and epilogue operands share names {sorted(names)}")
 
     @property
     def layout(self) -> str:
@@ -500,9 +525,20 @@ class ConvConfig:
             for letter, (name, extent) in zip(LETTERS, extents, strict=True))
 
     def parse(self, problem: ConvProblem) -> LoopSpec:
-        """The parsed loop_spec (LoopSpecError if it does not fit)."""
+        """The parsed loop_spec (LoopSpecError if it does not fit).  A conv with a prologue
+        computes it once per pixel tile, for every K block: its K- and channel-block loops
+        must run inside its pixel loops (``ADEcbfg``; ``ACbfgde`` would repeat the prologue
+        for each K block)."""
         spec = parse(self.spec, self.loops(problem))
         check_exact(spec)
+        if problem.prologue.ops:
+            looping = [o for o in spec.occurrences if o.trips > 1]
+            pixels = [o.position for o in looping if o.letter in "ade"]
+            blocks = [o for o in looping if o.letter in "bc"]
+            if pixels and blocks and blocks[0].position < max(pixels):
+                raise LoopSpecError("a conv with a prologue needs its K- and channel-block "
+                                    "loops (c, b) inside its pixel loops (a, d, e)",
+                                    self.spec, blocks[0].position)
         return spec
 
 
@@ -550,12 +586,17 @@ def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None) -> Pr
             return w[o // bk, rr, rs, rc, o % bk]
         return w[o // bk, rr, rs, rc // alpha, o % bk, rc % alpha]
 
+    pre_extra, pre = _prologue_te(problem, x, rows)
+
     def product(n, i, j, o):
         row = rr * dh if dh > 1 else rr  # the tap's offset in the padded input
         col = rs * dw if dw > 1 else rs
         # A group's channels: output channel o reads those of its group only.
         channel = rc if problem.groups == 1 else o // problem.group_k * problem.group_c + rc
-        value = x[n, i * sh + row, j + col // sw, col % sw * c + channel]
+        if pre is not None:  # 1x1, stride 1, unpadded: output pixel (n, i, j) is input pixel
+            value = pre[(n * p + i) * q + j, rc]
+        else:
+            value = x[n, i * sh + row, j + col // sw, col % sw * c + channel]
         if problem.dtype == acc:  # float32: no casts in the expression
             return value * weight(o)
         return value.astype(acc) * weight(o).astype(acc)
@@ -568,7 +609,7 @@ def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None) -> Pr
              for op in problem.epilogue.inputs(start)}
     scalars = [] if batch is None else [batch]
     if not problem.epilogue.ops:
-        return te.create_prim_func([x, w, *scalars, conv])
+        return te.create_prim_func([x, w, *pre_extra, *scalars, conv])
     # The epilogue is a 2-D chain: it reads the conv through a [rows, K] view (converted
     # to float32 when it dequantizes), which the schedule inlines once the conv's buffer
     # itself is laid out as that matrix.
@@ -579,7 +620,25 @@ def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None) -> Pr
 
     view = te.compute((rows, k), view_value, name="view")
     y = apply_te(problem.epilogue, view, extra)
-    return te.create_prim_func([x, w, *extra.values(), *scalars, y])
+    return te.create_prim_func([x, w, *pre_extra, *extra.values(), *scalars, y])
+
+
+def _prologue_te(problem: ConvProblem, x: te.Tensor, rows: tirx.PrimExpr
+                 ) -> tuple[list[te.Tensor], te.Tensor | None]:
+    """The prologue's operands and its ``[rows, C]`` stage ``prologue`` over X's pixels
+    (through a ``prologue_view`` stage the schedule inlines); no stage without a prologue."""
+    from tvm import te
+
+    from microkernels.epilogue import apply_te
+
+    if not problem.prologue.ops:
+        return [], None
+    p, q = problem.p, problem.q
+    view = te.compute((rows, problem.c), lambda i, ch: x[i // (p * q), i // q % p, i % q, ch],
+                      name="prologue_view")
+    extra = {op.name: te.placeholder(op.shape(rows, problem.c), op.dtype, name=op.name)
+             for op in problem.prologue.inputs()}
+    return list(extra.values()), apply_te(problem.prologue, view, extra, name="prologue")
 
 
 def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "avx2",
@@ -624,6 +683,8 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
         sch.compute_inline(sch.get_sblock("view"))
         epilogue = sch.get_sblock("epilogue")
     init = finish_nest(sch, spec, order, grid_loops, conv, _REDUCTIONS, epilogue)
+    if problem.prologue.ops:
+        _prologue_per_pixel_tile(sch, _isa.from_name(isa_name))
     # The BRGEMM desc has no loop for a unit dimension (TVM drops them from the blocks it
     # matches), so each unit loop of the tile is fused into a neighbour.
     inner = [(q_body, config.bq), (k_body, config.bk), (c_body, config.c_step * config.bc)]
@@ -645,6 +706,41 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     if problem.zero_border:
         _skip_border_rows(sch, problem)
     return sch
+
+
+def _prologue_per_pixel_tile(sch: s_tir.Schedule, target: _isa.Isa) -> None:
+    """Compute the prologue under the deepest loop above the conv's first K- or channel-block
+    loop: once per pixel tile, into a local tile every K block then reads (the spec puts
+    those loops inside the pixel loops: :meth:`ConvConfig.parse`), vectorized over channels."""
+    sch.compute_inline(sch.get_sblock("prologue_view"))
+    update = sch.get_sblock("conv_update")
+    realize = block_realize(sch, update)
+    # The block's iterators are the conv's (n, i, j, o, r, s, c).
+    blocks = (realize.iter_values[3], realize.iter_values[6])
+    above = None
+    for loop in sch.get_loops(update)[:-3]:  # the spec's loops, above the kernel's tile
+        stmt = sch.get(loop)
+        if int(stmt.extent) > 1 and any(_uses(e, stmt.loop_var) for e in blocks):
+            break
+        above = loop
+    pro = sch.get_sblock("prologue")
+    sch.compute_at(pro, above)
+    channels = sch.get_loops(pro)[-1]
+    lanes = target.lanes("float32")
+    extent = int(sch.get(channels).extent)
+    if extent % lanes == 0:
+        sch.vectorize(sch.split(channels, [None, lanes])[1])
+
+
+def _uses(expr: tirx.PrimExpr, var: tirx.Var) -> bool:
+    """Whether ``expr`` reads ``var``."""
+    import tvm
+    import tvm_ffi
+
+    found = []
+    tvm_ffi.structural_walk(expr, (tvm.ir.expr.Var,
+                                   lambda v: found.append(v) if v.same_as(var) else None))
+    return bool(found)
 
 
 def _skip_border_rows(sch: s_tir.Schedule, problem: ConvProblem) -> None:
@@ -700,6 +796,8 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
       while the filter is re-read from L2 or L3 (on a Zen 1, in one process: with filters
       up to half of L2, ResNet-50 3.6 % faster at batch 1, 1.3 % at batch 8, DenseNet-121
       2.1 %; up to half of L3, VGG-19 a further 0.9-2.3 %, the others unchanged).
+      Always ``ADEcbfg`` with a prologue: it is then computed once per pixel tile
+      (:meth:`ConvConfig.parse`).
 
     Examples
     --------
@@ -741,7 +839,8 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     k_blocks = problem.group_k // bk  # per group
     small_filter = filters <= machine.caches.l1d // 2
     big_output = filters <= machine.caches.l3 // 2 and plane * (problem.k // bk) > machine.caches.l2
-    if problem.k // bk > 1 and (k_blocks > 1 and (small_filter or big_output) or slivers):
+    if problem.prologue.ops or problem.k // bk > 1 and (
+            k_blocks > 1 and (small_filter or big_output) or slivers):
         spec = "ADEcbfg"
     elif tasks >= 2 * machine.threads and plane <= machine.caches.l2 // 2:
         spec = "ACbfgde"

@@ -123,12 +123,7 @@ def guard(sch: s_tir.Schedule, block: SBlockRV,
 
     loop = sch.get_loops(block)[-1]
     old = sch.get(loop)
-    stmts = list(old.body.seq) if isinstance(old.body, tirx.SeqStmt) else [old.body]
-    at = next((i for i, stmt in enumerate(stmts) if isinstance(stmt, s_tir.SBlockRealize)
-               and stmt.block.same_as(sch.get(block))), None)
-    if at is None:
-        raise RuntimeError(f"block {sch.get(block).name_hint} is not directly in its "
-                           "innermost loop")
+    stmts, at = _in_loop(sch, block)
     realize = stmts[at]
     stmts[at] = s_tir.SBlockRealize(list(realize.iter_values),
                                     tirx.all(realize.predicate, condition(realize)),
@@ -138,6 +133,27 @@ def guard(sch: s_tir.Schedule, block: SBlockRV,
                       tirx.For(old.loop_var, old.min, old.extent, old.kind, body,
                                old.thread_binding, old.annotations),
                       {realize.block: realize.block})
+
+
+def block_realize(sch: s_tir.Schedule, block: SBlockRV) -> s_tir.SBlockRealize:
+    """The realize of ``block`` (its iterators' bindings to the loops); the block must sit
+    directly in its innermost loop."""
+    stmts, at = _in_loop(sch, block)
+    return stmts[at]
+
+
+def _in_loop(sch: s_tir.Schedule, block: SBlockRV) -> tuple[list[tirx.Stmt], int]:
+    """The statements of ``block``'s innermost loop and the index of its realize among them."""
+    from tvm import s_tir, tirx
+
+    body = sch.get(sch.get_loops(block)[-1]).body
+    stmts = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    at = next((i for i, stmt in enumerate(stmts) if isinstance(stmt, s_tir.SBlockRealize)
+               and stmt.block.same_as(sch.get(block))), None)
+    if at is None:
+        raise RuntimeError(f"block {sch.get(block).name_hint} is not directly in its "
+                           "innermost loop")
+    return stmts, at
 
 
 def zeroing_kernel(sch: s_tir.Schedule, init: SBlockRV, shape: BrgemmShape) -> BrgemmShape:

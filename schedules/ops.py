@@ -154,12 +154,14 @@ def _steps_text(block_steps: Mapping[str, tuple[int, ...]]) -> str:
 
 
 def _geometry_text(p: ConvProblem | DepthwiseProblem) -> str:
-    """Stride, padding and (where not 1) dilation and groups: the key's layout part, as the
-    keys of undilated, ungrouped convs were before those existed."""
+    """Stride, padding and (where not 1) dilation and groups, and a prologue's ops: the key's
+    layout part, as the keys of undilated, ungrouped convs were before those existed."""
     (sh, sw), pads = p.stride, "x".join(map(str, p.padding))
     (dh, dw), groups = p.dilation, getattr(p, "groups", 1)
+    prologue = getattr(p, "prologue", None)
     return (f"s{sh}x{sw}p{pads}" + ("" if (dh, dw) == (1, 1) else f"d{dh}x{dw}")
-            + ("" if groups == 1 else f"g{groups}"))
+            + ("" if groups == 1 else f"g{groups}")
+            + (f"+{prologue.name}" if prologue and prologue.ops else ""))
 
 
 def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:

@@ -1,0 +1,81 @@
+"""Kernels made to read or write a larger tensor in place of one of their parameters.
+
+The passes that let a kernel write the padded tensor its consumer reads
+(:mod:`relay_passes.padded_outputs`) or read a channel prefix of a wider tensor
+(:mod:`relay_passes.slice_reads`) rewrite a scheduled PrimFunc the same way: every access of
+one parameter goes to another buffer, the first index mapped where the layout differs.
+
+Examples
+--------
+>>> from tvm.script import tirx as T
+>>> @T.prim_func(s_tir=True)
+... def relu(x: T.Buffer((6, 8), "float32"), y: T.Buffer((6, 8), "float32")):
+...     for i, j in T.grid(6, 8):
+...         with T.sblock("epilogue"):
+...             vi, vj = T.axis.remap("SS", [i, j])
+...             y[vi, vj] = T.max(x[vi, vj], T.float32(0))
+>>> wide = tvm.tirx.decl_buffer((6, 16), "float32", "x")
+>>> body = redirect(relu, relu.params[0], wide)
+>>> "x[vi, vj]" in tirx.PrimFunc([wide, relu.params[1]], body).script()
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad, TensorRegion
+
+__all__ = ["redirect"]
+
+
+def redirect(func: tirx.PrimFunc, param: tvm.ir.expr.Var, into: tvm.ir.expr.Var,
+             row: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None,
+             before: tirx.Stmt | None = None) -> s_tir.SBlockRealize | None:
+    """The body of ``func`` with every access of its buffer parameter ``param`` made to
+    ``into`` instead, at the same indices or, with a ``row`` map, the first index ``i`` at
+    ``row(i)``; ``before`` (if given) runs first in the root block.
+
+    None when ``func`` uses ``param`` otherwise than by element and region accesses, or,
+    with a ``row`` map, accesses a range of several rows (a tile of rows may cross the
+    border of the rows it maps to)."""
+    tiles = []
+
+    def index(indices) -> list[tirx.PrimExpr]:
+        return list(indices) if row is None else [row(indices[0]), *indices[1:]]
+
+    def store(s: tirx.BufferStore) -> tirx.BufferStore:
+        return tirx.BufferStore(into, s.value, index(s.indices)) if s.buffer.same_as(param) else s
+
+    def load(e: TensorLoad) -> TensorLoad:
+        return tirx.BufferLoad(into, index(e.indices)) if e.source.same_as(param) else e
+
+    def region(r: TensorRegion) -> TensorRegion:
+        if not r.source.same_as(param):
+            return r
+        if row is None:
+            return tirx.BufferRegion(into, list(r.region))
+        first = r.region[0]
+        if not (isinstance(first.extent, tirx.IntImm) and first.extent.value == 1):
+            tiles.append(r)
+            return r
+        return tirx.BufferRegion(into, [tvm.ir.Range.from_min_extent(row(first.min), 1),
+                                        *r.region[1:]])
+
+    body = tvm_ffi.structural_map(func.body, [(tirx.BufferStore, store), (TensorLoad, load),
+                                              (TensorRegion, region)])
+    used = []
+    tvm_ffi.structural_walk(body, (tvm.ir.expr.Var,
+                                   lambda v: used.append(v) if v.same_as(param) else None))
+    if tiles or used:
+        return None
+    if before is None:
+        return body
+    root = body.block
+    return s_tir.SBlockRealize(body.iter_values, body.predicate, s_tir.SBlock(
+        root.iter_vars, root.reads, root.writes, root.name_hint,
+        tirx.SeqStmt([before, root.body]), root.init, root.alloc_buffers, root.match_buffers,
+        root.annotations))

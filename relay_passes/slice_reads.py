@@ -1,0 +1,135 @@
+"""Kernels that read a channel prefix of a wider tensor in place of a copy of it.
+
+DenseNet's dense blocks write every layer's channels into one buffer
+(:mod:`relay_passes.concat_chain`); each layer reads the first ``C`` channels of it through
+``strided_slice(buf, channels [0, C))``.  Where that reader is a TPP kernel (a 1x1 conv that
+computes the BatchNorm and ReLU before it itself: :mod:`relay_passes.conv`), the slice
+would be a copy kernel of its own.  :func:`read_slices_in_place` gives the kernel the whole
+buffer instead: its parameter is declared with the buffer's channels and every access keeps
+its indices (the kernels' BRGEMM operands take their row strides from the buffer they are
+matched in), so it reads the same elements where they are.
+
+A ``call_tir`` argument is read in place when it is ``strided_slice`` of the last axis from
+0 with step 1 of a static-shape tensor, and the kernel accesses that parameter only by
+elements and by regions whose matched buffers take their strides from it.  Functions with
+symbolic shapes are left as they are.
+
+Examples
+--------
+>>> from tvm.script import tirx as T
+>>> @T.prim_func(s_tir=True)
+... def double(x: T.Buffer((2, 4), "float32"), y: T.Buffer((2, 4), "float32")):
+...     for i, j in T.grid(2, 4):
+...         with T.sblock("double"):
+...             vi, vj = T.axis.remap("SS", [i, j])
+...             y[vi, vj] = x[vi, vj] * T.float32(2)
+>>> [tuple(p.ty.shape) for p in reading_wider(double, 0, 6).params]
+[(2, 6), (2, 4)]
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+
+from .kernel_buffers import redirect
+from .scaffold import (
+    add_kernel,
+    is_call_to,
+    rewrite_static_functions,
+    static_shape,
+    visit_binding_replaced,
+)
+
+__all__ = ["read_slices_in_place", "reading_wider"]
+
+
+def reading_wider(func: tirx.PrimFunc, index: int, channels: int) -> tirx.PrimFunc | None:
+    """``func`` with its parameter ``index`` declared with ``channels`` in its last axis (the
+    same indices, a wider row), or None when it uses the parameter otherwise (module doc)."""
+    param = func.params[index]
+    shape = static_shape(param.ty.shape)
+    if shape is None or channels < shape[-1] or not _strides_from_source(func, param):
+        return None
+    wide = tirx.decl_buffer((*shape[:-1], channels), param.ty.dtype, param.name,
+                            layout=param.ty.layout)
+    body = redirect(func, param, wide)
+    if body is None:
+        return None
+    params = [wide if p.same_as(param) else p for p in func.params]
+    return tirx.PrimFunc(params, body, func.ret_type, func.attrs)
+
+
+def _strides_from_source(func: tirx.PrimFunc, param: tvm.ir.expr.Var) -> bool:
+    """Whether every buffer ``func`` matches in a region of ``param`` declares its strides
+    (variables bound to ``param``'s): a dense one would assume the narrower rows."""
+    dense = []
+
+    def visit(block: s_tir.SBlock) -> None:
+        dense.extend(m for m in block.match_buffers
+                     if m.source.source.same_as(param) and not m.buffer.ty.strides)
+
+    tvm_ffi.structural_walk(func.body, (s_tir.SBlock, visit))
+    return not dense
+
+
+def read_slices_in_place(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every kernel argument that is a channel prefix of a wider tensor read
+    from that tensor in place (module doc)."""
+    rewriter = _SliceReads(mod)
+    return relax.transform.DeadCodeElimination()(
+        rewrite_static_functions(mod, rewriter, rewriter.replace))
+
+
+def _prefix_of(value: relax.Expr | None) -> relax.Expr | None:
+    """The tensor ``value`` takes the first channels (last axis) of, if it is such a slice."""
+    if not is_call_to(value, "relax.strided_slice"):
+        return None
+    data, axes, begin, _, *steps = value.args
+    rank = len(data.ty.shape) if isinstance(data.ty, relax.TensorType) else 0
+    full = static_shape(data.ty.shape) if rank else None
+    part = static_shape(value.ty.shape)
+    if full is None or part is None or full[:-1] != part[:-1]:
+        return None
+    as_ints = [[int(v.value) for v in t.fields] for t in (axes, begin, *steps)]
+    if as_ints[0] != [rank - 1] or as_ints[1] != [0] or any(s != [1] for s in as_ints[2:]):
+        return None
+    return data
+
+
+@relax.expr_functor.mutator
+class _SliceReads(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.mod = mod
+        self.replace: dict[relax.Var, relax.Expr] = {}  # call var -> the call reading in place
+
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        bound = relax.analysis.get_var2val(func)
+        for var, value in bound.items():
+            if is_call_to(value, "relax.call_tir") and len(value.args) == 2:
+                found = self._in_place(value, bound)
+                if found is not None:
+                    self.replace[var] = found
+        return super().visit_function_(func)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        visit_binding_replaced(self, binding, self.replace)
+
+    def _in_place(self, call: relax.Call, bound) -> relax.Expr | None:
+        kernel, args = call.args[0], list(call.args[1].fields)
+        func = self.mod[kernel]
+        if not isinstance(func, tirx.PrimFunc) or len(func.params) <= len(args):
+            return None
+        name, changed = kernel.name_hint, False
+        for i, arg in enumerate(args):
+            whole = _prefix_of(bound.get(arg) if isinstance(arg, relax.Var) else None)
+            wider = None if whole is None else reading_wider(func, i, int(whole.ty.shape[-1]))
+            if wider is not None:
+                func, args[i], changed = wider, whole, True
+                name += f"_from{int(whole.ty.shape[-1])}"
+        if not changed:
+            return None
+        gv = add_kernel(self.builder_, func, name)
+        return relax.call_tir(gv, args, call.ty)
