@@ -279,17 +279,22 @@ def _preactivation(x: relax.Expr, problem: ConvProblem | DepthwiseProblem,
                   "relax.nn.conv2d"):
         return None  # the chain is the producing conv's epilogue (ResNet's 3x3 -> 1x1)
     fused = replace(problem, prologue=Epilogue(tuple(ops)))
-    if not _even_pixel_tiles(fused, machine_of(target)):
+    if not _prologue_pays(fused, machine_of(target)):
         return None
     return value, fused.prologue, operands
 
 
-def _even_pixel_tiles(problem: ConvProblem, machine: Machine) -> bool:
-    """Whether the pixel tiles a prologue conv runs in parallel (its default config's
-    ``n * p * q/bq``) keep every thread within 1/8 of an even share: seven 7x7 rows on two
-    threads would not (DenseNet-121's last block at batch 1 ran slower so on a Zen 1)."""
+def _prologue_pays(problem: ConvProblem, machine: Machine) -> bool:
+    """Whether a conv computing its prologue per pixel tile beats a separate elementwise
+    kernel before it: its pixel tiles, run in parallel (the default config's ``n * p *
+    q/bq``), keep every thread within 1/8 of an even share, and its filter, read again for
+    every tile, fits in half of L2.  On a Zen 1 (512 KiB L2), DenseNet-121's 1x1 convs with
+    the prologue against the pair: 1.03-1.17x up to 512 input channels, 0.87x with 768 and
+    992 on 14x14 maps (a 384-496 KiB filter), and seven 7x7 rows on two threads slower."""
     tiles = problem.n * problem.p * (problem.q // default_config(problem, machine).bq)
-    return -(-tiles // machine.threads) * machine.threads * 8 <= tiles * 9
+    even = -(-tiles // machine.threads) * machine.threads * 8 <= tiles * 9
+    filters = problem.c * problem.k * problem.element_bytes
+    return even and filters <= machine.caches.l2 // 2
 
 
 def _read_by_convs_only(value: relax.Expr,

@@ -21,7 +21,7 @@ from microkernels import isa
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.epilogue import reference as epilogue_reference
 from microkernels.machine import Machine, host
-from relay_passes.conv import _even_pixel_tiles, emit_conv, rewrite_conv
+from relay_passes.conv import _prologue_pays, emit_conv, rewrite_conv
 from relay_passes.pipeline import tpp_rewrites
 from relay_passes.scaffold import add_kernel, is_call_to
 from schedules.conv import (
@@ -141,14 +141,17 @@ def test_database_key_names_the_prologue():
     assert problem_text(replace(problem, prologue=Epilogue())).endswith("p0x0x0x0 -")
 
 
-@pytest.mark.parametrize("h, w, threads, even", [
-    (7, 7, 2, False), (14, 14, 2, True), (7, 7, 1, True), (8, 12, 3, True), (7, 9, 2, False),
+@pytest.mark.parametrize("c, h, w, threads, pays", [
+    (64, 7, 7, 2, False), (64, 14, 14, 2, True), (64, 7, 7, 1, True), (64, 8, 12, 3, True),
+    (64, 7, 9, 2, False), (512, 14, 14, 2, True), (768, 14, 14, 2, False),
 ])
-def test_pixel_tiles_shared_evenly(h, w, threads, even):
-    """Seven rows of pixel tiles on two threads leave one idle an eighth of the time."""
-    problem = ConvProblem(1, 64, h, w, 128, 1, 1, prologue=BN_RELU)
-    machine = Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=threads)
-    assert _even_pixel_tiles(problem, machine) is even
+def test_prologue_where_it_pays(c, h, w, threads, pays):
+    """Seven rows of pixel tiles on two threads leave one idle an eighth of the time; a
+    filter over half of L2 would be read from L3 again for every tile."""
+    problem = ConvProblem(1, c, h, w, 128, 1, 1, prologue=BN_RELU)
+    caches = replace(isa.DEFAULT_CACHES, l2=512 * 1024)
+    machine = Machine(isa.from_name("avx2"), caches, threads=threads)
+    assert _prologue_pays(problem, machine) is pays
 
 
 # ---------------------------------------------------------------------------------------------
