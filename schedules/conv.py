@@ -36,6 +36,12 @@ The accumulator is zeroed before the first reduction loop (``decompose_reduction
 epilogue (:func:`microkernels.epilogue.apply_te`) runs under the deepest spatial loop above
 it, on the finished tile, as :mod:`schedules.gemm` does.
 
+A prologue (``ConvProblem.prologue``: per-channel scale, shift and ReLU, DenseNet's
+BatchNorm and ReLU before each 1x1 conv) is computed inside the conv, once per pixel tile,
+into a local ``[bq, C]`` tile that the BRGEMM calls of every K block read: the spec keeps the
+K- and channel-block loops inside the pixel loops (:meth:`ConvConfig.parse`).  Only 1x1
+convs of stride 1 without padding take one, where input pixels are output pixels.
+
 With few input channels (an RGB stem) each call would reduce only C values;
 :meth:`ConvProblem.unfold_width` turns such a conv into an ``R x 1`` one over ``S*C``
 channels of an input unfolded along the width (:func:`unfold_input`).
@@ -307,6 +313,11 @@ class ConvProblem(ConvGeometry):
         The packed input's border (the padding) holds zeros, so a filter row over border
         rows only adds nothing and the kernel skips it (:func:`schedule`).  False for a
         quantized input padded with a non-zero zero point.
+    prologue
+        Elementwise chain applied to the input before the conv, per input channel:
+        ``scale``, ``bias`` (``[C]`` operands, after W among the kernel's parameters, names
+        apart from the epilogue's) and ``relu``.  float32 1x1 convs of stride 1, unpadded
+        and ungrouped only (module doc).
 
     Examples
     --------
