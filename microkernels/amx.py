@@ -46,9 +46,13 @@ from typing import TYPE_CHECKING
 
 from . import isa as _isa
 from .brgemm import BrgemmShape, register_impl
+from .script_source import pin_source
 
 if TYPE_CHECKING:
     from tvm.tirx import PrimExpr, PrimFunc
+
+# The TVMScript builders below parse the text this module was imported from.
+pin_source(__name__)
 
 __all__ = ["TilePlan", "plan", "impl_func", "request_permission", "tiles_usable",
            "EMULATOR_SYMBOLS", "OPS_PER_CYCLE"]

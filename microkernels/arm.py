@@ -48,10 +48,14 @@ from typing import TYPE_CHECKING
 
 from .brgemm import BrgemmShape, reference, register_impl, register_layout
 from .pack import MMLA_K_BLOCK, mmla_k_block, unpack_mmla
+from .script_source import pin_source
 
 if TYPE_CHECKING:
     import numpy as np
     from tvm.tirx import PrimFunc
+
+# The TVMScript builders below parse the text this module was imported from.
+pin_source(__name__)
 
 __all__ = ["neon_fp32_impl", "mmla_desc", "mmla_impl", "mmla_shapes", "mmla_reference",
            "mmla_registers", "BFMMLA_LLVM_IR", "VECTOR_REGISTERS"]

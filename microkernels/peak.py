@@ -30,9 +30,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import isa as _isa
+from .script_source import pin_source
 
 if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
+
+# The TVMScript builders below parse the text this module was imported from.
+pin_source(__name__)
 
 __all__ = ["Peak", "FMA_UNITS", "FmaChains", "measure_peak", "fma_chain_func", "llvm_target",
            "flops_per_cycle"]

@@ -39,7 +39,12 @@ import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
+from microkernels.script_source import pin_source
+
 from .scaffold import add_kernel, is_call_to, rewrite_static_functions, static_shape
+
+# The TVMScript builders below parse the text this module was imported from.
+pin_source(__name__)
 
 __all__ = ["write_concat_chains", "copy_kernel"]
 

@@ -27,7 +27,12 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
+from microkernels.script_source import pin_source
+
 from .scaffold import add_kernel, static_shape
+
+# The TVMScript builders below parse the text this module was imported from.
+pin_source(__name__)
 
 __all__ = ["guard_gathers", "OUT_OF_RANGE"]
 

@@ -39,6 +39,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.script import tirx as T
 
+from microkernels.script_source import pin_source
+
 from .kernel_buffers import redirect
 from .scaffold import (
     add_kernel,
@@ -48,6 +50,9 @@ from .scaffold import (
     static_shape,
     visit_binding_replaced,
 )
+
+# The TVMScript builders below parse the text this module was imported from.
+pin_source(__name__)
 
 __all__ = ["padded_output", "write_padded_outputs"]
 
