@@ -7,16 +7,18 @@ one parameter goes to another buffer, the first index mapped where the layout di
 
 Examples
 --------
+A copy whose output goes to rows 2.. of a taller buffer:
+
 >>> from tvm.script import tirx as T
 >>> @T.prim_func(s_tir=True)
-... def relu(x: T.Buffer((6, 8), "float32"), y: T.Buffer((6, 8), "float32")):
-...     for i, j in T.grid(6, 8):
-...         with T.sblock("epilogue"):
-...             vi, vj = T.axis.remap("SS", [i, j])
-...             y[vi, vj] = T.max(x[vi, vj], T.float32(0))
->>> wide = tvm.tirx.decl_buffer((6, 16), "float32", "x")
->>> body = redirect(relu, relu.params[0], wide)
->>> "x[vi, vj]" in tirx.PrimFunc([wide, relu.params[1]], body).script()
+... def copy(x: T.Buffer((4,), "float32"), y: T.Buffer((4,), "float32")):
+...     for i in range(4):
+...         with T.sblock("copy"):
+...             vi = T.axis.spatial(4, i)
+...             y[vi] = x[vi]
+>>> taller = tvm.tirx.decl_buffer((6,), "float32", "y")
+>>> body = redirect(copy, copy.params[1], taller, row=lambda i: i + 2)
+>>> "y[vi + 2] = x[vi]" in tirx.PrimFunc([copy.params[0], taller], body).script()
 True
 """
 
