@@ -256,9 +256,9 @@ def _preactivation(x: relax.Expr, problem: ConvProblem | DepthwiseProblem,
     """``(x0, prologue, operands)`` when the conv's input ``x`` is ``relu([x0 * s] [+ b])``
     with constant per-channel ``s`` and ``b`` (DenseNet's BatchNorm and ReLU before each 1x1
     conv) that only this conv reads, ``x0`` is no conv's output (whose epilogue the chain
-    is), and the conv can compute it per pixel tile (a float32 1x1 conv of stride 1 without
-    padding, whose pixel tiles share out evenly among the threads): ``operands`` are the
-    constants, in the prologue's order."""
+    is), and the conv (a float32 1x1 conv of stride 1 without padding) gains by computing it
+    per pixel tile (:func:`_prologue_pays`): ``operands`` are the constants, in the
+    prologue's order."""
     if not (isinstance(problem, ConvProblem) and problem.dtype == "float32"
             and (problem.r, problem.s, problem.stride, problem.groups) == (1, 1, (1, 1), 1)
             and not any(problem.padding)):

@@ -723,6 +723,8 @@ def _prologue_per_pixel_tile(sch: s_tir.Schedule, target: _isa.Isa) -> None:
     """Compute the prologue under the deepest loop above the conv's first K- or channel-block
     loop: once per pixel tile, into a local tile every K block then reads (the spec puts
     those loops inside the pixel loops: :meth:`ConvConfig.parse`), vectorized over channels."""
+    from tvm import tirx
+
     sch.compute_inline(sch.get_sblock("prologue_view"))
     update = sch.get_sblock("conv_update")
     realize = block_realize(sch, update)
@@ -731,7 +733,8 @@ def _prologue_per_pixel_tile(sch: s_tir.Schedule, target: _isa.Isa) -> None:
     above = None
     for loop in sch.get_loops(update)[:-3]:  # the spec's loops, above the kernel's tile
         stmt = sch.get(loop)
-        if int(stmt.extent) > 1 and any(_uses(e, stmt.loop_var) for e in blocks):
+        if int(stmt.extent) > 1 and any(stmt.loop_var.same_as(v) for e in blocks
+                                        for v in tirx.analysis.undefined_vars(e)):
             break
         above = loop
     pro = sch.get_sblock("prologue")
@@ -741,17 +744,6 @@ def _prologue_per_pixel_tile(sch: s_tir.Schedule, target: _isa.Isa) -> None:
     extent = int(sch.get(channels).extent)
     if extent % lanes == 0:
         sch.vectorize(sch.split(channels, [None, lanes])[1])
-
-
-def _uses(expr: tirx.PrimExpr, var: tirx.Var) -> bool:
-    """Whether ``expr`` reads ``var``."""
-    import tvm
-    import tvm_ffi
-
-    found = []
-    tvm_ffi.structural_walk(expr, (tvm.ir.expr.Var,
-                                   lambda v: found.append(v) if v.same_as(var) else None))
-    return bool(found)
 
 
 def _skip_border_rows(sch: s_tir.Schedule, problem: ConvProblem) -> None:
