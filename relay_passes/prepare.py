@@ -41,6 +41,7 @@ from tvm.ir.expr import TensorLoad
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
 from .conv_transpose import transposed_as_conv
+from .pool_first import pool_before_pointwise_conv
 from .scaffold import is_call_to, static_shape
 from .scale_shift import fold_scale_shift
 
@@ -69,6 +70,9 @@ def prepare() -> tvm.transform.Pass:
             # After the folding: Clip's bounds are where(isnan(b), inf, b) until then.
             tvm.transform.module_pass(lambda mod, _ctx: te_extrema_to_ops(mod), opt_level=0,
                                       name="TppExtremaToOps"),
+            # DenseNet's transitions: the conv on a quarter of the pixels.
+            tvm.transform.module_pass(lambda mod, _ctx: pool_before_pointwise_conv(mod),
+                                      opt_level=0, name="TppPoolBeforePointwiseConv"),
         ],
         name="TppPrepare",
     )
