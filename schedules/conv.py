@@ -738,7 +738,8 @@ def _prologue_per_pixel_tile(sch: s_tir.Schedule, target: _isa.Isa) -> None:
             break
         above = loop
     pro = sch.get_sblock("prologue")
-    sch.compute_at(pro, above)
+    if above is not None:  # else a single pixel tile: the prologue runs once, at the root
+        sch.compute_at(pro, above)
     channels = sch.get_loops(pro)[-1]
     lanes = target.lanes("float32")
     extent = int(sch.get(channels).extent)

@@ -101,6 +101,24 @@ def test_prologue_computed_once_per_pixel_tile():
     assert above_calls[0].loop_var.name in above_prologue  # the parallel pixel loop
 
 
+def test_single_pixel_tile_with_k_blocks_outermost():
+    """One image row in one tile: the spec may put the K blocks first (parse allows it, no
+    pixel loop iterates), and the prologue then runs once over the whole input."""
+    problem = ConvProblem(1, 16, 1, 6, 32, 1, 1, prologue=Epilogue((SHIFT, RELU)))
+    config = ConvConfig(bq=6, bc=16, bk=16, spec="ACbfgde")
+    func = schedule(problem, config, host().isa.name).mod["main"]
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 16, 1, 6)).astype(F32)
+    weight = rng.standard_normal((32, 16, 1, 1)).astype(F32)
+    shift = rng.standard_normal(16).astype(F32)
+    activated = np.maximum(x + shift[None, :, None, None], 0)
+    want = reference(problem, activated, weight).transpose(0, 2, 3, 1).reshape(6, 32)
+    out = tvm.runtime.tensor(np.full((6, 32), np.nan, F32))
+    args = [pack_input(x, problem), pack_weight(weight, 16, problem), shift]
+    tvm.compile(func, target=tpp_target("tpp"))(*[tvm.runtime.tensor(a) for a in args], out)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"r": 3, "s": 3, "padding": 1}, "1x1 conv"),
     ({"stride": 2}, "stride 1"),
