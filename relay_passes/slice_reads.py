@@ -87,13 +87,12 @@ def _prefix_of(value: relax.Expr | None) -> relax.Expr | None:
     if not is_call_to(value, "relax.strided_slice"):
         return None
     data, axes, begin, _, *steps = value.args
-    rank = len(data.ty.shape) if isinstance(data.ty, relax.TensorType) else 0
-    full = static_shape(data.ty.shape) if rank else None
+    full = static_shape(data.ty.shape) if isinstance(data.ty, relax.TensorType) else None
     part = static_shape(value.ty.shape)
     if full is None or part is None or full[:-1] != part[:-1]:
         return None
     as_ints = [[int(v.value) for v in t.fields] for t in (axes, begin, *steps)]
-    if as_ints[0] != [rank - 1] or as_ints[1] != [0] or any(s != [1] for s in as_ints[2:]):
+    if as_ints[0] != [len(full) - 1] or as_ints[1] != [0] or any(s != [1] for s in as_ints[2:]):
         return None
     return data
 
@@ -122,14 +121,14 @@ class _SliceReads(relax.PyExprMutator):
         func = self.mod[kernel]
         if not isinstance(func, tirx.PrimFunc) or len(func.params) <= len(args):
             return None
-        name, changed = kernel.name_hint, False
+        name = kernel.name_hint
         for i, arg in enumerate(args):
             whole = _prefix_of(bound.get(arg) if isinstance(arg, relax.Var) else None)
             wider = None if whole is None else reading_wider(func, i, int(whole.ty.shape[-1]))
             if wider is not None:
-                func, args[i], changed = wider, whole, True
+                func, args[i] = wider, whole
                 name += f"_from{int(whole.ty.shape[-1])}"
-        if not changed:
+        if name == kernel.name_hint:  # no argument read in place
             return None
         gv = add_kernel(self.builder_, func, name)
         return relax.call_tir(gv, args, call.ty)
