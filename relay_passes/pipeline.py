@@ -23,6 +23,7 @@ from tvm.target import Target
 from microkernels.fast_math import fast_math
 from microkernels.machine import is_tpp
 from schedules.fallback import fallback_schedules
+from schedules.register_epilogue import register_epilogues
 from schedules.tuner import TaskCollector, Tuner
 
 from .batch_matmul import rewrite_batch_matmul
@@ -107,6 +108,8 @@ def tpp_pipeline(
                 + cpu.legalize_passes(target)
                 + [fallback_schedules(), fast_math()]
                 + _dataflow_lower_passes(target)
+                # After the in-place pass, which reads each epilogue as a block of its own.
+                + [register_epilogues()]
                 + cpu.finalize_passes(target),
                 name="TppLower",
             )(mod)

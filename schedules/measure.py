@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from .ops import Config, Problem, op_of
+from .register_epilogue import epilogue_in_registers
 
 if TYPE_CHECKING:
     from tvm.target import Target
@@ -55,13 +56,14 @@ def _error(err: Exception) -> str:
 
 
 def _scheduled(problem: Problem, configs: list[Config], isa: str) -> list[PrimFunc | str]:
-    """Per config its scheduled PrimFunc, named ``candidate<i>``, or why it has none."""
+    """Per config its scheduled PrimFunc as a model runs it (the epilogue in registers where
+    it can be: :mod:`.register_epilogue`), named ``candidate<i>``, or why it has none."""
     schedule = op_of(problem).schedule
     out: list[PrimFunc | str] = []
     for i, config in enumerate(configs):
         try:
-            out.append(schedule(problem, config, isa).mod["main"].with_attr(
-                "global_symbol", f"candidate{i}"))
+            out.append(epilogue_in_registers(schedule(problem, config, isa).mod["main"])
+                       .with_attr("global_symbol", f"candidate{i}"))
         except Exception as err:  # a candidate that cannot be scheduled is recorded, skipped
             out.append(_error(err))
     return out
