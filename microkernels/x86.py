@@ -65,6 +65,8 @@ __all__ = [
     "BF16_DOT",
     "BF16_EMULATED",
     "MAX_ROWS",
+    "FMA_CHAINS",
+    "keeps_fmas_busy",
     "Step",
     "register_tile",
     "row_tiles",
@@ -80,6 +82,10 @@ __all__ = [
 
 #: Most rows in one register tile: beyond this A broadcasts dominate the load ports.
 MAX_ROWS = 14
+#: Accumulators one register tile needs to keep the FMA units busy: 4 cycles of latency on
+#: each of 2 units (Haswell to Sapphire Rapids, Zen 1 to 4).  Fewer leave them idle: a 3x2
+#: tile (the tail of ``m = 7`` on AVX2) runs at 3/4 of the peak.
+FMA_CHAINS = 8
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,22 @@ def register_tile(shape: BrgemmShape, family: Family) -> RegisterTile:
     free = regs - vectors * family.b_registers - family.a_registers
     rows = max(1, min(shape.m, MAX_ROWS, free // vectors))
     return RegisterTile(rows, vectors, lanes)
+
+
+def keeps_fmas_busy(shape: BrgemmShape, family: Family) -> bool:
+    """Whether every register tile of ``shape`` holds :data:`FMA_CHAINS` accumulators (or
+    the whole block, when it is smaller).
+
+    >>> keeps_fmas_busy(BrgemmShape(m=7, n=16, k=64, isa="avx2"), FP32)  # tiles 4x2, 3x2
+    False
+    >>> keeps_fmas_busy(BrgemmShape(m=49, n=16, k=64, isa="avx2"), FP32)  # 6x2 and 5x2
+    True
+    """
+    tile = register_tile(shape, family)
+    vectors = -(-shape.n // tile.lanes)
+    needed = min(FMA_CHAINS, shape.m * vectors)
+    return all(size * min(vectors, tile.vectors) >= needed
+               for _, _, size in row_tiles(shape.m, tile.rows))
 
 
 def row_tiles(m: int, rows: int) -> tuple[tuple[int, int, int], ...]:

@@ -63,6 +63,7 @@ from schedules.conv import (
     ConvConfig,
     ConvProblem,
     default_config,
+    one_row_pays,
     pack_weight,
     schedule,
     unfold_weight,
@@ -382,7 +383,10 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     # Few input channels (an RGB stem): unfold the S taps into the channels, so that each
     # BRGEMM call reduces S*C values instead of C.
     unfold = problem.c < _UNFOLD_BELOW and problem.s > 1 and problem.groups == 1
-    kernel_problem = problem.unfold_width() if unfold else problem
+    # A pointwise conv on a small map: its pixels as one row, tiles spanning image rows.
+    one_row = batch is None and one_row_pays(problem, machine_of(target))
+    kernel_problem = (problem.unfold_width() if unfold else problem.one_row() if one_row
+                      else problem)
     isa = machine_of(target).isa.name
     (func, brgemm), config = with_config(  # the problem the kernel computes
         kernel_problem, target, tuner,
@@ -396,6 +400,8 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     gv = add_kernel(func, name)
     packed = (_unfold_input(x, problem, pad_value) if unfold
               else _pack_input(x, problem, pad_value, batch))
+    if one_row:
+        packed = relax.op.reshape(packed, kernel_problem.input_shape)
     filters = unfold_weight(weight) if unfold else weight
     args = [packed, relax.const(pack_weight(filters, config.bk, kernel_problem)), *operands]
     out = call_kernel(gv, args, (_times(batch, problem.rows), problem.k), problem.out_dtype,

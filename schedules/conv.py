@@ -81,7 +81,7 @@ Examples
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -90,6 +90,7 @@ import numpy as np
 
 from microkernels import amx as _amx
 from microkernels import isa as _isa
+from microkernels import x86 as _x86
 from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
@@ -120,6 +121,7 @@ __all__ = [
     "workload",
     "schedule",
     "default_config",
+    "one_row_pays",
     "candidates",
     "ORDERS",
     "pack_input",
@@ -424,6 +426,24 @@ class ConvProblem(ConvGeometry):
     @property
     def flops(self) -> int:
         return 2 * self.rows * self.k * (self.c // self.groups) * self.r * self.s
+
+    @property
+    def pointwise(self) -> bool:
+        """A 1x1 conv of stride 1 without padding or groups: a GEMM over its pixels."""
+        return ((self.r, self.s) == (1, 1) and self.stride == (1, 1) and not any(self.padding)
+                and self.groups == 1)
+
+    def one_row(self) -> ConvProblem:
+        """The same pointwise conv over its ``N*P*Q`` pixels as one image of one row: the same
+        NHWC memory, its output tiles free to span image rows (a 7x7 map tiles by at most 7
+        pixels otherwise).
+
+        >>> ConvProblem(8, 512, 7, 7, 2048, 1, 1).one_row().input_shape
+        (1, 1, 392, 512)
+        """
+        if not self.pointwise or self.prologue.ops:
+            raise ValueError("only a pointwise conv without a prologue is one row of pixels")
+        return replace(self, n=1, h=1, w=self.rows)
 
     def unfold_width(self) -> ConvProblem:
         """The same convolution on its input unfolded along the width (im2col of the S taps).
@@ -839,7 +859,7 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
     else:
         bk = _column_block(problem.group_k, machine.isa)
         bc = _k_block(problem.group_c, alpha, alpha)
-        bq = _default_bq(problem.q)
+        bq = _default_bq(problem.q, lambda rows: _keeps_fmas_busy(problem, rows, bk, machine))
     plane = problem.p * problem.q * bk * 4
     tasks = problem.n * (problem.k // bk)
     filters = problem.r * problem.s * problem.group_c * problem.k * problem.element_bytes
@@ -873,13 +893,55 @@ def _uses_tiles(problem: ConvProblem, machine: Machine) -> bool:
     return problem.dtype != "float32" and machine.isa.has("amx_tile")
 
 
-def _default_bq(q: int) -> int:
-    """The largest divisor of ``q`` up to 28, or the smallest from 7 up if that is below 7."""
+def _default_bq(q: int, busy: Callable[[int], bool] = lambda rows: True) -> int:
+    """The largest divisor of ``q`` from 7 to 28 whose register tiles keep the FMA units
+    ``busy``, else the smallest such divisor up to 64; failing both, the largest divisor up
+    to 28, or the smallest from 7 up if that is below 7 (tails would need predicated
+    kernels).
+
+    >>> _default_bq(56), _default_bq(49), _default_bq(49, lambda rows: rows != 7)
+    (28, 7, 49)
+    """
     q_divisors = divisors(q)
+    fitting = [d for d in q_divisors if min(7, q) <= d <= 64 and busy(d)]
+    if fitting:
+        return max((d for d in fitting if d <= 28), default=min(fitting))
     bq = max(d for d in q_divisors if d <= 28)
     if bq < 7:
         bq = min(d for d in q_divisors if d >= min(7, q))
     return bq
+
+
+def _keeps_fmas_busy(problem: ConvProblem, rows: int, bk: int, machine: Machine) -> bool:
+    """Whether a float32 x86 kernel of ``rows x bk`` keeps its FMA units busy
+    (:func:`microkernels.x86.keeps_fmas_busy`); other kernels are not judged (True)."""
+    if problem.dtype != "float32" or machine.isa.arch != "x86_64":
+        return True
+    return _x86.keeps_fmas_busy(BrgemmShape(m=rows, n=bk, k=1, isa=machine.isa.name),
+                                _x86.FP32)
+
+
+def one_row_pays(problem: ConvProblem, machine: Machine) -> bool:
+    """Whether :meth:`ConvProblem.one_row` gives ``problem`` register tiles that keep the FMA
+    units busy where its rows of pixels cannot: ResNet-50's 1x1 convs on 7x7 maps (rows of
+    7 pixels: register tiles of 4 and 3) 1.19x as one row of 49 at batch 1, 1.35-1.42x of
+    392 at batch 8 (Zen 3, 2 threads); a 14x14 map's rows of 14 already tile well.
+
+    >>> from microkernels import isa
+    >>> machine = Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+    >>> one_row_pays(ConvProblem(1, 512, 7, 7, 2048, 1, 1), machine)
+    True
+    >>> one_row_pays(ConvProblem(1, 256, 14, 14, 1024, 1, 1), machine)
+    False
+    """
+    if not problem.pointwise or problem.prologue.ops:
+        return False
+
+    def busy(p: ConvProblem) -> bool:
+        config = default_config(p, machine)
+        return _keeps_fmas_busy(p, config.bq, config.bk, machine)
+
+    return not busy(problem) and busy(problem.one_row())
 
 
 #: Loop orders :func:`candidates` tries: :func:`default_config`'s two; the taps outside the

@@ -85,9 +85,8 @@ def test_kernel_reading_its_tile_is_left_alone():
     @T.prim_func(s_tir=True)
     def accumulating(a: T.Buffer((2, 8), "float32"), y: T.Buffer((2, 8), "float32")):
         acc = T.sblock_alloc_buffer((2, 8))
-        for k in range(3):
+        for _ in range(3):
             with T.sblock("kernel"):
-                vk = T.axis.reduce(3, k)
                 C = T.match_buffer(acc[0:2, 0:8], (2, 8), strides=("sc", 1), offset_factor=1)
                 for row in range(2):
                     C[row, 0:8] = C[row, T.Ramp(0, 1, 8)] + a[row, T.Ramp(0, 1, 8)]
