@@ -8,7 +8,11 @@ each accumulator vector can go through the epilogue in registers and be stored o
 output, as LIBXSMM's fused BRGEMM and oneDNN's post-ops do: no second pass over the tile and
 its round trip through L1, and the output's stores (cache misses where the output is cold)
 interleaved with the next register tile's FMAs instead of bunched in a loop of their own.
-Measured on a Zen 3 (ResNet-50's 1x1 convs, 2 threads, warm): 1.00-1.09x per conv.
+The call first prefetches its tile's lines of the output (for writing) and of a residual:
+without that, each register tile's stores waited for those lines in turn, where the separate
+pass had them all in flight.  ResNet-50's in-place residual 1x1 convs on a Zen 3, operands
+cold, 2 threads: 1.06-1.34x faster (0.75-0.97x without the prefetches); the whole network
+1.115x (BENCHMARKS.md).
 
 :func:`epilogue_in_registers` rewrites a scheduled PrimFunc so where all of this holds:
 
@@ -132,16 +136,10 @@ def _fused_stores(body: tirx.Stmt, match: s_tir.MatchBufferRegion, store: tirx.B
     refused = []
 
     def element(row, col, value) -> tirx.Stmt:
-        mapping = {iters[0]: row0 + row, iters[1]: col0 + col}
-
-        def load(ld):
-            return value if ld.source.same_as(acc) else ld
-
-        def var(v):
-            return next((e for k, e in mapping.items() if k.same_as(v)), v)
-
         def fill(expr):
-            return tvm_ffi.structural_map(expr, [(TensorLoad, load), (tvm.ir.expr.Var, var)])
+            expr = tvm_ffi.structural_map(expr, (TensorLoad, lambda ld: value
+                                                 if ld.source.same_as(acc) else ld))
+            return _at(expr, iters, row0 + row, col0 + col)
 
         return tirx.BufferStore(store.buffer, _fresh_lets(fill(store.value)),
                                 [fill(i) for i in store.indices])
@@ -195,20 +193,26 @@ def _prefetches(match: s_tir.MatchBufferRegion, store: tirx.BufferStore,
             operands.setdefault(ld.source, (ld.indices, False))
     operands[store.buffer] = (store.indices, True)  # in place: the write intent wins
 
-    def at(indices, col):
-        mapping = {iters[0]: row0 + row, iters[1]: col0 + col}
-        return [tvm_ffi.structural_map(i, (tvm.ir.expr.Var, lambda v: next(
-            (e for k, e in mapping.items() if k.same_as(v)), v))) for i in indices]
-
     calls = []
     for buffer, (indices, write) in operands.items():
         step = CACHE_LINE * 8 // tvm.DataType(str(buffer.ty.dtype)).bits
         calls += [tirx.Evaluate(tirx.call_llvm_intrin(
-            "void", "llvm.prefetch.p0", tirx.address_of(tirx.BufferLoad(buffer, at(indices, c))),
+            "void", "llvm.prefetch.p0", tirx.address_of(tirx.BufferLoad(
+                buffer, [_at(i, iters, row0 + row, col0 + c) for i in indices])),
             tirx.const(int(write), "int32"), tirx.const(3, "int32"), tirx.const(1, "int32")))
             for c in range(0, cols, step)]
     return tirx.For(row, 0, rows, tirx.ForKind.SERIAL,
                     calls[0] if len(calls) == 1 else tirx.SeqStmt(calls))
+
+
+def _at(expr: tirx.PrimExpr, iters: list[tirx.Var], row: tirx.PrimExpr, col: tirx.PrimExpr
+        ) -> tirx.PrimExpr:
+    """``expr`` of the epilogue's iterators at accumulator element ``(row, col)``."""
+    import tvm
+    import tvm_ffi
+
+    return tvm_ffi.structural_map(expr, (tvm.ir.expr.Var, lambda v: row if v.same_as(iters[0])
+                                         else col if v.same_as(iters[1]) else v))
 
 
 def _fresh_lets(expr: tirx.PrimExpr) -> tirx.PrimExpr:
