@@ -384,10 +384,11 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     # BRGEMM call reduces S*C values instead of C.
     unfold = problem.c < _UNFOLD_BELOW and problem.s > 1 and problem.groups == 1
     # A pointwise conv on a small map: its pixels as one row, tiles spanning image rows.
-    one_row = batch is None and one_row_pays(problem, machine_of(target))
+    machine = machine_of(target)
+    one_row = batch is None and one_row_pays(problem, machine)
     kernel_problem = (problem.unfold_width() if unfold else problem.one_row() if one_row
                       else problem)
-    isa = machine_of(target).isa.name
+    isa = machine.isa.name
     (func, brgemm), config = with_config(  # the problem the kernel computes
         kernel_problem, target, tuner,
         lambda c: _kernel(kernel_problem, c, isa, batch is not None), batch is not None)
