@@ -36,11 +36,11 @@ microkernel and the caches, the loop order comes from :func:`schedules.space.heu
 Blocks must divide their dimension (the template tiles exactly), so they are chosen among the
 dimension's divisors:
 
-* ``bn`` — a multiple of two vectors where possible (the register tile's width), at most 64
-  floats so a ``bk x bn`` panel of B stays in L1/L2 next to A's rows; for a GEMV (at most
-  :data:`GEMV_ROWS` rows) on x86, one register tile of columns
-  (:func:`microkernels.x86.tile_columns`: 16 on AVX2), so each call streams its panel of B
-  sequentially, not one column tile at a time;
+* ``bn`` — on x86, one register tile of columns where it divides N
+  (:func:`microkernels.x86.tile_columns`: 16 on AVX2, 64 on AVX-512), so each call streams
+  its panel of B sequentially, not one column tile of a wider panel at a time; else a
+  multiple of two vectors where possible, at most 64 floats so a ``bk x bn`` panel of B
+  stays in L1/L2 next to A's rows;
 * ``bm`` — at most 64 rows (the kernel walks them in register tiles, remainder included);
 * ``bk`` and ``k_step`` — the whole K in one BRGEMM call (TPP's Algorithm 6), in blocks of at
   most 512 so one batch element's panel of B stays in L2: C never leaves the registers
@@ -93,7 +93,7 @@ Examples
 >>> p = GemmProblem(m=128, n=768, k=768)
 >>> cfg = default_config(p, Machine(from_name("avx2"), DEFAULT_CACHES, threads=2))
 >>> (cfg.bm, cfg.bn, cfg.bk, cfg.k_step, cfg.spec)
-(64, 64, 384, 2, 'CBa')
+(64, 16, 384, 2, 'CBa')
 >>> default_config(GemmProblem(m=1, n=4096, k=4096),
 ...                Machine(from_name("avx2"), DEFAULT_CACHES, threads=2)).bn
 16
@@ -719,8 +719,10 @@ def _tile_blocks(m: int, n: int) -> tuple[int, int]:
     return max(pairs, key=lambda p: (p[0] * p[1], p[1] % 16 == 0, p[1]))
 
 
-def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
-    """The whole K in one BRGEMM call, blocks and loop order as the module describes."""
+def whole_k_config(problem: GemmProblem, machine: Machine, bn: int | None = None
+                   ) -> GemmConfig:
+    """The whole K in one BRGEMM call, blocks and loop order as the module describes; with
+    ``bn`` (x86 float32 and VNNI kernels), columns blocks of that width instead."""
     problem = problem.on(machine.isa)
     m, n, k = problem.padded_m, problem.padded_n, problem.padded_k
     lanes = machine.isa.lanes("float32")  # = int32 lanes: the accumulators' vectors
@@ -734,20 +736,31 @@ def whole_k_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
         bk = _k_block(k, problem.alpha, _amx.TILE_BYTES // problem.element_bytes)
     else:
         width = _tile_width(machine.isa)
-        if problem.m <= GEMV_ROWS and width and n % width == 0:
-            # A GEMV streams B: one register tile of columns per call reads its panel as one
-            # sequential stream (on a Zen 1, 1x4096x25088: 25.8 instead of 18.5 GB/s at 64).
+        if bn is None and width and n % width == 0:
+            # One register tile of columns per call: the call reads its panel of B as one
+            # sequential stream, not one column tile of a wider panel at a time (on a Zen 1,
+            # 1x4096x25088: 25.8 instead of 18.5 GB/s at 64; on a Zen 3, BERT's 128x3072x768
+            # with cold weights 1.08x, its 128x768x3072 1.13x, then in one call).
             bn = width
-        elif n % lanes == 0:
-            bn = pick_divisor(n, max(64, 2 * lanes), 2 * lanes)
-        else:
-            bn = pick_divisor(n, 64, lanes)
+        elif bn is None:
+            bn = _wide_column_block(n, lanes)
         bk = _k_block(k, problem.alpha, problem.alpha)
         bm = pick_divisor(m, 64)
     k_blocks = k // bk
     candidate = heuristic(k_blocks, m // bm, n // bn, machine.caches, machine.threads, bm=bm,
                           bn=bn, bk=bk, dtype_bytes=problem.element_bytes, k_step=k_blocks)
     return GemmConfig(bm, bn, bk, candidate)
+
+
+def _wide_column_block(n: int, lanes: int) -> int:
+    """Up to 64 columns, a multiple of two vectors where ``n`` allows.
+
+    >>> _wide_column_block(768, 8), _wide_column_block(40, 8), _wide_column_block(30, 8)
+    (64, 40, 30)
+    """
+    if n % lanes == 0:
+        return pick_divisor(n, max(64, 2 * lanes), 2 * lanes)
+    return pick_divisor(n, 64, lanes)
 
 
 def _tile_width(target: _isa.Isa) -> int:
@@ -786,13 +799,19 @@ def long_k_config(m: int, bn: int, bk: int, threads: int, max_bm: int = 256,
 
 
 def blockings(problem: GemmProblem, machine: Machine) -> list[GemmConfig]:
-    """The default first, then the other blockings whose loop orders are generated: when
-    K spans several blocks, the whole K per call, one K block per call, and (beyond a GEMV's
-    rows) one K block per call with A packed under the outermost K loop
-    (:func:`long_k_config`)."""
+    """The default first, then the other blockings whose loop orders are generated: where
+    the default's columns are one register tile, the whole K in column blocks of up to 64
+    (:func:`_wide_column_block`); when K spans several blocks, the whole K per call, one K
+    block per call, and (beyond a GEMV's rows) one K block per call with A packed under the
+    outermost K loop (:func:`long_k_config`)."""
     problem = problem.on(machine.isa)
     base = default_config(problem, machine)
     out = [base]
+    lanes = machine.isa.lanes("float32")
+    if base.bn == _tile_width(machine.isa) and not problem.mmla and \
+            not _uses_tiles(problem, machine):
+        wide = whole_k_config(problem, machine, bn=_wide_column_block(problem.n, lanes))
+        out += [wide] if wide.bn != base.bn else []
     if problem.padded_k // base.bk > 1:
         whole = whole_k_config(problem, machine)
         split = GemmConfig(whole.bm, whole.bn, whole.bk, Candidate("BCa"))

@@ -12,7 +12,7 @@ from microkernels import isa
 from microkernels.epilogue import Epilogue, EpilogueOp, reference
 from microkernels.machine import Machine
 from schedules.blocking import divisors
-from schedules.gemm import GemmConfig, GemmProblem, default_config, pack_weight, schedule
+from schedules.gemm import GemmConfig, GemmProblem, blockings, default_config, pack_weight, schedule
 from schedules.loop_spec import LoopSpecError
 from schedules.space import generate
 
@@ -20,8 +20,8 @@ TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
 BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
 #: L2 sizes the defaults are checked against: 1 MiB (Skylake-SP, Zen 4), 2 MiB (Sapphire
 #: Rapids), and a small 64 KiB one.
+L2_256KIB = isa.Caches(32 * 1024, 256 << 10, 8 << 20)
 L2_1MIB = isa.Caches(32 * 1024, 1 << 20, 32 << 20)
-L2_2MIB = isa.Caches(48 * 1024, 2 << 20, 105 << 20)
 SMALL_L2 = isa.Caches(32 * 1024, 64 * 1024, 1 << 20)
 
 
@@ -152,17 +152,30 @@ def test_long_k_default_packs_a():
     assert roomy.pack_a is None and roomy.k_step == 1024 // roomy.bk
 
 
-@pytest.mark.parametrize("caches, long_k", [(L2_1MIB, True), (L2_2MIB, False)],
-                         ids=["l2-1MiB", "l2-2MiB"])
+@pytest.mark.parametrize("caches, long_k", [(L2_256KIB, True), (L2_1MIB, False)],
+                         ids=["l2-256KiB", "l2-1MiB"])
 def test_default_splits_k_when_its_panel_outgrows_half_of_l2(caches, long_k):
-    # 256 x 128 x 4096: bn = 64, so the whole-K panel of B is 4096 x 64 floats = 1 MiB.
+    # 256 x 128 x 4096: bn = 16 (one AVX2 register tile), so the whole-K panel of B is
+    # 4096 x 16 floats = 256 KiB.
     config = default_config(GemmProblem(256, 128, 4096), _avx2(caches))
     if long_k:
         assert (config.bm, config.bn, config.bk, config.spec, config.pack_a) == \
-            (256, 64, 512, "aCB", 1)
+            (256, 16, 512, "aCB", 1)
     else:
         assert (config.bm, config.bn, config.bk, config.k_step, config.pack_a) == \
-            (64, 64, 512, 8, None)
+            (64, 16, 512, 8, None)
+
+
+def test_default_columns_are_one_register_tile():
+    """x86 GEMMs take one register tile of columns per call where it divides N (16 on
+    AVX2, 64 on AVX-512): the call streams its panel of B; the tuner still tries the wide
+    blocks of up to 64 columns."""
+    problem = GemmProblem(128, 3072, 768)
+    assert default_config(problem, _avx2(isa.DEFAULT_CACHES)).bn == 16
+    avx512 = Machine(isa.from_name("avx512"), isa.DEFAULT_CACHES, threads=2)
+    assert default_config(problem, avx512).bn == 64
+    assert {c.bn for c in blockings(problem, _avx2(isa.DEFAULT_CACHES))} == {16, 64}
+    assert default_config(GemmProblem(128, 40, 768), _avx2(isa.DEFAULT_CACHES)).bn == 40
 
 
 def test_with_candidate_packs_under_the_outermost_k_loop():
