@@ -735,15 +735,17 @@ def whole_k_config(problem: GemmProblem, machine: Machine, bn: int | None = None
         bm, bn = _tile_blocks(m, n)
         bk = _k_block(k, problem.alpha, _amx.TILE_BYTES // problem.element_bytes)
     else:
+        # One register tile of columns per call (a GEMV: or whole vectors of one): the call
+        # reads its panel of B as one sequential stream, not one column tile of a wider
+        # panel at a time (on a Zen 1, 1x4096x25088: 25.8 instead of 18.5 GB/s at 64; on a
+        # Zen 3 with cold weights, BERT's 128x3072x768 1.08x, its 128x768x3072 1.13x, then
+        # in one call, and ResNet's 1x1000x2048 2.1x at 8 columns instead of 50).  Narrower
+        # tiles broadcast A for fewer FMAs: 128x1000x2048 ran 2.7x slower at 8 than at 40.
         width = _tile_width(machine.isa)
-        if bn is None and width and n % width == 0:
-            # One register tile of columns per call: the call reads its panel of B as one
-            # sequential stream, not one column tile of a wider panel at a time (on a Zen 1,
-            # 1x4096x25088: 25.8 instead of 18.5 GB/s at 64; on a Zen 3, BERT's 128x3072x768
-            # with cold weights 1.08x, its 128x768x3072 1.13x, then in one call).
-            bn = width
-        elif bn is None:
-            bn = _wide_column_block(n, lanes)
+        narrow = [d for d in divisors(n) if d % lanes == 0 and d <= width
+                  and (d == width or problem.m <= GEMV_ROWS)]
+        if bn is None:
+            bn = max(narrow) if narrow else _wide_column_block(n, lanes)
         bk = _k_block(k, problem.alpha, problem.alpha)
         bm = pick_divisor(m, 64)
     k_blocks = k // bk
@@ -753,14 +755,15 @@ def whole_k_config(problem: GemmProblem, machine: Machine, bn: int | None = None
 
 
 def _wide_column_block(n: int, lanes: int) -> int:
-    """Up to 64 columns, a multiple of two vectors where ``n`` allows.
+    """Up to 64 columns (more on AVX-512 if a vector is wider), preferring multiples of two
+    vectors, then of one.
 
-    >>> _wide_column_block(768, 8), _wide_column_block(40, 8), _wide_column_block(30, 8)
+    >>> _wide_column_block(768, 8), _wide_column_block(1000, 8), _wide_column_block(30, 8)
     (64, 40, 30)
     """
-    if n % lanes == 0:
-        return pick_divisor(n, max(64, 2 * lanes), 2 * lanes)
-    return pick_divisor(n, 64, lanes)
+    fitting = [d for d in divisors(n) if d <= max(64, 2 * lanes)]
+    return next(max(aligned) for multiple in (2 * lanes, lanes, 1)
+                if (aligned := [d for d in fitting if d % multiple == 0]))
 
 
 def _tile_width(target: _isa.Isa) -> int:
@@ -807,9 +810,8 @@ def blockings(problem: GemmProblem, machine: Machine) -> list[GemmConfig]:
     problem = problem.on(machine.isa)
     base = default_config(problem, machine)
     out = [base]
-    lanes = machine.isa.lanes("float32")
-    if base.bn == _tile_width(machine.isa) and not problem.mmla and \
-            not _uses_tiles(problem, machine):
+    if not problem.mmla and not _uses_tiles(problem, machine):
+        lanes = machine.isa.lanes("float32")
         wide = whole_k_config(problem, machine, bn=_wide_column_block(problem.n, lanes))
         out += [wide] if wide.bn != base.bn else []
     if problem.padded_k // base.bk > 1:

@@ -218,3 +218,12 @@ def test_zeroing_pass_before_an_outermost_k_loop_is_parallel(spec):
     assert sch.get(outer).extent == 48 * 64 // 32  # every row and vector of C, fused
     assert sch.get(inner).kind == tvm.tirx.ForKind.VECTORIZED
     _run(problem, config)
+
+
+def test_a_gemv_streams_whole_vectors_where_no_register_tile_divides_n():
+    """ResNet's classifier (N = 1000): 8 columns per call, one stream of B per call; more
+    rows keep the wider blocks (single-vector tiles broadcast A for every FMA)."""
+    machine = _avx2(isa.DEFAULT_CACHES)
+    assert default_config(GemmProblem(1, 1000, 2048), machine).bn == 8
+    assert default_config(GemmProblem(128, 1000, 2048), machine).bn == 40
+    _run(GemmProblem(3, 40, 70), default_config(GemmProblem(3, 40, 70), machine))
