@@ -41,7 +41,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-from .scaffold import batched_shape
+from .scaffold import batched_shape, map_functions
 
 __all__ = ["transposed_as_conv", "phase_weight"]
 
@@ -71,17 +71,13 @@ def transposed_as_conv(mod: tvm.IRModule) -> tvm.IRModule:
     """Every ``conv2d_transpose`` with a constant weight (NCHW, groups 1, dilation 1) as the
     sub-pixel conv, interleave and crop of the module doc.  The caller's module stays as it
     was."""
-    mod = mod.clone()
     pattern = is_op("relax.nn.conv2d_transpose")(wildcard(), is_const())
 
     def rewriter(orig: relax.Expr, _matches) -> relax.Expr:
         converted = _as_conv(orig)
         return orig if converted is None else converted
 
-    for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = rewrite_call(pattern, rewriter, func)
-    return mod
+    return map_functions(mod, lambda func: rewrite_call(pattern, rewriter, func))
 
 
 def _as_conv(call: relax.Call) -> relax.Expr | None:

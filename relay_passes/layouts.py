@@ -30,7 +30,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .scaffold import is_call_to, static_shape
+from .scaffold import is_call_to, map_functions, static_shape
 
 __all__ = ["TO_NCHW", "TO_NHWC", "simplify_layouts"]
 
@@ -264,8 +264,4 @@ def simplify_layouts(mod: tvm.IRModule) -> tvm.IRModule:
     Dead intermediate permutes are left for DeadCodeElimination; the caller's module stays as
     it was.
     """
-    mod = mod.clone()
-    for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = _Layouts(mod).visit_expr(func)
-    return mod
+    return map_functions(mod, lambda func: _Layouts(mod).visit_expr(func))

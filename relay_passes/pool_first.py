@@ -30,7 +30,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-from .scaffold import readers, static_shape
+from .scaffold import map_functions, readers, static_shape
 
 __all__ = ["pool_before_pointwise_conv"]
 
@@ -38,11 +38,7 @@ __all__ = ["pool_before_pointwise_conv"]
 def pool_before_pointwise_conv(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` with every average pool of a pointwise conv's output computed on its input
     (module doc)."""
-    mod = mod.clone()
-    for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = _pools_first(func)
-    return mod
+    return map_functions(mod, _pools_first)
 
 
 def _pools_first(func: relax.Function) -> relax.Function:

@@ -42,7 +42,7 @@ from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
 from .conv_transpose import transposed_as_conv
 from .pool_first import pool_before_pointwise_conv
-from .scaffold import is_call_to, static_shape
+from .scaffold import is_call_to, map_functions, static_shape
 from .scale_shift import fold_scale_shift
 
 __all__ = ["conv1d_as_conv2d", "prepare", "sum_to_add", "te_extrema_to_ops"]
@@ -99,7 +99,6 @@ def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
     >>> [(tuple(c.attrs.strides), tuple(c.attrs.dilation), c.ty.shape) for c in convs]
     [((1, 2), (1, 2), R.shape([1, 6, 1, 4]))]
     """
-    mod = mod.clone()
     conv1d = is_op("relax.nn.conv1d")(wildcard(), is_const())
     bias = is_const()
     pattern = is_op("relax.add")(conv1d, bias) | conv1d
@@ -127,10 +126,7 @@ def conv1d_as_conv2d(mod: tvm.IRModule) -> tvm.IRModule:
             conv = relax.op.add(conv, relax.const(b.reshape(*b.shape[:-1], 1, b.shape[-1])))
         return relax.op.reshape(conv, out_shape)
 
-    for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = rewrite_call(pattern, rewriter, func)
-    return mod
+    return map_functions(mod, lambda func: rewrite_call(pattern, rewriter, func))
 
 
 def _extremum(func: tvm.tirx.PrimFunc) -> str | None:
@@ -175,7 +171,6 @@ def te_extrema_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
     (['relax.maximum', 'relax.minimum'], ['main'])
     """
     kinds = {gv: _extremum(f) for gv, f in mod.functions.items()}
-    mod = mod.clone()
 
     def rewrite(call: relax.Call) -> relax.Expr:
         if not is_call_to(call, "relax.call_tir") or not isinstance(call.args[1], relax.Tuple):
@@ -188,10 +183,8 @@ def te_extrema_to_ops(mod: tvm.IRModule) -> tvm.IRModule:
         return relax.op.maximum(x, bound) if kind == "relax.maximum" \
             else relax.op.minimum(x, bound)
 
-    for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = _CallRewriter(rewrite).visit_expr(func)
-    return relax.transform.DeadCodeElimination()(mod)
+    rewritten = map_functions(mod, lambda func: _CallRewriter(rewrite).visit_expr(func))
+    return relax.transform.DeadCodeElimination()(rewritten)
 
 
 @relax.expr_functor.mutator
@@ -248,8 +241,5 @@ def sum_to_add(mod: tvm.IRModule) -> tvm.IRModule:
     The importer spells ``Sum(a, b)`` ``sum(stack(broadcast_to(a), broadcast_to(b)), 0)``,
     where no residual-add pattern sees it.  The caller's module stays as it was.
     """
-    mod = mod.clone()
-    for gv, func in list(mod.functions.items()):
-        if isinstance(func, relax.Function):
-            mod[gv] = _SumToAdd(mod).visit_expr(func)
-    return relax.transform.DeadCodeElimination()(mod)
+    rewritten = map_functions(mod, lambda func: _SumToAdd(mod).visit_expr(func))
+    return relax.transform.DeadCodeElimination()(rewritten)

@@ -304,7 +304,7 @@ def with_config(problem: Problem, target: Target, tuner: Tuner | TaskCollector |
     >>> target = Target({"kind": "llvm", "keys": ["tpp", "cpu"], "model": "avx2"})
     >>> _, config = with_config(GemmProblem(8, 40, 24), target, None, lambda c: None, True)
     >>> config.spec
-    'BCa'
+    'CBa'
     """
     config = config_for(problem, target, tuner)
     try:
@@ -691,6 +691,27 @@ def offload_patterns(
     new_mod = relax.transform.DeadCodeElimination()(new_mod)
     report_leftovers(new_mod, report, op_name, reason)
     return new_mod
+
+
+def map_functions(mod: tvm.IRModule,
+                  rewrite: Callable[[relax.Function], relax.Expr]) -> tvm.IRModule:
+    """A copy of ``mod`` with each Relax function replaced by ``rewrite(function)``; the
+    caller's module stays as it was.
+
+    >>> from tvm.script import relax as R
+    >>> @R.function
+    ... def main(x: R.Tensor((2,), "float32")) -> R.Tensor((2,), "float32"):
+    ...     return x
+    >>> mod = tvm.IRModule({"main": main})
+    >>> out = map_functions(mod, lambda f: f.with_attr("rewritten", True))
+    >>> ["rewritten" in m["main"].attrs for m in (out, mod)]
+    [True, False]
+    """
+    mod = mod.clone()
+    for gv, func in list(mod.functions.items()):
+        if isinstance(func, relax.Function):
+            mod[gv] = rewrite(func)
+    return mod
 
 
 def rewrite_static_functions(mod: tvm.IRModule, mutator: relax.PyExprMutator,

@@ -159,3 +159,8 @@ def relax_main(params: list, body):
             out = bb.emit_output(body(bb, *params))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def pixel_rows(nchw: np.ndarray) -> np.ndarray:
+    """An NCHW tensor as the ``[N*H*W, C]`` matrix of pixels the conv kernels read and write."""
+    return nchw.transpose(0, 2, 3, 1).reshape(-1, nchw.shape[1])

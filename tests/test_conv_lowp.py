@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from conftest import isa_target, needs_isa, runs_here
+from conftest import isa_target, needs_isa, pixel_rows, runs_here
 
 import tvm_tpp
 from microkernels import amx, isa
@@ -90,7 +90,7 @@ def _accumulator(problem: ConvProblem, x: np.ndarray, w: np.ndarray, pad_value) 
     acc = conv.reference(problem, x, w, pad_value)
     if problem.dtype == "uint8":
         assert acc.dtype == np.int64
-    return acc.transpose(0, 2, 3, 1).reshape(problem.rows, problem.k).astype(problem.acc_dtype)
+    return pixel_rows(acc).astype(problem.acc_dtype)
 
 
 def _run(problem: ConvProblem, config: ConvConfig, isa_name: str, pad_value=0,
@@ -199,7 +199,7 @@ def test_bf16(isa_name, name):
     problem = BF16_PROBLEMS[name]
     y, x, w = _check(problem, default_config(problem, _machine(isa_name)), isa_name)
     if not problem.epilogue.ops:  # bf16 approximates the float32 conv
-        exact = conv.reference(problem, x, w).transpose(0, 2, 3, 1).reshape(y.shape)
+        exact = pixel_rows(conv.reference(problem, x, w))
         assert np.linalg.norm(y - exact) <= 1e-2 * np.linalg.norm(exact)
 
 

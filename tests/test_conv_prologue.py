@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import bn_stats, relax_main
+from conftest import bn_stats, pixel_rows, relax_main
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -53,7 +53,7 @@ TARGET = tvm.target.Target({"kind": "llvm", "keys": ["tpp", "cpu"], "model": "av
 
 def _prologue_reference(prologue: Epilogue, x: np.ndarray, operands: dict) -> np.ndarray:
     """numpy: the prologue on NCHW ``x``, per channel."""
-    rows = x.transpose(0, 2, 3, 1).reshape(-1, x.shape[1])
+    rows = pixel_rows(x)
     out = epilogue_reference(prologue, rows, operands)
     n, c, h, w = x.shape
     return out.reshape(n, h, w, c).transpose(0, 3, 1, 2).astype(F32)
@@ -78,7 +78,7 @@ def test_prologue_kernel_matches_numpy(n, c, h, w, k, prologue, epilogue):
     pre = {o.name: pre[o.name] for o in prologue.inputs()}
     post = {o.name: post[o.name] for o in epilogue.inputs()}
     activated = _prologue_reference(prologue, x, pre)
-    conv = reference(problem, activated, weight).transpose(0, 2, 3, 1).reshape(problem.rows, k)
+    conv = pixel_rows(reference(problem, activated, weight))
     want = epilogue_reference(epilogue, conv.astype(F32), post)
     out = tvm.runtime.tensor(np.full((problem.rows, k), np.nan, F32))
     args = [pack_input(x, problem), pack_weight(weight, config.bk, problem), *pre.values(),
@@ -112,7 +112,7 @@ def test_single_pixel_tile_with_k_blocks_outermost():
     weight = rng.standard_normal((32, 16, 1, 1)).astype(F32)
     shift = rng.standard_normal(16).astype(F32)
     activated = np.maximum(x + shift[None, :, None, None], 0)
-    want = reference(problem, activated, weight).transpose(0, 2, 3, 1).reshape(6, 32)
+    want = pixel_rows(reference(problem, activated, weight))
     out = tvm.runtime.tensor(np.full((6, 32), np.nan, F32))
     args = [pack_input(x, problem), pack_weight(weight, 16, problem), shift]
     tvm.compile(func, target=tpp_target("tpp"))(*[tvm.runtime.tensor(a) for a in args], out)

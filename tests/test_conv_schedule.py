@@ -8,6 +8,7 @@ with a float64 numpy convolution followed by the epilogue's numpy semantics.
 import numpy as np
 import pytest
 import tvm
+from conftest import pixel_rows
 
 from microkernels import isa
 from microkernels.epilogue import Epilogue, EpilogueOp
@@ -55,7 +56,7 @@ def _run(problem, config, isa_name="avx2", seed=0, unfold=False, func=None):
     y = tvm.runtime.empty((problem.rows, problem.k), "float32")
     func(tvm.runtime.tensor(packed_x), tvm.runtime.tensor(packed_w),
          *[tvm.runtime.tensor(v) for v in extra.values()], y)
-    want = reference(problem, x, w).transpose(0, 2, 3, 1).reshape(problem.rows, problem.k)
+    want = pixel_rows(reference(problem, x, w))
     if problem.epilogue.ops:
         want = epilogue_reference(problem.epilogue, want.astype("float32"), extra)
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)
@@ -230,7 +231,7 @@ def test_filter_rows_over_the_zero_border_are_skipped(problem):
     y = tvm.runtime.empty((problem.rows, problem.k), "float32")
     func(tvm.runtime.tensor(packed), tvm.runtime.tensor(pack_weight(w, config.bk, problem)),
          *[tvm.runtime.tensor(v) for v in extra.values()], y)
-    want = reference(problem, x, w).transpose(0, 2, 3, 1).reshape(problem.rows, problem.k)
+    want = pixel_rows(reference(problem, x, w))
     if problem.epilogue.ops:
         want = epilogue_reference(problem.epilogue, want.astype("float32"), extra)
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)
@@ -248,5 +249,5 @@ def test_a_border_of_other_values_is_read_whole():
     y = tvm.runtime.empty((problem.rows, 16), "float32")
     func(tvm.runtime.tensor(pack_input(x, problem, pad_value=3.0)),
          tvm.runtime.tensor(pack_weight(w, config.bk, problem)), y)
-    want = reference(problem, x, w, pad_value=3.0).transpose(0, 2, 3, 1).reshape(-1, 16)
+    want = pixel_rows(reference(problem, x, w, pad_value=3.0))
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)

@@ -4,7 +4,7 @@ pass vs ONNX Runtime, QDQ depthwise convs on the int8 kernel, and mobilenet_v2."
 import numpy as np
 import pytest
 import tvm
-from conftest import isa_target, runs_here
+from conftest import isa_target, pixel_rows, runs_here
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantType
 from test_qdq_conv import _assert_matches_qdq, _Conv, _int8_report, _quantized
@@ -80,8 +80,7 @@ def _run(problem, config=None, isa_name="avx2", pad_value=0, seed=0):
     y = tvm.runtime.empty((problem.rows, problem.c), problem.out_dtype)
     func(tvm.runtime.tensor(packed_x), tvm.runtime.tensor(pack_weight(w, problem)),
          *[tvm.runtime.tensor(v) for v in extra.values()], y)
-    acc = reference(problem, x, w, pad_value).transpose(0, 2, 3, 1).reshape(problem.rows,
-                                                                            problem.c)
+    acc = pixel_rows(reference(problem, x, w, pad_value))
     if problem.dtype == "uint8":
         acc = acc.astype(problem.epilogue_dtype)  # the dequantizing chains start in float32
         want = epilogue_reference(problem.epilogue, acc, extra) if problem.epilogue.ops else acc

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from conftest import pixel_rows
 from onnx import TensorProto, helper, numpy_helper
 
 from microkernels import isa
@@ -49,7 +50,7 @@ def test_kernel_tiles_span_image_rows(bq):
     kernel(*map(tvm.runtime.tensor, (pack_input(x, problem).reshape(flat.input_shape),
                                      conv_pack_weight(w, config.bk, flat), bias, residual)),
            out)
-    conv = conv_reference(problem, x, w).transpose(0, 2, 3, 1).reshape(70, 24)
+    conv = pixel_rows(conv_reference(problem, x, w))
     want = epilogue_reference(BIAS_RESIDUAL_RELU, conv.astype("float32"),
                               {"bias": bias, "residual": residual})
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)

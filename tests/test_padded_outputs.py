@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from conftest import pixel_rows
 from test_qdq_conv import _qdq_reference, _quantized_residual_block
 from tvm import relax
 from tvm.script import tirx as T
@@ -113,7 +114,7 @@ def test_padded_conv_kernels_match_numpy(c, h, w, k, r, stride, images, padding)
     x = rng.standard_normal((images, c, h, w)).astype(F32)
     weight = rng.standard_normal((k, c, r, r)).astype(F32)
     bias = rng.standard_normal(k).astype(F32)
-    conv = reference(problem, x, weight).transpose(0, 2, 3, 1).reshape(problem.rows, k)
+    conv = pixel_rows(reference(problem, x, weight))
     want = _padded(epilogue_reference(epilogue, conv.astype(F32), {"bias": bias}), dims,
                    padding, 0.0)
     got = _run_padded(padded, [pack_input(x, problem), pack_weight(weight, config.bk, problem),

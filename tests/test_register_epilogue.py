@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from conftest import pixel_rows
 from onnx import TensorProto, helper, numpy_helper
 from tvm.script import tirx as T
 
@@ -132,8 +133,7 @@ def _conv_case(problem, config, in_place):
     w = rng.standard_normal((problem.k, problem.c, problem.r, problem.s)).astype("float32")
     bias = rng.standard_normal(problem.k).astype("float32")
     residual = rng.standard_normal((problem.rows, problem.k)).astype("float32")
-    conv = conv_reference(problem, x, w).transpose(0, 2, 3, 1).reshape(
-        problem.rows, problem.k).astype("float32")
+    conv = pixel_rows(conv_reference(problem, x, w)).astype("float32")
     operands = {"bias": bias, "residual": residual}
     want = epilogue_reference(problem.epilogue, conv, operands)
     args = [tvm.runtime.tensor(a) for a in (pack_input(x, problem),

@@ -8,7 +8,7 @@ the Relax rewrite as Before/Expected and through the VM, with the slices it must
 import numpy as np
 import pytest
 import tvm
-from conftest import relax_main
+from conftest import pixel_rows, relax_main
 from tvm import relax
 from tvm.script import tirx as T
 
@@ -90,7 +90,7 @@ def test_wider_conv_kernels_match_numpy(c, h, w, k, extra, prologue):
     activated = np.maximum(x + shift[None, :, None, None], 0) if prologue else x
     want = np.maximum(reference(problem, activated, weight), 0)
     got = _run_wide(func, problem, config, extra, x, [weight] + ([shift] if prologue else []))
-    np.testing.assert_allclose(got, want.transpose(0, 2, 3, 1).reshape(-1, k), rtol=1e-4,
+    np.testing.assert_allclose(got, pixel_rows(want), rtol=1e-4,
                                atol=1e-4)
 
 

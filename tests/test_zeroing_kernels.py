@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import tvm
-from conftest import isa_target, needs_isa
+from conftest import isa_target, needs_isa, pixel_rows
 from test_brgemm_x86 import LAYOUT, _operands
 from tvm import s_tir
 from tvm.script import tirx as T
@@ -174,7 +174,7 @@ def test_conv_drops_zeroing_only_for_single_call_tiles(problem, config, dropped)
     args = [pack_input(x, problem), conv_pack_weight(w, config.bk, problem)]
     args += [bias] if problem.epilogue.ops else []
     tvm.compile(sch.mod, target=AVX2)(*map(tvm.runtime.tensor, args), y)
-    want = conv_reference(problem, x, w).transpose(0, 2, 3, 1).reshape(problem.rows, problem.k)
+    want = pixel_rows(conv_reference(problem, x, w))
     if problem.epilogue.ops:
         want = np.maximum(want + bias, 0)
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)
