@@ -226,4 +226,6 @@ def test_a_gemv_streams_whole_vectors_where_no_register_tile_divides_n():
     machine = _avx2(isa.DEFAULT_CACHES)
     assert default_config(GemmProblem(1, 1000, 2048), machine).bn == 8
     assert default_config(GemmProblem(128, 1000, 2048), machine).bn == 40
+    # The tuner measures B warm, where wide blocks win: a GEMV is offered its streams only.
+    assert {c.bn for c in blockings(GemmProblem(1, 1000, 2048), machine)} == {8}
     _run(GemmProblem(3, 40, 70), default_config(GemmProblem(3, 40, 70), machine))
