@@ -59,6 +59,13 @@ def _function(asm: str, name: str) -> str:
     return asm[start:asm.index(".Lfunc_end", start)]
 
 
+def _kernel_code(asm: str) -> str:
+    """The dense kernel's assembly: its function and the parallel loop bodies TVM outlines
+    from it (``.L__tvm_parallel_lambda*``, where its column blocks run in parallel)."""
+    lambdas = re.findall(r"\n(\.L__tvm_parallel_lambda[\w.]*):", asm)
+    return "".join(_function(asm, name) for name in [f"{KERNEL}_compute_", *lambdas])
+
+
 @pytest.fixture
 def no_work_dir(tmp_path, monkeypatch):
     """A current directory without ./tvm_tpp_work, whose database builds would read."""
@@ -89,13 +96,12 @@ def test_compile_to_library(tmp_path, dense_file, capsys, no_work_dir):
 def test_emit_asm_has_the_brgemm_fma_on_host_vectors(tmp_path, dense_file):
     """The kernel's inner product is FMAs on the registers of the host's vector width."""
     register = {512: "zmm", 256: "ymm"}[isa.detect().vector_bits]
-    body = _function(_emit(tmp_path, dense_file, "asm"), f"{KERNEL}_compute_")
+    body = _kernel_code(_emit(tmp_path, dense_file, "asm"))
     assert re.search(rf"vfmadd\d+ps\s[^\n]*%{register}", body), body[:2000]
 
 
 def test_emit_aarch64_asm_has_neon_fmla(tmp_path, dense_file):
-    body = _function(_emit(tmp_path, dense_file, "asm", "--target", "tpp -isa=neon"),
-                     f"{KERNEL}_compute_")
+    body = _kernel_code(_emit(tmp_path, dense_file, "asm", "--target", "tpp -isa=neon"))
     assert re.search(r"fmla\s+v\d+\.4s", body), body[:2000]
 
 
