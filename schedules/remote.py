@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from microkernels import isa as _isa
 
-from .measure import Artifact, export, linker, samples
+from .measure import FLUSH, Artifact, export, linker, samples
 from .ops import Config, Problem
 
 if TYPE_CHECKING:
@@ -285,13 +285,14 @@ class Session:
              ) -> list[float]:
         """Seconds of one run of each candidate, interleaved as
         :func:`~schedules.measure.time_interleaved` times them here (the server's own timer,
-        so the network is not in the figures)."""
+        so the network is not in the figures), all operands but the first flushed from the
+        caches before each run (:data:`~schedules.measure.FLUSH`)."""
         args = self._arguments(artifacts)
         modules = [self._module(a.library) for a in artifacts]
 
         def fastest(i: int, runs: int) -> float:
             evaluator = modules[i].time_evaluator(artifacts[i].name, self.device,
-                                                  number=1, repeat=runs)
+                                                  number=1, repeat=runs, f_preproc=FLUSH)
             return min(evaluator(*args[i]).results)
 
         best = [fastest(i, 1) for i in range(len(modules))]  # warm-up, a first estimate

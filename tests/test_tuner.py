@@ -16,6 +16,7 @@ from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import Machine, machine_of
 from schedules import batch_gemm, conv, gemm, search
 from schedules.gemm import GemmConfig, GemmProblem, pack_weight, schedule
+from schedules.measure import flush_operands
 from schedules.ops import MODEL_RESOLUTION, OPS, op_of
 from schedules.tuner import (
     MARGIN,
@@ -321,6 +322,23 @@ def test_time_interleaved_runs_every_function_each_round():
     seconds = time_interleaved([run(0), run(1)], rounds=2, round_seconds=0.0)
     assert len(seconds) == 2 and all(s >= 0 for s in seconds)
     assert counts == [3, 3]  # a warm-up and one sample per round
+
+
+def test_every_timed_run_follows_its_flush():
+    log = []
+    seconds = time_interleaved([lambda: log.append("run")], rounds=2, round_seconds=0.0,
+                               before=[lambda: log.append("flush")])
+    assert len(seconds) == 1 and log == ["flush", "run"] * 3
+
+
+def test_flush_evicts_the_operands_after_the_first():
+    """The flush is TVM's own: it takes the operands as a kernel does (a bad one raises)."""
+    import numpy as np
+
+    args = [tvm.runtime.tensor(np.ones(n, "float32")) for n in (4, 1 << 20, 8)]
+    flush_operands(args)()
+    with pytest.raises(Exception):  # noqa: B017 - TVM's FFI error type varies by build
+        flush_operands([args[0], "not a tensor"])()
 
 
 def test_keys_name_op_shape_and_layout():
