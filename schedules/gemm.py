@@ -722,7 +722,7 @@ def _tile_blocks(m: int, n: int) -> tuple[int, int]:
 def whole_k_config(problem: GemmProblem, machine: Machine, bn: int | None = None
                    ) -> GemmConfig:
     """The whole K in one BRGEMM call, blocks and loop order as the module describes; with
-    ``bn`` (x86 float32 and VNNI kernels), columns blocks of that width instead."""
+    ``bn`` (x86 float32 and VNNI kernels), column blocks of that width instead."""
     problem = problem.on(machine.isa)
     m, n, k = problem.padded_m, problem.padded_n, problem.padded_k
     lanes = machine.isa.lanes("float32")  # = int32 lanes: the accumulators' vectors
@@ -735,16 +735,17 @@ def whole_k_config(problem: GemmProblem, machine: Machine, bn: int | None = None
         bm, bn = _tile_blocks(m, n)
         bk = _k_block(k, problem.alpha, _amx.TILE_BYTES // problem.element_bytes)
     else:
-        # One register tile of columns per call (a GEMV: or whole vectors of one): the call
-        # reads its panel of B as one sequential stream, not one column tile of a wider
-        # panel at a time (on a Zen 1, 1x4096x25088: 25.8 instead of 18.5 GB/s at 64; on a
-        # Zen 3 with cold weights, BERT's 128x3072x768 1.08x, its 128x768x3072 1.13x, then
-        # in one call, and ResNet's 1x1000x2048 2.1x at 8 columns instead of 50).  Narrower
-        # tiles broadcast A for fewer FMAs: 128x1000x2048 ran 2.7x slower at 8 than at 40.
-        width = _tile_width(machine.isa)
-        narrow = [d for d in divisors(n) if d % lanes == 0 and d <= width
-                  and (d == width or problem.m <= GEMV_ROWS)]
+        # One register tile of columns per call (a GEMV: whole vectors of one where no tile
+        # divides N): the call reads its panel of B as one sequential stream, not one column
+        # tile of a wider panel at a time (on a Zen 1, 1x4096x25088: 25.8 instead of 18.5
+        # GB/s at 64; on a Zen 3 with cold weights, BERT's 128x3072x768 1.08x, its
+        # 128x768x3072 1.14x, then in one call, and ResNet's 1x1000x2048 2.1x at 8 columns
+        # instead of 50).  Narrower tiles broadcast A for fewer FMAs: 128x1000x2048 ran 2.7x
+        # slower at 8 than at 40.
         if bn is None:
+            width = _tile_width(machine.isa)
+            narrow = [d for d in divisors(n) if d % lanes == 0 and d <= width
+                      and (d == width or problem.m <= GEMV_ROWS)]
             bn = max(narrow) if narrow else _wide_column_block(n, lanes)
         bk = _k_block(k, problem.alpha, problem.alpha)
         bm = pick_divisor(m, 64)
