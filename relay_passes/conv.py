@@ -66,7 +66,6 @@ from schedules.conv import (
     one_row_pays,
     pack_weight,
     schedule,
-    unfold_weight,
 )
 from schedules.depthwise import DepthwiseConfig, DepthwiseProblem
 from schedules.operands import OPERANDS
@@ -96,10 +95,6 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = ["rewrite_conv", "conv_problem", "conv_batch", "emit_conv", "to_matrix",
            "unsupported_geometry", "is_depthwise", "offload"]
-
-#: Convs with fewer input channels than this get their width taps unfolded into channels.
-_UNFOLD_BELOW = 16
-
 
 def _conv() -> DFPattern:
     """``conv2d(x, w)``, ``w`` constant (the call's own arguments are read, not sub-patterns)."""
@@ -380,14 +375,10 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     if isinstance(problem, DepthwiseProblem):
         return _emit_depthwise(x, problem, weight, operands, add_kernel, target, tuner,
                                pad_value, batch)
-    # Few input channels (an RGB stem): unfold the S taps into the channels, so that each
-    # BRGEMM call reduces S*C values instead of C.
-    unfold = problem.c < _UNFOLD_BELOW and problem.s > 1 and problem.groups == 1
     # A pointwise conv on a small map: its pixels as one row, tiles spanning image rows.
     machine = machine_of(target)
     one_row = batch is None and one_row_pays(problem, machine)
-    kernel_problem = (problem.unfold_width() if unfold else problem.one_row() if one_row
-                      else problem)
+    kernel_problem = problem.one_row() if one_row else problem
     isa = machine.isa.name
     (func, brgemm), config = with_config(  # the problem the kernel computes
         kernel_problem, target, tuner,
@@ -399,12 +390,10 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
             + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
             + _DTYPE_TAGS[problem.dtype])
     gv = add_kernel(func, name)
-    packed = (_unfold_input(x, problem, pad_value) if unfold
-              else _pack_input(x, problem, pad_value, batch))
+    packed = _pack_input(x, problem, pad_value, batch)
     if one_row:
         packed = relax.op.reshape(packed, kernel_problem.input_shape)
-    filters = unfold_weight(weight) if unfold else weight
-    args = [packed, relax.const(pack_weight(filters, config.bk, kernel_problem)), *operands]
+    args = [packed, relax.const(pack_weight(weight, config.bk, kernel_problem)), *operands]
     out = call_kernel(gv, args, (_times(batch, problem.rows), problem.k), problem.out_dtype,
                       batch)
     nhwc = relax.op.reshape(out, (_times(batch, problem.n), problem.p, problem.q, problem.k))
@@ -483,17 +472,6 @@ def _padded_channels(y, have: int, channels: int, pad_value: float | int):
     if have == channels:
         return y
     return relax.op.nn.pad(y, [0, 0, 0, 0, 0, 0, 0, channels - have], pad_value=pad_value)
-
-
-def _unfold_input(x, problem: ConvProblem, pad_value: float | int):
-    """NCHW ``x`` -> the input of ``problem.unfold_width()`` (see :mod:`schedules.conv`)."""
-    padded = _padded_nhwc(x, problem, pad_value)
-    sw, dw, q = problem.stride[1], problem.dilation[1], problem.q
-    taps = [relax.op.strided_slice(padded, axes=[2], begin=[s * dw],
-                                   end=[s * dw + (q - 1) * sw + 1], strides=[sw])
-            for s in range(problem.s)]
-    return _padded_channels(relax.op.concat(taps, axis=3), problem.s * problem.c,
-                            problem.unfold_width().padded_c, pad_value)
 
 
 def _pack_input(x, problem: ConvProblem, pad_value: float | int,

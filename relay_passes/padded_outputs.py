@@ -40,8 +40,8 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from microkernels.script_source import pin_source
+from schedules.kernel_buffers import redirect
 
-from .kernel_buffers import redirect
 from .scaffold import (
     add_kernel,
     is_call_to,
@@ -81,7 +81,7 @@ def padded_output(func: tirx.PrimFunc, images: tuple[int, int, int], padding: Pa
         image, pixel = i // (h * w), i % (h * w)
         return (image * hp + pixel // w + top) * wp + pixel % w + left
 
-    body = redirect(func, out, into, row, fill.body)
+    body = redirect(func, out, into, row, [fill.body])
     return None if body is None else tirx.PrimFunc([*inputs, into], body, func.ret_type,
                                                    func.attrs)
 

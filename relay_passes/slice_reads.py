@@ -33,7 +33,8 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
-from .kernel_buffers import redirect
+from schedules.kernel_buffers import redirect
+
 from .scaffold import (
     add_kernel,
     is_call_to,

@@ -3,7 +3,7 @@
 
 Each conv is scheduled, built and run on this host against numpy on random data with odd
 channel counts (C = 3, 5, 7, 21: padded to whole VNNI groups; K = 24, 40: not a multiple of
-a vector), stride 2, padding, 1x1, 3x3 and a 7x7 stem through ``unfold_width``: uint8
+a vector), stride 2, padding, 1x1, 3x3 and a 7x7 stem folding its taps: uint8
 exactly (an int64 reference of the input padded with its zero point) in int32 and through
 requantizing and dequantizing epilogues; bfloat16 against a float64 conv of the
 bf16-rounded operands.  Native runs need the host's avx512_vnni / avx512_bf16 (skipped,
@@ -32,11 +32,10 @@ from schedules.conv import (
     ConvProblem,
     candidates,
     default_config,
+    folds_taps,
     pack_input,
     pack_weight,
     schedule,
-    unfold_input,
-    unfold_weight,
 )
 from schedules.database import Database, TuningKey
 from schedules.ops import OPS
@@ -93,18 +92,16 @@ def _accumulator(problem: ConvProblem, x: np.ndarray, w: np.ndarray, pad_value) 
     return pixel_rows(acc).astype(problem.acc_dtype)
 
 
-def _run(problem: ConvProblem, config: ConvConfig, isa_name: str, pad_value=0,
-         unfold: bool = False, seed: int = 0):
-    """(Y, X, W, extra) of one run of the built conv (through its width-unfolded form if
-    asked) on random operands; a border of non-zero ``pad_value`` is not skipped."""
+def _run(problem: ConvProblem, config: ConvConfig, isa_name: str, pad_value=0, seed: int = 0):
+    """(Y, X, W, extra) of one run of the built conv on random operands; a border of
+    non-zero ``pad_value`` is not skipped."""
     problem = replace(problem, zero_border=pad_value == 0)
     x, w, extra = _operands(problem, np.random.default_rng(seed))
-    kernel = problem.unfold_width() if unfold else problem
-    packed_x = (unfold_input if unfold else pack_input)(x, problem, pad_value)
-    assert packed_x.shape == kernel.input_shape
+    packed_x = pack_input(x, problem, pad_value)
+    assert packed_x.shape == problem.input_shape
     assert packed_x.dtype == {"uint8": np.uint8, "bfloat16": ml_dtypes.bfloat16}[problem.dtype]
-    packed_w = pack_weight(unfold_weight(w) if unfold else w, config.bk, kernel)
-    func = tvm.compile(schedule(kernel, config, isa_name).mod,
+    packed_w = pack_weight(w, config.bk, problem)
+    func = tvm.compile(schedule(problem, config, isa_name).mod,
                        target=isa_target(isa_name, MCPU[isa_name]))
     y = tvm.runtime.empty((problem.rows, problem.k), problem.out_dtype)
     func(tvm.runtime.tensor(packed_x), tvm.runtime.tensor(packed_w),
@@ -112,11 +109,10 @@ def _run(problem: ConvProblem, config: ConvConfig, isa_name: str, pad_value=0,
     return y.numpy(), x, w, extra
 
 
-def _check(problem: ConvProblem, config: ConvConfig, isa_name: str, pad_value=0,
-           unfold: bool = False):
+def _check(problem: ConvProblem, config: ConvConfig, isa_name: str, pad_value=0):
     """The conv against numpy: exact for integer results, float32 results within float32
     accumulation's rounding.  Returns (Y, X, W)."""
-    y, x, w, extra = _run(problem, config, isa_name, pad_value, unfold)
+    y, x, w, extra = _run(problem, config, isa_name, pad_value)
     acc = _accumulator(problem, x, w, pad_value)
     if problem.epilogue_dtype != problem.acc_dtype:
         acc = acc.astype(problem.epilogue_dtype)
@@ -157,13 +153,14 @@ def test_u8_exact(isa_name, name):
 
 
 @pytest.mark.parametrize("isa_name", [pytest.param(VNNI, marks=needs_isa(VNNI)), "avx2"])
-def test_u8_stem_unfolded(isa_name):
-    """The 7x7 stem through unfold_width: S*C = 21 channels, padded to 24."""
+def test_u8_stem_folds_its_taps(isa_name):
+    """The 7x7 stem reduces a filter row a call: 7 taps of 3 channels, each tap's padded to a
+    VNNI group (its padded channel holds the zero point and meets a zero weight)."""
     problem = U8_PROBLEMS["7x7-stem-c3"]
-    unfolded = problem.unfold_width()
-    assert (unfolded.c, unfolded.padded_c, unfolded.dtype) == (21, 24, "uint8")
-    _check(problem, default_config(unfolded, _machine(isa_name)), isa_name, pad_value=ZX,
-           unfold=True)
+    config = default_config(problem, _machine(isa_name))
+    folded = problem.taps_folded()
+    assert folds_taps(problem, config) and (folded.c, folded.padded_c) == (28, 28)
+    _check(problem, config, isa_name, pad_value=ZX)
 
 
 @pytest.mark.parametrize("spec, c_step, block_steps", [
@@ -203,11 +200,13 @@ def test_bf16(isa_name, name):
         assert np.linalg.norm(y - exact) <= 1e-2 * np.linalg.norm(exact)
 
 
-def test_bf16_stem_unfolded():
+def test_bf16_stem_folds_its_taps():
     problem = ConvProblem(1, 3, 17, 17, 16, 7, 7, stride=2, padding=3, dtype="bfloat16",
                           epilogue=BIAS_RELU)
     host = "avx512_bf16" if runs_here("avx512_bf16") else "avx2"
-    _check(problem, default_config(problem.unfold_width(), _machine(host)), host, unfold=True)
+    config = default_config(problem, _machine(host))
+    assert folds_taps(problem, config) and problem.taps_folded().c == 28
+    _check(problem, config, host)
 
 
 # ------------------------------------------------------------- problems, configs, packing
@@ -223,7 +222,7 @@ def test_problem_types():
     assert (u8.epilogue_dtype, u8.out_dtype, u8.input_shape) == ("int32", "uint8",
                                                                  (1, 8, 4, 8))
     assert replace(u8, epilogue=DEQUANT).epilogue_dtype == "float32"
-    assert u8.unfold_width().epilogue == REQUANT
+    assert u8.taps_folded().epilogue == REQUANT
     assert u8.flops == 2 * u8.rows * 16 * 3 * 9  # real channels, not padded ones
 
 
@@ -302,16 +301,6 @@ def test_pack_input():
         pack_input(x.astype("int32") - 1, problem)
     with pytest.raises(ValueError, match=r"pads with an int in \[0, 255\]"):
         pack_input(x, problem, pad_value=256)
-
-
-def test_unfold_input_pads_channels():
-    problem = ConvProblem(1, 3, 5, 5, 8, 3, 3, padding=1, dtype="uint8")
-    x = np.random.default_rng(0).integers(0, 255, (1, 3, 5, 5)).astype("uint8")
-    unfolded = unfold_input(x, problem, pad_value=ZX)
-    assert unfolded.shape == problem.unfold_width().input_shape == (1, 7, 5, 12)
-    assert unfolded[0, 0].tolist() == [[ZX] * 9 + [ZX] * 3] * 5  # the top padding row
-    assert unfolded[0, 1, 2, :9].tolist() == x[0, :, 0, 1:4].T.ravel().tolist()
-    assert (unfolded[..., 9:] == ZX).all()
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "bfloat16"])
@@ -434,9 +423,9 @@ def _emulated_dispatch(shape: BrgemmShape) -> str:
 
 @pytest.mark.parametrize("dtype, epilogue", [("uint8", REQUANT), ("bfloat16", BIAS_RES_RELU)])
 def test_amx_conv_emulated(amx_emulator, monkeypatch, dtype, epilogue):
-    """The AMX conv (default blocks: A rows ``sw*C'`` apart, stride 2) runs its tile program
-    under the emulator and matches numpy.  The emulator's tile registers are one global
-    state: the loops run serial."""
+    """The AMX conv (default blocks: A rows ``sw*C'`` apart, stride 2, each ``S*C'`` long)
+    runs its tile program under the emulator and matches numpy.  The emulator's tile
+    registers are one global state: the loops run serial."""
     problem = ConvProblem(1, 21, 9, 9, 40, 3, 3, stride=2, padding=1, dtype=dtype,
                           epilogue=epilogue)
     default = default_config(problem, _machine("amx"))
@@ -451,7 +440,7 @@ def test_amx_conv_emulated(amx_emulator, monkeypatch, dtype, epilogue):
     top = problem.padding[0]
     rows = sum(dtype == "uint8" or top <= i * problem.stride[0] + r < top + problem.h
                for i in range(problem.p) for r in range(problem.r))
-    calls = (problem.q // config.bq) * (problem.k // config.bk) * rows * \
-        problem.s * (problem.padded_c // config.bc // config.c_step)
+    assert folds_taps(problem, config)  # a call per filter row: all its taps, all channels
+    calls = (problem.q // config.bq) * (problem.k // config.bk) * rows
     assert amx_emulator.tpp_amx_emu_configs() == calls
     assert amx_emulator.tpp_amx_emu_releases() == calls

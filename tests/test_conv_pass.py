@@ -89,7 +89,7 @@ def _ops(mod, name):
 
 
 def test_conv_bn_relu_stem_and_pooling():
-    """RGB stem (stride 2, unfolded taps), MaxPool and GlobalAveragePool between TPP convs."""
+    """RGB stem (stride 2, taps folded), MaxPool and GlobalAveragePool between TPP convs."""
     net = _Net()
     h = net.op("Relu", [net.bn(net.conv("x", "stem", 3, 16, 3, stride=2), "stem.bn", 16)], "r0")
     h = net.op("MaxPool", [h], "pool", kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4)

@@ -19,12 +19,11 @@ from schedules.conv import (
     ConvProblem,
     candidates,
     default_config,
+    folds_taps,
     pack_input,
     pack_weight,
     reference,
     schedule,
-    unfold_input,
-    unfold_weight,
 )
 from schedules.loop_spec import LoopSpecError
 from schedules.tuner import build
@@ -38,20 +37,17 @@ L2_1MIB = isa.Caches(32 * 1024, 1 << 20, 32 << 20)
 L2_2MIB = isa.Caches(48 * 1024, 2 << 20, 105 << 20)
 
 
-def _run(problem, config, isa_name="avx2", seed=0, unfold=False, func=None):
-    """Run ``problem`` (through its width-unfolded form if asked) and compare with numpy;
-    ``func`` is the kernel when already built."""
+def _run(problem, config, isa_name="avx2", seed=0, func=None):
+    """Run ``problem`` and compare with numpy; ``func`` is the kernel when already built."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((problem.n, problem.c, problem.h, problem.w)).astype("float32")
     w = rng.standard_normal((problem.k, problem.c // problem.groups, problem.r, problem.s)
                             ).astype("float32")
     extra = {op.name: rng.standard_normal(op.shape(problem.rows, problem.k)).astype("float32")
              for op in problem.epilogue.inputs("float32")}
-    kernel = problem.unfold_width() if unfold else problem
-    packed_x = unfold_input(x, problem) if unfold else pack_input(x, problem)
-    packed_w = pack_weight(unfold_weight(w) if unfold else w, config.bk, kernel)
-    assert packed_x.shape == kernel.input_shape
-    func = func or tvm.compile(schedule(kernel, config, isa_name).mod,
+    packed_x, packed_w = pack_input(x, problem), pack_weight(w, config.bk, problem)
+    assert packed_x.shape == problem.input_shape
+    func = func or tvm.compile(schedule(problem, config, isa_name).mod,
                                target=tvm.target.Target(TARGETS[isa_name]))
     y = tvm.runtime.empty((problem.rows, problem.k), "float32")
     func(tvm.runtime.tensor(packed_x), tvm.runtime.tensor(packed_w),
@@ -96,13 +92,45 @@ def test_default_config(problem):
     _run(problem, _default(problem))
 
 
-def test_rgb_stem_direct_and_unfolded():
-    """3 input channels: directly (k = 3 per call) and with the taps unfolded (k = S*C)."""
-    problem = ConvProblem(1, 3, 23, 23, 16, 7, 7, stride=2, padding=3, epilogue=BIAS_RELU)
-    _run(problem, _default(problem))
-    unfolded = problem.unfold_width()
-    assert (unfolded.c, unfolded.s, unfolded.q, unfolded.rows) == (21, 1, 12, problem.rows)
-    _run(problem, _default(unfolded), unfold=True)
+def _brgemm_batches(sch) -> list[int]:
+    """The batch of each BRGEMM the schedule tensorized (the last field of its name)."""
+    names = [str(i.attrs[0]) for i in sch.trace.insts if i.kind.name == "Tensorize"]
+    return [int(name.removesuffix("_beta0").rsplit("x", 1)[1]) for name in names]
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [
+        ConvProblem(1, 3, 23, 23, 16, 7, 7, stride=2, padding=3, epilogue=BIAS_RELU),  # stem
+        ConvProblem(2, 5, 9, 11, 8, 3, 3, padding=1),                     # odd C, overlapping
+        ConvProblem(1, 8, 9, 11, 8, 3, 5, stride=(2, 3), padding=(1, 2, 0, 1),
+                    epilogue=BIAS_RES_RELU),                              # S > sw, asymmetric
+        ConvProblem(1, 8, 6, 13, 16, 1, 5, padding=(0, 2, 0, 2)),         # 1x5: one call a tile
+        ConvProblem(1, 8, 8, 8, 8, 3, 2, stride=2),                       # S = sw: no overlap
+    ],
+    ids=["rgb-stem", "3x3-odd-channels", "3x5-stride-2x3", "1x5", "2x2-stride-2"],
+)
+def test_taps_fold_into_one_call_per_filter_row(problem):
+    """A call over all of a tap's channels reduces the S taps of a filter row at once,
+    reading X's rows at the stride of the conv; channel blocks keep a call per tap."""
+    folded = _default(problem)
+    assert folded.bc == problem.c and folds_taps(problem, folded)
+    assert _brgemm_batches(schedule(problem, folded)) == [problem.s]
+    _run(problem, folded)
+    per_tap = ConvConfig(bq=folded.bq, bc=1, bk=folded.bk, spec=folded.spec)
+    assert not folds_taps(problem, per_tap)
+    assert _brgemm_batches(schedule(problem, per_tap)) == [1]
+    _run(problem, per_tap)
+
+
+def test_dilated_or_grouped_taps_stay_apart():
+    """Width dilation and groups keep a tap's channels apart from the next tap's."""
+    dilated = ConvProblem(1, 8, 9, 9, 8, 3, 3, padding=2, dilation=(1, 2))
+    grouped = ConvProblem(1, 8, 9, 9, 8, 3, 3, padding=1, groups=2)
+    for problem in (dilated, grouped):
+        config = _default(problem)
+        assert not folds_taps(problem, config)
+        _run(problem, config)
 
 
 @pytest.mark.parametrize(

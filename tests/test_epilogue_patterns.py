@@ -216,7 +216,7 @@ def test_dense_residual_computed_from_its_own_result_is_not_a_residual():
 
 # --- conv: act(conv2d(x, W) + b) -------------------------------------------------------------
 
-X_SHAPE, W_SHAPE = (1, 16, 7, 9), (8, 16, 3, 3)  # 16 channels: no tap unfolding; odd H and W
+X_SHAPE, W_SHAPE = (1, 16, 7, 9), (8, 16, 3, 3)  # odd H and W
 
 
 def _conv_before(activation: str, w: np.ndarray, b: np.ndarray) -> tvm.IRModule:

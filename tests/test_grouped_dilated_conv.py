@@ -45,7 +45,7 @@ FLOAT32 = {
     "d4-odd": ConvProblem(2, 7, 13, 11, 9, 3, 3, padding=(4, 3, 4, 5), dilation=4),
     "d2x3-s2": ConvProblem(1, 64, 14, 13, 64, 3, 3, stride=2, padding=(2, 3, 1, 2),
                            dilation=(2, 3), epilogue=BIAS_RELU),
-    "d2-stem": ConvProblem(1, 3, 15, 15, 16, 3, 3, padding=2, dilation=2),  # unfolded
+    "d2-stem": ConvProblem(1, 3, 15, 15, 16, 3, 3, padding=2, dilation=2),  # taps apart
     "g5-d3-5x3": ConvProblem(1, 40, 13, 12, 25, 5, 3, padding=(6, 3, 6, 3), dilation=3,
                              groups=5),
 }
@@ -54,9 +54,7 @@ FLOAT32 = {
 @pytest.mark.parametrize("name", sorted(FLOAT32))
 def test_float32_matches_numpy(name):
     problem = FLOAT32[name]
-    unfold = problem.groups == 1 and problem.c < 16 and problem.s > 1
-    kernel = problem.unfold_width() if unfold else problem
-    _run_float32(problem, _default(kernel), unfold=unfold)
+    _run_float32(problem, _default(problem))
 
 
 @pytest.mark.parametrize("spec", ["ACbfgde", "ACDbfge", "ADEcbfg", "aCdebfg"])

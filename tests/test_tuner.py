@@ -377,7 +377,7 @@ def test_conv_and_batch_gemm_tune_persist_and_reuse(tmp_path, problem):
 
 
 def _conv_net() -> onnx.ModelProto:
-    """An RGB stem (3 channels: its taps unfolded) and a 3x3 conv, each with bias and ReLU."""
+    """An RGB stem (3 channels: its taps folded) and a 3x3 conv, each with bias and ReLU."""
     rng = np.random.default_rng(0)
     weights = {"w0": rng.standard_normal((16, 3, 3, 3)) / 5, "b0": rng.standard_normal(16),
                "w1": rng.standard_normal((16, 16, 3, 3)) / 12, "b1": rng.standard_normal(16)}
@@ -394,9 +394,8 @@ def _conv_net() -> onnx.ModelProto:
 
 @pytest.mark.slow  # tunes every conv of a network; tune_cli_explains_convs is the short one
 def test_compile_tunes_convs(tmp_path):
-    """compile(tune=True) tunes each conv kernel (the stem as it runs: unfolded), the tuned
-    model matches ONNX Runtime, a rebuild from the work dir looks them up, and tuning again
-    finds them in the database."""
+    """compile(tune=True) tunes each conv kernel, the tuned model matches ONNX Runtime, a
+    rebuild from the work dir looks them up, and tuning again finds them in the database."""
     model, seen = _conv_net(), []
     tuned = tvm_tpp.compile(model, target=TARGET, tune=True, tune_budget=0.1,
                             work_dir=tmp_path, on_tuned=lambda p, r: seen.append((p, r)))
@@ -406,7 +405,7 @@ def test_compile_tunes_convs(tmp_path):
     keys = Database(tmp_path / "tuning.db").keys()
     assert [k.split("|")[:2] for k in keys] == [
         ["conv2d", "1x16x7x7x16x3x3/s1x1p1x1x1x1"],
-        ["conv2d", "1x9x13x7x16x3x1/s2x1p1x0x1x0"]]  # the stem: 3 taps x 3 channels, 1 wide
+        ["conv2d", "1x3x13x13x16x3x3/s2x2p1x1x1x1"]]  # the stem
     assert not any(r.cached for _, r in seen) and len(seen) == 2
 
     rebuilt = tvm_tpp.compile(model, target=TARGET, work_dir=tmp_path)

@@ -1,9 +1,10 @@
-"""Kernels made to read or write a larger tensor in place of one of their parameters.
+"""Kernels made to access another buffer in place of one of their parameters.
 
-The passes that let a kernel write the padded tensor its consumer reads
-(:mod:`relay_passes.padded_outputs`) or read a channel prefix of a wider tensor
-(:mod:`relay_passes.slice_reads`) rewrite a scheduled PrimFunc the same way: every access of
-one parameter goes to another buffer, the first index mapped where the layout differs.
+A scheduled PrimFunc is rewritten so that every access of one parameter goes to another
+buffer, the first index mapped where the layout differs: the graph passes let a kernel write
+the padded tensor its consumer reads (:mod:`relay_passes.padded_outputs`) or read a channel
+prefix of a wider tensor (:mod:`relay_passes.slice_reads`), and the conv template reads its
+packed input through an overlapping view (:mod:`schedules.conv`, taps folded into channels).
 
 Examples
 --------
@@ -24,7 +25,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import tvm
 import tvm_ffi
@@ -36,10 +37,10 @@ __all__ = ["redirect"]
 
 def redirect(func: tirx.PrimFunc, param: tvm.ir.expr.Var, into: tvm.ir.expr.Var,
              row: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None,
-             before: tirx.Stmt | None = None) -> s_tir.SBlockRealize | None:
+             before: Sequence[tirx.Stmt] = ()) -> s_tir.SBlockRealize | None:
     """The body of ``func`` with every access of its buffer parameter ``param`` made to
     ``into`` instead, at the same indices or, with a ``row`` map, the first index ``i`` at
-    ``row(i)``; ``before`` (if given) runs first in the root block.
+    ``row(i)``; the statements ``before`` come first in the root block.
 
     None when ``func`` uses ``param`` otherwise than by element and region accesses, or,
     with a ``row`` map, accesses a range of several rows (a tile of rows may cross the
@@ -74,10 +75,10 @@ def redirect(func: tirx.PrimFunc, param: tvm.ir.expr.Var, into: tvm.ir.expr.Var,
                                    lambda v: used.append(v) if v.same_as(param) else None))
     if tiles or used:
         return None
-    if before is None:
+    if not before:
         return body
     root = body.block
     return s_tir.SBlockRealize(body.iter_values, body.predicate, s_tir.SBlock(
         root.iter_vars, root.reads, root.writes, root.name_hint,
-        tirx.SeqStmt([before, root.body]), root.init, root.alloc_buffers, root.match_buffers,
+        tirx.SeqStmt([*before, root.body]), root.init, root.alloc_buffers, root.match_buffers,
         root.annotations))
