@@ -201,7 +201,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
                        + ("" if c.pack_a is None else f" pack_a={c.pack_a}"))),
     _listed("conv2d", conv, ConvProblem, ConvConfig, key=_conv_key,
             text=lambda c: (f"{c.spec} bq={c.bq} bc={c.bc} bk={c.bk} c_step={c.c_step}"
-                            + _steps_text(c.block_steps))),
+                            + _steps_text(c.block_steps)
+                            + (" taps folded" if c.fold_taps else ""))),
     _listed("depthwise_conv2d", depthwise, DepthwiseProblem, DepthwiseConfig,
             key=_depthwise_key,
             text=lambda c: (f"bq={c.bq} bc={c.bc}"

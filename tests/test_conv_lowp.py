@@ -32,7 +32,6 @@ from schedules.conv import (
     ConvProblem,
     candidates,
     default_config,
-    folds_taps,
     pack_input,
     pack_weight,
     schedule,
@@ -159,7 +158,7 @@ def test_u8_stem_folds_its_taps(isa_name):
     problem = U8_PROBLEMS["7x7-stem-c3"]
     config = default_config(problem, _machine(isa_name))
     folded = problem.taps_folded()
-    assert folds_taps(problem, config) and (folded.c, folded.padded_c) == (28, 28)
+    assert config.fold_taps and (folded.c, folded.padded_c) == (28, 28)
     _check(problem, config, isa_name, pad_value=ZX)
 
 
@@ -205,7 +204,7 @@ def test_bf16_stem_folds_its_taps():
                           epilogue=BIAS_RELU)
     host = "avx512_bf16" if runs_here("avx512_bf16") else "avx2"
     config = default_config(problem, _machine(host))
-    assert folds_taps(problem, config) and problem.taps_folded().c == 28
+    assert config.fold_taps and problem.taps_folded().c == 28
     _check(problem, config, host)
 
 
@@ -440,7 +439,7 @@ def test_amx_conv_emulated(amx_emulator, monkeypatch, dtype, epilogue):
     top = problem.padding[0]
     rows = sum(dtype == "uint8" or top <= i * problem.stride[0] + r < top + problem.h
                for i in range(problem.p) for r in range(problem.r))
-    assert folds_taps(problem, config)  # a call per filter row: all its taps, all channels
+    assert config.fold_taps  # a call per filter row: all its taps, all channels
     calls = (problem.q // config.bq) * (problem.k // config.bk) * rows
     assert amx_emulator.tpp_amx_emu_configs() == calls
     assert amx_emulator.tpp_amx_emu_releases() == calls

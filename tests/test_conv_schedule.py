@@ -5,6 +5,8 @@ width-grouped by the stride, ``[Kb, R, S, C, bk]`` weights, ``[N*P*Q, K]`` outpu
 with a float64 numpy convolution followed by the epilogue's numpy semantics.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import tvm
@@ -17,9 +19,9 @@ from microkernels.machine import Machine
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
+    can_fold_taps,
     candidates,
     default_config,
-    folds_taps,
     pack_input,
     pack_weight,
     reference,
@@ -111,26 +113,34 @@ def _brgemm_batches(sch) -> list[int]:
     ids=["rgb-stem", "3x3-odd-channels", "3x5-stride-2x3", "1x5", "2x2-stride-2"],
 )
 def test_taps_fold_into_one_call_per_filter_row(problem):
-    """A call over all of a tap's channels reduces the S taps of a filter row at once,
-    reading X's rows at the stride of the conv; channel blocks keep a call per tap."""
+    """By default a call over all of a tap's channels reduces the S taps of a filter row at
+    once, reading X's rows at the stride of the conv; the same blocks without fold_taps
+    make a call per tap.  Both match numpy."""
     folded = _default(problem)
-    assert folded.bc == problem.c and folds_taps(problem, folded)
+    assert folded.bc == problem.c and folded.fold_taps
     assert _brgemm_batches(schedule(problem, folded)) == [problem.s]
     _run(problem, folded)
-    per_tap = ConvConfig(bq=folded.bq, bc=1, bk=folded.bk, spec=folded.spec)
-    assert not folds_taps(problem, per_tap)
+    per_tap = replace(folded, fold_taps=False)
+    assert per_tap in candidates(problem, _machine())
     assert _brgemm_batches(schedule(problem, per_tap)) == [1]
     _run(problem, per_tap)
 
 
-def test_dilated_or_grouped_taps_stay_apart():
-    """Width dilation and groups keep a tap's channels apart from the next tap's."""
+def test_taps_fold_only_where_their_channels_are_consecutive():
+    """Width dilation, groups and channel blocks keep a tap's channels apart from the next
+    tap's: the default makes a call per tap, and asking to fold is an error."""
     dilated = ConvProblem(1, 8, 9, 9, 8, 3, 3, padding=2, dilation=(1, 2))
     grouped = ConvProblem(1, 8, 9, 9, 8, 3, 3, padding=1, groups=2)
     for problem in (dilated, grouped):
         config = _default(problem)
-        assert not folds_taps(problem, config)
+        assert not can_fold_taps(problem, config) and not config.fold_taps
         _run(problem, config)
+        with pytest.raises(ValueError, match="fold_taps needs"):
+            schedule(problem, replace(config, fold_taps=True))
+    blocked = ConvConfig(bq=9, bc=4, bk=8, fold_taps=True)
+    assert not can_fold_taps(dilated, blocked)
+    with pytest.raises(ValueError, match="fold_taps needs"):
+        schedule(replace(dilated, dilation=1, padding=1), blocked)
 
 
 @pytest.mark.parametrize(
