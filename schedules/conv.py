@@ -42,17 +42,17 @@ into a local ``[bq, C]`` tile that the BRGEMM calls of every K block read: the s
 K- and channel-block loops inside the pixel loops (:meth:`ConvConfig.parse`).  Only 1x1
 convs of stride 1 without padding take one, where input pixels are output pixels.
 
-Taps folded into channels: where a call reduces all of a tap's channels (``bc * c_step =
-C'``), no dilation widens the filter and there are no groups, one call reduces a whole
-filter row, ``S*C'`` values (:meth:`ConvProblem.taps_folded`).  Output column ``q`` reads
+Taps folded into channels (``ConvConfig.fold_taps``, the default wherever
+:func:`can_fold_taps`): where a call reduces all of a tap's channels (``bc * c_step = C'``),
+no dilation widens the filter and there are no groups, one call reduces a whole filter row,
+``S*C'`` values (:meth:`ConvProblem.taps_folded`).  Output column ``q`` reads
 input columns ``q*sw .. q*sw + S-1``, whose channels are consecutive in X: the A rows of the
 call are X's rows at a stride of ``sw*C'`` elements, each ``S*C'`` long, overlapping when
 ``S > sw``, and the ``S`` taps' ``[C', bk]`` weight panels are consecutive in W too.  The
 kernel reads both through views of its parameters, so its signature, and the packing, stay
 those of the conv.  The accumulators then stay in registers across the S taps: a 3x3 conv
-makes 3 calls per output tile instead of 9 (VGG's and ResNet's 3x3 convs on 28x28 to
-224x224 maps 1.04-1.06x on a Zen 3, one thread), and an RGB stem (C = 3) reduces 21 values
-a call instead of 3.
+makes 3 calls per output tile instead of 9 (ResNet-50's and VGG-19's 3x3 convs 1.00-1.10x
+on a Zen 3, one thread), and an RGB stem (C = 3) reduces 21 values a call instead of 3.
 
 Operand types
 -------------
