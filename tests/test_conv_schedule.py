@@ -16,6 +16,7 @@ from microkernels import isa
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.epilogue import reference as epilogue_reference
 from microkernels.machine import Machine
+from relay_passes.scaffold import dispatched_brgemm
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
@@ -94,12 +95,6 @@ def test_default_config(problem):
     _run(problem, _default(problem))
 
 
-def _brgemm_batches(sch) -> list[int]:
-    """The batch of each BRGEMM the schedule tensorized (the last field of its name)."""
-    names = [str(i.attrs[0]) for i in sch.trace.insts if i.kind.name == "Tensorize"]
-    return [int(name.removesuffix("_beta0").rsplit("x", 1)[1]) for name in names]
-
-
 @pytest.mark.parametrize(
     "problem",
     [
@@ -118,11 +113,11 @@ def test_taps_fold_into_one_call_per_filter_row(problem):
     make a call per tap.  Both match numpy."""
     folded = _default(problem)
     assert folded.bc == problem.c and folded.fold_taps
-    assert _brgemm_batches(schedule(problem, folded)) == [problem.s]
+    assert dispatched_brgemm(schedule(problem, folded)).batch == problem.s
     _run(problem, folded)
     per_tap = replace(folded, fold_taps=False)
     assert per_tap in candidates(problem, _machine())
-    assert _brgemm_batches(schedule(problem, per_tap)) == [1]
+    assert dispatched_brgemm(schedule(problem, per_tap)).batch == 1
     _run(problem, per_tap)
 
 
