@@ -191,12 +191,14 @@ def flush_operands(args: list[object]) -> Callable[[], None]:
 
 def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
             rounds: int = _ROUNDS, round_seconds: float = _ROUND_SECONDS,
-            built: dict[Config, Callable[[], object]] | None = None) -> list[float | str]:
+            built: dict[Config, Callable[[], object]] | None = None, cold: bool = True
+            ) -> list[float | str]:
     """Build ``configs`` together and time them interleaved (see :func:`time_interleaved`):
     seconds of one run, or the error of a candidate that could not be built.
 
     ``built`` maps configs to ready runs (built, with arguments): those are not built again,
-    and the new ones are added to it."""
+    and the new ones are added to it.  ``cold``: operands flushed before each run (module
+    doc); otherwise each run finds them where the previous run of any candidate left them."""
     built = {} if built is None else built
     new = [c for c in dict.fromkeys(configs) if c not in built]
     scheduled = _scheduled(problem, new, isa)
@@ -207,7 +209,7 @@ def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
     for i, args in zip(ok, arguments, strict=True):
         built[new[i]] = functools.partial(compiled[i], *args)  # type: ignore[arg-type]
     timed = [c for c in configs if c in built]
-    flushes = [flush_operands(list(built[c].args)) for c in timed]
+    flushes = [flush_operands(list(built[c].args)) for c in timed] if cold else None
     times = time_interleaved([built[c] for c in timed], rounds, round_seconds, flushes)
     seconds = dict(zip(timed, times, strict=True))
     return [seconds[c] if c in seconds else errors[c] for c in configs]

@@ -18,11 +18,13 @@ Examples
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 
 from . import batch_gemm, conv, depthwise, gemm
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
     from tvm import s_tir
 
 __all__ = ["Problem", "Config", "Choice", "Op", "OPS", "op_of", "problem_text", "config_text",
-           "shape_text", "MODEL_RESOLUTION"]
+           "shape_text", "conv_problem", "MODEL_RESOLUTION"]
 
 Problem = GemmProblem | ConvProblem | BatchGemmProblem | DepthwiseProblem
 Config = GemmConfig | ConvConfig | BatchGemmConfig | DepthwiseConfig
@@ -162,6 +164,39 @@ def _geometry_text(p: ConvProblem | DepthwiseProblem) -> str:
     return (f"s{sh}x{sw}p{pads}" + ("" if (dh, dw) == (1, 1) else f"d{dh}x{dw}")
             + ("" if groups == 1 else f"g{groups}")
             + (f"+{prologue.name}" if prologue and prologue.ops else ""))
+
+
+_CONV_TEXT = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)"
+                        r"(?:/s(\d+)x(\d+)p(\d+)x(\d+)x(\d+)x(\d+)(?:d(\d+)x(\d+))?(?:g(\d+))?)?")
+
+
+def conv_problem(text: str, dtype: str = "float32", epilogue: Epilogue | None = None
+                 ) -> ConvProblem:
+    """The convolution a tuning key's shape text names (as :func:`problem_text` shows it):
+    ``NxCxHxWxKxRxS``, then optionally ``/s{sh}x{sw}p{top}x{left}x{bottom}x{right}`` with
+    ``d{dh}x{dw}`` and ``g{groups}`` where not 1 (stride 1, no padding without it).
+
+    >>> p = ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3)
+    >>> conv_problem("1x3x224x224x64x7x7/s2x2p3x3x3x3") == p
+    True
+    >>> conv_problem("1x8x9x9x8x3x3/s1x1p2x2x2x2d2x2g2").dilation
+    (2, 2)
+    >>> conv_problem("1x64x56x56x64")
+    Traceback (most recent call last):
+    ...
+    ValueError: a conv is NxCxHxWxKxRxS[/s1x1p0x0x0x0[d1x1][g1]], got '1x64x56x56x64'
+    """
+    match = _CONV_TEXT.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"a conv is NxCxHxWxKxRxS[/s1x1p0x0x0x0[d1x1][g1]], got {text!r}")
+    # Groups a text leaves out take their defaults: stride, dilation and groups 1, padding 0.
+    defaults = (1, 1, 0, 0, 0, 0, 1, 1, 1)
+    values = [int(v) for v in match.groups()[:7]] + [
+        d if v is None else int(v) for v, d in zip(match.groups()[7:], defaults, strict=True)]
+    n, c, h, w, k, r, s, sh, sw, top, left, bottom, right, dh, dw, groups = values
+    return ConvProblem(n, c, h, w, k, r, s, stride=(sh, sw), padding=(top, left, bottom, right),
+                       dtype=dtype, epilogue=epilogue or Epilogue(), dilation=(dh, dw),
+                       groups=groups)
 
 
 def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:

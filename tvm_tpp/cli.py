@@ -18,6 +18,7 @@ $ tvm-tpp run bert --precision bf16 --check onnxruntime   # dense layers in bf16
 $ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
 $ tvm-tpp bench mlp bert --impls tpp,tvm-default,onnxruntime --json bench.json
 $ tvm-tpp bench mlp --precision int8 --impls tpp,onnxruntime   # + tpp-float32, one run
+$ tvm-tpp bench-conv 1x64x56x56x64x3x3/s1x1p1x1x1x1 --vs fold_taps=false --threads 1
 """
 
 from __future__ import annotations
@@ -383,6 +384,12 @@ def _explain(console, tuned) -> None:
     print_tuned(console, tuned)
 
 
+def cmd_bench_conv(args: argparse.Namespace) -> int:
+    from .bench.conv import run
+
+    return run(args)
+
+
 def cmd_bench_gemm(args: argparse.Namespace) -> int:
     from .bench.gemm import run
 
@@ -569,6 +576,28 @@ def _parser() -> argparse.ArgumentParser:
                    "(--dtype int8 or bfloat16) on a 32x32 tile block, with its fraction of "
                    "the AMX peak, where this process may run AMX")
     p.add_argument("--json", help="write the result as JSON")
+
+    p = add("bench-conv", cmd_bench_conv, "one conv kernel's time under its default and other "
+            "configurations, interleaved (warm, or --cold as the tuner times)")
+    p.add_argument("conv", help="NxCxHxWxKxRxS[/s1x1p0x0x0x0[d1x1][g1]] as the tuner names it, "
+                   "e.g. 1x64x56x56x64x3x3/s1x1p1x1x1x1")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "uint8"), default="float32",
+                   help="the input's type (uint8: u8 x s8 -> int32)")
+    p.add_argument("--epilogue", default="", help="comma-separated ops without parameters, "
+                   "e.g. bias,residual,relu")
+    p.add_argument("--vs", action="append", metavar="FIELD=VALUE,...",
+                   help="a row with these fields of the default changed, e.g. fold_taps=false "
+                   "or bq=14,bk=32 (repeatable)")
+    p.add_argument("--candidates", action="store_true", help="also time the tuner's candidates")
+    p.add_argument("--cold", action="store_true",
+                   help="evict every operand but the output before each run")
+    p.add_argument("--threads", type=_at_least(1, int),
+                   help="threads of TVM's pool and of the schedule (default: all cores)")
+    p.add_argument("--warmup", type=_at_least(0, float), default=5.0,
+                   help="seconds of untimed runs first (default 5)")
+    p.add_argument("--rounds", type=_at_least(1, int), default=10,
+                   help="interleaved rounds of 0.3 s per row (default 10)")
+    p.add_argument("--json", help="write the rows as JSON")
 
     p = add("bench", cmd_bench, "compare with TVM, MetaSchedule, ONNX Runtime and OpenVINO (fair "
             "timing)")

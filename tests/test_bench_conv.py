@@ -1,0 +1,77 @@
+"""``tvm-tpp bench-conv``: one conv kernel timed under its default and other configurations."""
+
+import json
+
+import pytest
+import tvm_ffi
+
+from microkernels.epilogue import Epilogue, EpilogueOp
+from schedules.conv import ConvProblem
+from schedules.ops import conv_problem, problem_text
+from tvm_tpp.cli import main
+
+
+@pytest.mark.parametrize("problem", [
+    ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3),
+    ConvProblem(2, 12, 9, 11, 6, 3, 3, stride=(1, 2), padding=(2, 1, 2, 0), dilation=2,
+                groups=3),
+    ConvProblem(1, 5, 6, 6, 7, 1, 1),
+    ConvProblem(1, 16, 9, 5, 8, 3, 1, padding=(1, 0, 0, 0), dilation=(3, 1)),
+])
+def test_conv_text_names_the_problem_the_tuner_shows(problem):
+    shape = problem_text(problem).split()[1]
+    assert conv_problem(shape) == problem
+    bias = Epilogue((EpilogueOp("bias"),))
+    assert conv_problem(shape, "uint8", bias) == ConvProblem(
+        *(getattr(problem, f) for f in "nchwkrs"), stride=problem.stride, padding=problem.padding,
+        dilation=problem.dilation, groups=problem.groups, dtype="uint8", epilogue=bias)
+
+
+def test_rows_time_the_default_and_each_variant(tmp_path, capsys):
+    out = tmp_path / "conv.json"
+    assert main(["bench-conv", "1x8x7x7x16x3x3/s1x1p1x1x1x1", "--epilogue", "bias,relu",
+                 "--vs", "fold_taps=false", "--vs", "bk=8,spec=ACbfgde", "--warmup", "0",
+                 "--rounds", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "epilogue bias_relu" in table and "warm" in table
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [r["label"] for r in rows] == ["default", "vs fold_taps=false",
+                                          "vs bk=8,spec=ACbfgde"]
+    assert all(r["seconds"] > 0 and not r["error"] for r in rows)
+    assert rows[0]["config"]["fold_taps"] and not rows[1]["config"]["fold_taps"]
+    assert (rows[2]["config"]["bk"], rows[2]["config"]["spec"]) == (8, "ACbfgde")
+    assert data["flops"] == 2 * 7 * 7 * 16 * 8 * 9
+    for row in rows:  # each row's line: label, time, GFLOPS, ratio to the first
+        line = next(t for t in table.splitlines() if t.startswith(row["label"] + " "))
+        assert f"{row['seconds'] * 1e3:.4f}" in line
+
+
+def test_cold_rows_and_the_tuners_candidates(capsys):
+    assert main(["bench-conv", "1x16x6x6x16x1x1", "--cold", "--candidates", "--warmup", "0",
+                 "--rounds", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "operands flushed before each run" in table
+    assert "default" in table and "candidate 0" in table
+
+
+@pytest.mark.parametrize("args, message", [
+    (["1x64x56x56x64"], "a conv is NxCxHxWxKxRxS"),
+    (["1x3x4x4x8x5x5"], "does not fit"),
+    (["1x8x7x7x16x3x3", "--vs", "bq=3"], "bq=3 does not divide Q=5"),
+    (["1x8x7x7x16x3x3", "--vs", "colour=5"], "--vs takes FIELD=VALUE"),
+    (["1x8x7x7x16x3x3", "--vs", "fold_taps=maybe"], "takes true or false"),
+    (["1x8x7x7x16x3x3", "--vs", "spec=ZZZ"], "--vs spec=ZZZ"),
+    (["1x8x7x7x16x3x3", "--epilogue", "bias,sparkle"], "unknown epilogue op 'sparkle'"),
+])
+def test_bad_input_is_one_line(args, message, capsys):
+    assert main(["bench-conv", *args, "--warmup", "0", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tvm-tpp: error: ") and message in err[0], err
+
+
+def test_threads_are_refused_once_the_pool_runs(monkeypatch, capsys):
+    running = tvm_ffi.get_global_func("runtime.NumThreads")()  # starts the pool if need be
+    monkeypatch.setenv("TVM_NUM_THREADS", str(running))  # restored after the test
+    assert main(["bench-conv", "1x8x7x7x16x1x1", "--threads", str(running + 1)]) == 2
+    assert "already has" in capsys.readouterr().err

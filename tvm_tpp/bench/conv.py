@@ -1,0 +1,209 @@
+"""``tvm-tpp bench-conv``: one convolution kernel timed under several configurations, side by
+side in one process.
+
+The conv is named as the tuner names it (``tvm-tpp tune --explain``, the tuning database):
+``NxCxHxWxKxRxS/s{sh}x{sw}p{top}x{left}x{bottom}x{right}`` (:func:`schedules.ops.
+conv_problem`).  Its rows: the untuned default (:func:`schedules.conv.default_config`), each
+``--vs`` variant (fields of the default replaced, e.g. ``fold_taps=false`` or
+``bq=14,bk=32``) and, with ``--candidates``, the tuner's list.  They are built together and
+timed as the tuner times them (:func:`schedules.measure.measure`: interleaved rounds, the
+fastest sample), after ``--warmup`` seconds of runs of each in turn (a VM's first seconds
+after a build run slower); warm, or with ``--cold`` every operand but the output evicted from
+the caches before each run, as the tuner measures.  Only the kernel is timed: its input
+packed and padded, its weights packed, as in a built network.
+
+``--threads N`` sizes TVM's thread pool (it must not have started yet: a fresh process) and
+schedules for N cores.
+
+Examples
+--------
+$ tvm-tpp bench-conv 1x3x224x224x64x7x7/s2x2p3x3x3x3 --epilogue bias,relu --vs fold_taps=false
+$ tvm-tpp bench-conv 1x256x14x14x1024x1x1 --epilogue bias,residual,relu --cold --candidates
+>>> from tvm_tpp.tpp_target import target
+>>> rows = bench_conv(conv_problem("1x8x6x6x16x3x3/s1x1p1x1x1x1"), target("tpp"),
+...                   [("default", None)], warmup=0.0, rounds=1)
+>>> [(r.label, r.seconds > 0) for r in rows]
+[('default', True)]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.machine import machine_of
+from schedules.conv import ConvConfig, ConvProblem, candidates, default_config
+from schedules.measure import measure
+from schedules.ops import OPS, config_text, conv_problem
+
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from tvm.target import Target
+
+__all__ = ["ConvRow", "bench_conv", "conv_problem", "epilogue_of", "variant", "format_rows", "run"]
+
+
+@dataclass(frozen=True)
+class ConvRow:
+    """One configuration's time: ``seconds`` of one run, or the ``error`` that kept it from
+    being built."""
+
+    label: str
+    config: ConvConfig
+    seconds: float | None
+    error: str = ""
+
+
+def epilogue_of(text: str) -> Epilogue:
+    """The epilogue ``--epilogue`` names: kinds that take no parameter, comma-separated.
+
+    >>> epilogue_of("bias,residual,relu").name
+    'bias_residual_relu'
+    >>> epilogue_of("")
+    Epilogue(ops=())
+    """
+    try:
+        return Epilogue(tuple(EpilogueOp(kind.strip()) for kind in text.split(",") if kind.strip()))
+    except (ValueError, TypeError) as err:
+        raise UsageError(f"--epilogue: {err}") from None
+
+
+def _value(field_type: str, name: str, text: str) -> object:
+    if "bool" in field_type:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise UsageError(f"--vs {name} takes true or false, got {text!r}")
+        return text.lower() in ("true", "1")
+    if "int" in field_type:
+        try:
+            return int(text)
+        except ValueError:
+            raise UsageError(f"--vs {name} takes an int, got {text!r}") from None
+    return text
+
+
+def variant(config: ConvConfig, text: str, problem: ConvProblem) -> ConvConfig:
+    """``config`` with the fields ``text`` sets (``name=value,...``), checked against
+    ``problem``.
+
+    >>> p = conv_problem("1x64x56x56x64x3x3/s1x1p1x1x1x1")
+    >>> variant(ConvConfig(bq=28, bc=64, bk=64), "bq=14,spec=ACbfgde", p).bq
+    14
+    """
+    settable = {f.name: str(f.type) for f in fields(ConvConfig) if f.name != "block_steps"}
+    changes: dict[str, object] = {}
+    for item in text.split(","):
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or name not in settable:
+            raise UsageError(f"--vs takes FIELD=VALUE,... of {', '.join(settable)}; got {item!r}")
+        changes[name] = _value(settable[name], name, value.strip())
+    try:
+        changed = replace(config, **changes)
+        changed.parse(problem)  # blocks that tile the conv, a loop_spec that fits them
+    except Exception as err:  # ValueError, LoopSpecError: the user's variant does not fit
+        raise UsageError(f"--vs {text}: {err}") from None
+    return changed
+
+
+def bench_conv(problem: ConvProblem, target: Target,
+               variants: Sequence[tuple[str, ConvConfig | None]], *, cold: bool = False,
+               warmup: float = 5.0, rounds: int = 10, round_seconds: float = 0.3
+               ) -> list[ConvRow]:
+    """Time each ``(label, config)`` of ``problem`` (None: the default) interleaved.
+
+    Parameters
+    ----------
+    problem, target
+        The conv and the ``tpp`` target it is scheduled and built for.
+    variants
+        Labelled configurations; one built once however often it is listed.
+    cold
+        Evict every operand but the output before each run.
+    warmup
+        Seconds of runs, each configuration in turn, before the timing.
+    rounds, round_seconds
+        Of :func:`schedules.measure.time_interleaved`.
+    """
+    machine = machine_of(target)
+    configs = [config or default_config(problem, machine) for _, config in variants]
+    built: dict = {}
+    measure(problem, configs, target, machine.isa.name, rounds=0, built=built)
+    runs = [built[c] for c in dict.fromkeys(configs) if c in built]
+    end = time.perf_counter() + warmup
+    while runs and time.perf_counter() < end:
+        for run in runs:
+            run()
+    times = measure(problem, configs, target, machine.isa.name, rounds=rounds,
+                    round_seconds=round_seconds, built=built, cold=cold)
+    return [ConvRow(label, config, t, "") if isinstance(t, float) else ConvRow(label, config,
+                                                                               None, t)
+            for (label, _), config, t in zip(variants, configs, times, strict=True)]
+
+
+def tuner_candidates(problem: ConvProblem, target: Target) -> list[tuple[str, ConvConfig]]:
+    """The tuner's candidates for ``problem``, labelled ``candidate N``."""
+    return [(f"candidate {i}", c) for i, c in enumerate(candidates(problem, machine_of(target)))]
+
+
+def format_rows(problem: ConvProblem, rows: Sequence[ConvRow], cold: bool, threads: int) -> str:
+    """The rows as a table: time, GFLOPS (GOPS below float32) and speed relative to the
+    first row."""
+    unit = "GFLOPS" if problem.dtype == "float32" else "GOPS"
+    lines = [f"conv {problem.n}x{problem.c}x{problem.h}x{problem.w} -> {problem.k} "
+             f"{problem.r}x{problem.s}, {problem.dtype}, epilogue "
+             f"{problem.epilogue.name or '-'}; {threads} threads, "
+             f"{'operands flushed before each run' if cold else 'warm'}",
+             f"{'':14s} {'ms':>9s} {unit:>7s} {'x first':>8s}  config"]
+    first = rows[0].seconds if rows else None
+    for row in rows:
+        if row.seconds is None:
+            lines.append(f"{row.label:14s} {'error':>9s} {'':7s} {'':8s}  "
+                         f"{config_text(row.config)}: {row.error}")
+            continue
+        ratio = f"{first / row.seconds:7.3f}x" if first else ""
+        lines.append(f"{row.label:14s} {row.seconds * 1e3:9.4f} "
+                     f"{problem.flops / row.seconds / 1e9:7.1f} {ratio:>8s}  "
+                     f"{config_text(row.config)}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``tvm-tpp bench-conv``: 0, or 1 when a row could not be built."""
+    if args.threads is not None:  # before TVM's thread pool starts (checked below)
+        os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    import tvm_ffi
+
+    from ..tpp_target import target
+
+    threads = tvm_ffi.get_global_func("runtime.NumThreads")()
+    if args.threads is not None and threads != args.threads:
+        raise UsageError(f"--threads {args.threads}: TVM's thread pool of this process already "
+                         f"has {threads} threads")
+    try:
+        problem = conv_problem(args.conv, args.dtype, epilogue_of(args.epilogue))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    tpp = target("tpp", num_cores=threads)
+    default = default_config(problem, machine_of(tpp))
+    variants = [("default", default)] + [(f"vs {text}", variant(default, text, problem))
+                                         for text in args.vs or ()]
+    if args.candidates:
+        variants += tuner_candidates(problem, tpp)
+    rows = bench_conv(problem, tpp, variants, cold=args.cold, warmup=args.warmup,
+                      rounds=args.rounds)
+    print(format_rows(problem, rows, args.cold, threads))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"conv": args.conv, "dtype": args.dtype, "epilogue": problem.epilogue.name,
+                       "threads": threads, "cold": args.cold, "flops": problem.flops,
+                       "rows": [{"label": r.label, "seconds": r.seconds, "error": r.error,
+                                 "config": OPS["conv2d"].to_json(r.config)} for r in rows]},
+                      f, indent=1)
+    return 0 if all(r.seconds is not None for r in rows) else 1
