@@ -156,19 +156,20 @@ def format_rows(problem: ConvProblem, rows: Sequence[ConvRow], cold: bool, threa
     """The rows as a table: time, GFLOPS (GOPS below float32) and speed relative to the
     first row."""
     unit = "GFLOPS" if problem.dtype == "float32" else "GOPS"
+    width = max([14, *(len(row.label) for row in rows)])
     lines = [f"conv {problem.n}x{problem.c}x{problem.h}x{problem.w} -> {problem.k} "
              f"{problem.r}x{problem.s}, {problem.dtype}, epilogue "
-             f"{problem.epilogue.name or '-'}; {threads} threads, "
+             f"{problem.epilogue.name or '-'}; {threads} thread{'s' if threads > 1 else ''}, "
              f"{'operands flushed before each run' if cold else 'warm'}",
-             f"{'':14s} {'ms':>9s} {unit:>7s} {'x first':>8s}  config"]
+             f"{'':{width}s} {'ms':>9s} {unit:>7s} {'x first':>8s}  config"]
     first = rows[0].seconds if rows else None
     for row in rows:
         if row.seconds is None:
-            lines.append(f"{row.label:14s} {'error':>9s} {'':7s} {'':8s}  "
+            lines.append(f"{row.label:{width}s} {'error':>9s} {'':7s} {'':8s}  "
                          f"{config_text(row.config)}: {row.error}")
             continue
         ratio = f"{first / row.seconds:7.3f}x" if first else ""
-        lines.append(f"{row.label:14s} {row.seconds * 1e3:9.4f} "
+        lines.append(f"{row.label:{width}s} {row.seconds * 1e3:9.4f} "
                      f"{problem.flops / row.seconds / 1e9:7.1f} {ratio:>8s}  "
                      f"{config_text(row.config)}")
     return "\n".join(lines)
