@@ -590,7 +590,7 @@ def _parser() -> argparse.ArgumentParser:
                    "or bq=14,bk=32 (repeatable)")
     p.add_argument("--candidates", action="store_true", help="also time the tuner's candidates")
     p.add_argument("--cold", action="store_true",
-                   help="evict every operand but the output before each run")
+                   help="evict every operand but the input before each run, as the tuner times")
     p.add_argument("--threads", type=_at_least(1, int),
                    help="threads of TVM's pool and of the schedule (default: all cores)")
     p.add_argument("--warmup", type=_at_least(0, float), default=5.0,

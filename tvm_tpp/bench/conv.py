@@ -8,7 +8,7 @@ conv_problem`).  Its rows: the untuned default (:func:`schedules.conv.default_co
 ``bq=14,bk=32``) and, with ``--candidates``, the tuner's list.  They are built together and
 timed as the tuner times them (:func:`schedules.measure.measure`: interleaved rounds, the
 fastest sample), after ``--warmup`` seconds of runs of each in turn (a VM's first seconds
-after a build run slower); warm, or with ``--cold`` every operand but the output evicted from
+after a build run slower); warm, or with ``--cold`` every operand but the input evicted from
 the caches before each run, as the tuner measures.  Only the kernel is timed: its input
 packed and padded, its weights packed, as in a built network.
 
@@ -125,7 +125,8 @@ def bench_conv(problem: ConvProblem, target: Target,
     variants
         Labelled configurations; one built once however often it is listed.
     cold
-        Evict every operand but the output before each run.
+        Evict every operand but the input before each run (in a network the previous
+        layer has just written it).
     warmup
         Seconds of runs, each configuration in turn, before the timing.
     rounds, round_seconds
