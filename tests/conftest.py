@@ -1,5 +1,6 @@
 """Shared fixtures: tiny ONNX models built with onnx.helper (seeded weights, no downloads)."""
 
+import logging
 import os
 
 import numpy as np
@@ -17,6 +18,19 @@ if _WORKERS > 1:
 
 # The seeded random calibration reader the quantization tests share is the library's own.
 from tvm_tpp.quantized import RandomCalibration  # noqa: F401, E402
+
+
+@pytest.fixture(autouse=True)
+def _meta_schedule_loggers_propagate():
+    """pytest attaches its log-capture handlers, which have no name, to every logger that does
+    not propagate when a test phase starts.  MetaSchedule's loggers stop propagating in its
+    first in-process search, and its next search names every handler on them in a logging
+    config: AttributeError in ``meta_schedule.logging``.  They propagate again after each test,
+    so a later test's search finds only its own handlers there."""
+    yield
+    for name, logger in logging.root.manager.loggerDict.items():
+        if name.startswith("tvm.s_tir.meta_schedule") and isinstance(logger, logging.Logger):
+            logger.propagate = True
 
 
 def make_dense_model(m: int = 4, k: int = 24, n: int = 40, relu: bool = True,

@@ -107,8 +107,6 @@ def test_tune_gemm_ms_measures_each_space_once(target, tmp_path):
 
     from tvm.s_tir import meta_schedule as ms
 
-    # One tune_tir per pytest process: a second one trips over pytest's log-capture handlers
-    # left on MetaSchedule's logger (AttributeError in meta_schedule.logging).
     configs = space_configs(PROBLEM, machine_of(target), top_n=3)
     best, database = tune_gemm_ms(PROBLEM, target, tmp_path, max_trials=4, candidates=configs)
     records = database.get_all_tuning_records()
