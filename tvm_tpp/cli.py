@@ -14,6 +14,7 @@ $ tvm-tpp tune resnet50 --rpc tracker:9190 --key zen4   # measured on the server
 $ tvm-tpp run mlp --check onnxruntime   # built with the configs tuned in ./tvm_tpp_work
 $ tvm-tpp run resnet50 --work-dir resnet_work --report
 $ tvm-tpp profile mobilenet_v2          # time per operator: TPP kernels, layouts, fallback
+$ tvm-tpp profile resnet50 --against onnxruntime   # each conv/dense layer on both sides
 $ tvm-tpp run bert --precision bf16 --check onnxruntime   # dense layers in bf16
 $ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
 $ tvm-tpp bench mlp bert --impls tpp,tvm-default,onnxruntime --json bench.json
@@ -279,7 +280,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     model, report_file = _model(args.model, args.batch), _report_file(args)
     compiled = compiler.compile(model, args.target, _shapes(args.shape), work_dir=args.work_dir,
                                 precision=args.precision)
-    prof = compiled.profile(random_inputs(compiled.inputs, seed=args.seed), repeat=args.repeat)
+    inputs = random_inputs(compiled.inputs, seed=args.seed)
+    prof = compiled.profile(inputs, repeat=args.repeat)
     console = Console()
     if not console.is_terminal:  # a file or pipe: never fold the operator names
         console = Console(width=max(100, 60 + max((len(o.name) for o in prof.operators),
@@ -309,10 +311,46 @@ def cmd_profile(args: argparse.Namespace) -> int:
     console.print(kinds)
     console.print(f"a profiled run: {prof.run_seconds * ms:.3f} ms (each call timed from "
                   f"Python); unprofiled: {prof.latency_seconds * ms:.3f} ms", highlight=False)
+    report = prof.to_json()
+    if args.against:
+        report["against_onnxruntime"] = _print_against_onnxruntime(console, compiled, model,
+                                                                    inputs, args)
     if args.json:
-        Path(args.json).write_text(json.dumps(prof.to_json(), indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def _print_against_onnxruntime(console, compiled: CompiledModel, model, inputs,
+                               args: argparse.Namespace) -> dict:
+    """``profile --against onnxruntime``: the table of :mod:`tvm_tpp.layer_compare`."""
+    import onnx
+    import tvm_ffi
+    from rich.table import Table
+
+    from .layer_compare import compare_layers
+
+    proto = onnx.load(model) if isinstance(model, (str, os.PathLike)) else model
+    threads = tvm_ffi.get_global_func("runtime.NumThreads")()
+    cmp = compare_layers(compiled, proto, inputs, threads, rounds=args.rounds,
+                         repeat=args.repeat)
+    table = Table(title=f"layers against ONNX Runtime ({threads} threads each, one process, "
+                  f"{args.rounds} alternating rounds of {args.repeat} runs; median per round)")
+    for name in ("layer", "count tpp/ORT", "tpp ms", "ORT ms", "ORT / tpp"):
+        table.add_column(name, justify="left" if name == "layer" else "right")
+    ms = 1e3
+    for layer in cmp.layers[:args.top] + tuple(
+            x for x in cmp.layers[args.top:] if x.key.startswith("other")):
+        table.add_row(layer.key, f"{layer.tpp_calls}/{layer.ort_calls}",
+                      "-" if layer.tpp_seconds is None else f"{layer.tpp_seconds * ms:.3f}",
+                      "-" if layer.ort_seconds is None else f"{layer.ort_seconds * ms:.3f}",
+                      "-" if layer.ratio is None else f"{layer.ratio:.2f}x")
+    table.add_section()
+    table.add_row("a run (unprofiled, median)", "", f"{cmp.tpp_run_seconds * ms:.3f}",
+                  f"{cmp.ort_run_seconds * ms:.3f}",
+                  f"{cmp.ort_run_seconds / cmp.tpp_run_seconds:.2f}x")
+    console.print(table)
+    return cmp.to_json()
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -540,6 +578,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="slowest operators listed (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", help="write every operator's time and the totals as JSON")
+    p.add_argument("--against", choices=("onnxruntime",),
+                   help="also time ONNX Runtime per node on the same file, in this process, and "
+                   "list each conv and dense layer's time on both sides")
+    p.add_argument("--rounds", type=_at_least(1, int), default=3,
+                   help="alternating rounds of --repeat runs each for --against (default 3)")
 
     p = add("tune", cmd_tune, "tune every GEMM, conv and batch GEMM of the models over their "
             "loop_spec spaces")

@@ -1,0 +1,67 @@
+"""``tvm-tpp profile --against onnxruntime``: the build's layers matched to ONNX Runtime's."""
+
+import json
+
+import pytest
+
+import tvm_tpp
+from tvm_tpp import models
+from tvm_tpp.cli import main
+from tvm_tpp.layer_compare import compare_layers, layer_key, ort_layer_key
+from tvm_tpp.reference import random_inputs
+
+
+@pytest.mark.parametrize("name, options", [
+    ("resnet_small", dict(image=32, widths=(16, 32))),
+    ("mobilenet_v2", dict(image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)), head=32)),
+])
+def test_every_kernel_meets_its_onnxruntime_node(name, options):
+    """Strided, pointwise, depthwise convs and the classifier: each key has as many layers on
+    both sides, and each side's time is positive."""
+    model = models.load(name, **options)
+    compiled = tvm_tpp.compile(model, target="tpp")
+    cmp = compare_layers(compiled, model, random_inputs(compiled.inputs), threads=1, rounds=2,
+                         repeat=1, warmup_seconds=0.0)
+    layers = [layer for layer in cmp.layers if not layer.key.startswith("other")]
+    assert any(" g" in layer.key for layer in layers) == (name == "mobilenet_v2")
+    assert any(" s2" in layer.key for layer in layers) and any("dense" in x.key for x in layers)
+    for layer in layers:
+        assert layer.tpp_calls == layer.ort_calls > 0, layer
+        assert layer.tpp_seconds > 0 and layer.ort_seconds > 0 and layer.ratio > 0
+    assert sum(layer.tpp_calls for layer in layers) == sum(
+        name.startswith("tpp_") for name in _kernel_calls(compiled))
+    assert cmp.tpp_run_seconds > 0 and cmp.ort_run_seconds > 0
+
+
+def _kernel_calls(compiled):
+    return [o.name for o in compiled.profile(repeat=1).operators for _ in range(o.calls)]
+
+
+@pytest.mark.parametrize("op, inputs, outputs, key", [
+    ("Conv", [[2, 12, 9, 9], [6, 4, 3, 3]], [[2, 6, 5, 5]], "conv 12x9x9 -> 6 3x3 s2 g3"),
+    ("FusedConv", [[1, 8, 7, 7], [8, 1, 3, 3], [8]], [[1, 8, 7, 7]],
+     "conv 8x7x7 -> 8 3x3 s1 g8"),
+    ("MatMul", [[2, 128, 768], [768, 3072]], [[2, 128, 3072]], "dense 256x3072x768"),
+    ("Relu", [[1, 8]], [[1, 8]], None),
+    ("Conv", [[1, 8, 16]], [[1, 8, 16]], None),  # a 1-D conv: not a 2-D layer
+])
+def test_onnxruntime_nodes_keyed_by_their_shapes(op, inputs, outputs, key):
+    assert ort_layer_key(op, inputs, outputs) == key
+
+
+def test_kernel_names_keyed_as_their_layers():
+    assert layer_key("tpp_conv2d_nx3x224x224_64x7x7_s2x2_bias_relu_u8s8") == \
+        "conv 3x224x224 -> 64 7x7 s2"
+    assert layer_key("tpp_conv2d_1x12x9x9_6x3x3_s1x1_d2x2_g3_bias") == \
+        "conv 12x9x9 -> 6 3x3 s1 g3"
+    assert layer_key("tpp_batch_gemm_12x128x64x128") is None
+
+
+def test_cli_prints_and_writes_both_sides(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["profile", "mlp", "--against", "onnxruntime", "--repeat", "2", "--rounds", "1",
+                 "--json", str(out)]) == 0
+    assert "layers against ONNX Runtime" in capsys.readouterr().out
+    layers = json.loads(out.read_text())["against_onnxruntime"]["layers"]
+    dense = [layer for layer in layers if layer["key"].startswith("dense")]
+    assert dense and all(x["tpp_seconds"] and x["ort_seconds"] for x in dense)

@@ -1,0 +1,219 @@
+"""A built model's layers against ONNX Runtime's on the same ONNX file, in one process.
+
+:func:`compare_layers` times the tpp build per call (:func:`tvm_tpp.profiling.profile_vm`)
+and ONNX Runtime per node (its own profiler) in alternating rounds, with the same thread
+count, and matches the two by :func:`layer_key`: a convolution by its input, filter, stride
+and groups, a dense layer by its ``M x N x K`` — what both sides compute, whatever each fused
+into it (a bias, an activation, a residual add).  What has no key (pooling, layout
+conversions, attention, ONNX Runtime's reorders) is summed per kind on the tpp side
+(:data:`tvm_tpp.profiling.KIND_NAMES`) and per operator type on ONNX Runtime's.
+
+A layer's time is the median over the rounds of its seconds per run; ``calls`` counts the
+layers of that key per run (ResNet-50 has six ``256x14x14 -> 1024 1x1`` convs).
+
+Examples
+--------
+>>> layer_key("tpp_conv2d_1x256x14x14_1024x1x1_s1x1_bias_residual_relu_inplace")
+'conv 256x14x14 -> 1024 1x1 s1'
+>>> layer_key("tpp_dwconv2d_1x32x56x56_3x3_s2x2_bias")
+'conv 32x56x56 -> 32 3x3 s2 g32'
+>>> layer_key("tpp_dense_1x1000x2048_bias"), layer_key("fused_transpose_pad")
+('dense 1x1000x2048', None)
+>>> ort_layer_key("FusedConv", [[1, 256, 14, 14], [1024, 256, 1, 1], [1024]], [[1, 1024, 14, 14]])
+'conv 256x14x14 -> 1024 1x1 s1'
+>>> ort_layer_key("Gemm", [[1, 2048], [1000, 2048], [1000]], [[1, 1000]])
+'dense 1x1000x2048'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .profiling import KIND_NAMES, profile_vm
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+
+    from .compiler import CompiledModel
+
+__all__ = ["Layer", "LayerComparison", "compare_layers", "layer_key", "ort_layer_key"]
+
+_CONV = re.compile(r"tpp_(dw)?conv2d_\w+?x(\d+)x(\d+)x(\d+)_(?:(\d+)x)?(\d+)x(\d+)_s(\d+)x\d+"
+                   r"(?:_d\d+x\d+)?(?:_g(\d+))?")
+_DENSE = re.compile(r"tpp_dense_(\w+?)x(\d+)x(\d+)(?:_|$)")
+#: ONNX Runtime's operator types of a convolution and of a dense layer.
+_ORT_CONVS = frozenset({"Conv", "FusedConv", "NhwcFusedConv"})
+_ORT_DENSE = frozenset({"Gemm", "FusedGemm", "MatMul", "FusedMatMul"})
+
+
+def _conv_key(c: int, h: int, w: int, k: int, r: int, s: int, stride: int, groups: int) -> str:
+    return f"conv {c}x{h}x{w} -> {k} {r}x{s} s{stride}" + (f" g{groups}" if groups > 1 else "")
+
+
+def layer_key(name: str) -> str | None:
+    """The layer a tpp kernel (by its function name) computes, or None for anything else."""
+    if match := _CONV.match(name):
+        dw, c, h, w, k, r, s, stride, groups = match.groups()
+        if dw:  # depthwise: one filter per channel
+            return _conv_key(int(c), int(h), int(w), int(c), int(r), int(s), int(stride), int(c))
+        return _conv_key(int(c), int(h), int(w), int(k), int(r), int(s), int(stride),
+                         int(groups or 1))
+    if match := _DENSE.match(name):
+        rows, n, k = match.groups()
+        return f"dense {rows}x{n}x{k}"
+    return None
+
+
+def ort_layer_key(op: str, inputs: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]
+                  ) -> str | None:
+    """The layer an ONNX Runtime node computes, from its operator type and its inputs' and
+    outputs' shapes (its profile records no attributes), or None."""
+    if op in _ORT_CONVS and len(inputs) >= 2 and len(inputs[0]) == 4 and len(inputs[1]) == 4:
+        (_, c, h, w), (k, group_c, r, s), (_, _, p, _) = inputs[0], inputs[1], outputs[0]
+        stride = max(1, round(h / p)) if p > 1 else 1  # the profile has no strides
+        return _conv_key(c, h, w, k, r, s, stride, c // group_c if group_c else 1)
+    if op in _ORT_DENSE and len(inputs) >= 2 and inputs[0] and outputs and outputs[0]:
+        rows = math.prod(inputs[0][:-1])
+        return f"dense {rows}x{outputs[0][-1]}x{inputs[0][-1]}"
+    return None
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One key's seconds per run on each side (None: that side has no such layer) and how
+    many layers of that key a run has on each."""
+
+    key: str
+    tpp_seconds: float | None
+    ort_seconds: float | None
+    tpp_calls: int
+    ort_calls: int
+
+    @property
+    def ratio(self) -> float | None:
+        """ONNX Runtime's time over tpp's (> 1: tpp is faster)."""
+        if not self.tpp_seconds or self.ort_seconds is None:
+            return None
+        return self.ort_seconds / self.tpp_seconds
+
+
+@dataclass(frozen=True)
+class LayerComparison:
+    """Matched layers (slowest on either side first), the unmatched rest per kind, and each
+    side's median wall time of an unprofiled run."""
+
+    layers: tuple[Layer, ...]
+    tpp_run_seconds: float
+    ort_run_seconds: float
+    threads: int
+    rounds: int
+    repeat: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layers": [vars(layer) for layer in self.layers],
+                "tpp_run_seconds": self.tpp_run_seconds, "ort_run_seconds": self.ort_run_seconds,
+                "threads": self.threads, "rounds": self.rounds, "repeat": self.repeat}
+
+
+def _ort_session(model: onnx.ModelProto, threads: int, profile_dir: str):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.enable_profiling = True
+    options.profile_file_prefix = os.path.join(profile_dir, "ort")
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+
+
+def _ort_rounds(events: list[dict], rounds: int, repeat: int) -> list[dict[str, tuple[float, int]]]:
+    """Per round: key -> (seconds per run, nodes), from ONNX Runtime's profile events (the
+    last ``rounds * repeat`` calls of each node: the warm-up runs come first)."""
+    calls: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for event in events:
+        if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
+            continue
+        args = event["args"]
+        shapes = [[list(d.values())[0] for d in args.get(f"{side}_type_shape", [])]
+                  for side in ("input", "output")]
+        op = args.get("op_name", "?")
+        key = ort_layer_key(op, *shapes) or f"other: ONNX Runtime {op}"
+        calls[event["name"]].append((key, event["dur"] * 1e-6))
+    per_round: list[dict[str, tuple[float, int]]] = [{} for _ in range(rounds)]
+    for node_calls in calls.values():
+        node_calls = node_calls[-rounds * repeat:]
+        for r in range(rounds):
+            part = node_calls[r * repeat:(r + 1) * repeat]
+            if part:
+                seconds, nodes = per_round[r].get(part[0][0], (0.0, 0))
+                per_round[r][part[0][0]] = (seconds + sum(d for _, d in part) / repeat, nodes + 1)
+    return per_round
+
+
+def compare_layers(compiled: CompiledModel, model: onnx.ModelProto,
+                   inputs: Mapping[str, np.ndarray], threads: int, rounds: int = 3,
+                   repeat: int = 10, warmup_seconds: float = 3.0) -> LayerComparison:
+    """Time ``compiled`` per call and ONNX Runtime per node on ``model``, in ``rounds``
+    alternating rounds of ``repeat`` runs each (after ``warmup_seconds`` of both), matched
+    by :func:`layer_key`.  ``threads``: ONNX Runtime's intra-op threads (TVM's pool is this
+    process's)."""
+    import tvm
+    from tvm import relax
+
+    if rounds < 1 or repeat < 1:
+        raise ValueError(f"rounds and repeat must be >= 1, got {rounds} and {repeat}")
+    compiled._machine()  # refuses code this CPU cannot run, as profile() does
+    args = compiled._arguments(dict(inputs))
+    vm = relax.VirtualMachine(compiled.executable, tvm.cpu())
+    feeds = dict(inputs)
+    with tempfile.TemporaryDirectory() as profile_dir:
+        session = _ort_session(model, threads, profile_dir)
+        end = time.perf_counter() + warmup_seconds
+        while time.perf_counter() < end:
+            vm["main"](*args)
+            session.run(None, feeds)
+        tpp_rounds, tpp_runs, ort_runs = [], [], []
+        for _ in range(rounds):
+            prof = profile_vm(vm, args, repeat, warmup=0)
+            tpp_runs.append(prof.latency_seconds)
+            per_key: dict[str, tuple[float, int]] = {}
+            for op in prof.operators:
+                key = layer_key(op.name) or f"other: tpp {KIND_NAMES[op.kind]}"
+                seconds, calls = per_key.get(key, (0.0, 0))
+                per_key[key] = (seconds + op.seconds, calls + op.calls)
+            tpp_rounds.append(per_key)
+            start = time.perf_counter()
+            for _ in range(repeat):
+                session.run(None, feeds)
+            ort_runs.append((time.perf_counter() - start) / repeat)
+        with open(session.end_profiling()) as f:
+            events = json.load(f)
+    ort_rounds = _ort_rounds(events, rounds, repeat)
+
+    def median(per_round: list[dict[str, tuple[float, int]]], key: str
+               ) -> tuple[float | None, int]:
+        if not any(key in r for r in per_round):
+            return None, 0
+        return (statistics.median(r.get(key, (0.0, 0))[0] for r in per_round),
+                max(r.get(key, (0.0, 0))[1] for r in per_round))
+
+    layers = []
+    for key in {k for r in (*tpp_rounds, *ort_rounds) for k in r}:
+        (tpp, tpp_calls), (ort, ort_calls) = median(tpp_rounds, key), median(ort_rounds, key)
+        layers.append(Layer(key, tpp, ort, tpp_calls, ort_calls))
+    layers.sort(key=lambda layer: (layer.key.startswith("other"),
+                                   -max(layer.tpp_seconds or 0.0, layer.ort_seconds or 0.0)))
+    return LayerComparison(tuple(layers), statistics.median(tpp_runs),
+                           statistics.median(ort_runs), threads, rounds, repeat)
