@@ -335,7 +335,7 @@ def _print_against_onnxruntime(console, compiled: CompiledModel, model, inputs,
     cmp = compare_layers(compiled, proto, inputs, threads, rounds=args.rounds,
                          repeat=args.repeat)
     table = Table(title=f"layers against ONNX Runtime ({threads} threads each, one process, "
-                  f"{args.rounds} alternating rounds of {args.repeat} runs; median per round)")
+                  f"{args.rounds} alternating rounds of {args.repeat} runs; medians of the rounds)")
     for name in ("layer", "count tpp/ORT", "tpp ms", "ORT ms", "ORT / tpp"):
         table.add_column(name, justify="left" if name == "layer" else "right")
     ms = 1e3
@@ -348,7 +348,7 @@ def _print_against_onnxruntime(console, compiled: CompiledModel, model, inputs,
     table.add_section()
     table.add_row("a run (unprofiled, median)", "", f"{cmp.tpp_run_seconds * ms:.3f}",
                   f"{cmp.ort_run_seconds * ms:.3f}",
-                  f"{cmp.ort_run_seconds / cmp.tpp_run_seconds:.2f}x")
+                  f"{cmp.run_ratio:.2f}x")
     console.print(table)
     return cmp.to_json()
 

@@ -8,7 +8,8 @@ into it (a bias, an activation, a residual add).  What has no key (pooling, layo
 conversions, attention, ONNX Runtime's reorders) is summed per kind on the tpp side
 (:data:`tvm_tpp.profiling.KIND_NAMES`) and per operator type on ONNX Runtime's.
 
-A layer's time is the median over the rounds of its seconds per run; ``calls`` counts the
+A layer's time is the median over the rounds of its seconds per run, its ratio the median
+of the rounds' ratios; ``calls`` counts the
 layers of that key per run (ResNet-50 has six ``256x14x14 -> 1024 1x1`` convs).
 
 Examples
@@ -91,31 +92,29 @@ def ort_layer_key(op: str, inputs: Sequence[Sequence[int]], outputs: Sequence[Se
 
 @dataclass(frozen=True)
 class Layer:
-    """One key's seconds per run on each side (None: that side has no such layer) and how
-    many layers of that key a run has on each."""
+    """One key's seconds per run on each side (None: that side has no such layer), how many
+    layers of that key a run has on each, and ``ratio``: ONNX Runtime's time over tpp's (> 1:
+    tpp is faster), the median of the rounds' ratios (a round's two halves run a few
+    seconds apart, so drift of the host's load cancels in them)."""
 
     key: str
     tpp_seconds: float | None
     ort_seconds: float | None
     tpp_calls: int
     ort_calls: int
-
-    @property
-    def ratio(self) -> float | None:
-        """ONNX Runtime's time over tpp's (> 1: tpp is faster)."""
-        if not self.tpp_seconds or self.ort_seconds is None:
-            return None
-        return self.ort_seconds / self.tpp_seconds
+    ratio: float | None
 
 
 @dataclass(frozen=True)
 class LayerComparison:
-    """Matched layers (slowest on either side first), the unmatched rest per kind, and each
-    side's median wall time of an unprofiled run."""
+    """Matched layers (slowest on either side first), the unmatched rest per kind, each
+    side's median wall time of an unprofiled run and the median of the rounds' ratios of
+    those (ONNX Runtime's over tpp's)."""
 
     layers: tuple[Layer, ...]
     tpp_run_seconds: float
     ort_run_seconds: float
+    run_ratio: float
     threads: int
     rounds: int
     repeat: int
@@ -123,6 +122,7 @@ class LayerComparison:
     def to_json(self) -> dict[str, Any]:
         return {"layers": [vars(layer) for layer in self.layers],
                 "tpp_run_seconds": self.tpp_run_seconds, "ort_run_seconds": self.ort_run_seconds,
+                "run_ratio": self.run_ratio,
                 "threads": self.threads, "rounds": self.rounds, "repeat": self.repeat}
 
 
@@ -209,11 +209,19 @@ def compare_layers(compiled: CompiledModel, model: onnx.ModelProto,
         return (statistics.median(r.get(key, (0.0, 0))[0] for r in per_round),
                 max(r.get(key, (0.0, 0))[1] for r in per_round))
 
+    def ratio(key: str) -> float | None:
+        pairs = [(t[key][0], o[key][0]) for t, o in zip(tpp_rounds, ort_rounds, strict=True)
+                 if key in t and key in o and t[key][0] > 0]
+        return statistics.median(o / t for t, o in pairs) if pairs else None
+
     layers = []
     for key in {k for r in (*tpp_rounds, *ort_rounds) for k in r}:
         (tpp, tpp_calls), (ort, ort_calls) = median(tpp_rounds, key), median(ort_rounds, key)
-        layers.append(Layer(key, tpp, ort, tpp_calls, ort_calls))
+        layers.append(Layer(key, tpp, ort, tpp_calls, ort_calls, ratio(key)))
     layers.sort(key=lambda layer: (layer.key.startswith("other"),
                                    -max(layer.tpp_seconds or 0.0, layer.ort_seconds or 0.0)))
     return LayerComparison(tuple(layers), statistics.median(tpp_runs),
-                           statistics.median(ort_runs), threads, rounds, repeat)
+                           statistics.median(ort_runs),
+                           statistics.median(o / t for t, o in zip(tpp_runs, ort_runs,
+                                                                   strict=True)),
+                           threads, rounds, repeat)
