@@ -3,6 +3,8 @@
 import json
 
 import pytest
+import tvm
+from tvm import relax
 
 import tvm_tpp
 from tvm_tpp import models
@@ -20,7 +22,9 @@ def test_every_kernel_meets_its_onnxruntime_node(name, options):
     both sides, and each side's time is positive."""
     model = models.load(name, **options)
     compiled = tvm_tpp.compile(model, target="tpp")
-    cmp = compare_layers(compiled, model, random_inputs(compiled.inputs), threads=1, rounds=2,
+    inputs = random_inputs(compiled.inputs)
+    cmp = compare_layers(relax.VirtualMachine(compiled.executable, tvm.cpu()),
+                         compiled._arguments(inputs), model, inputs, threads=1, rounds=2,
                          repeat=1, warmup_seconds=0.0)
     layers = [layer for layer in cmp.layers if not layer.key.startswith("other")]
     assert any(" g" in layer.key for layer in layers) == (name == "mobilenet_v2")

@@ -324,17 +324,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _print_against_onnxruntime(console, compiled: CompiledModel, model, inputs,
                                args: argparse.Namespace) -> dict:
     """``profile --against onnxruntime``: the table of :mod:`tvm_tpp.layer_compare`."""
-    import onnx
-    import tvm_ffi
     from rich.table import Table
 
-    from .layer_compare import compare_layers
-
-    proto = onnx.load(model) if isinstance(model, (str, os.PathLike)) else model
-    threads = tvm_ffi.get_global_func("runtime.NumThreads")()
-    cmp = compare_layers(compiled, proto, inputs, threads, rounds=args.rounds,
-                         repeat=args.repeat)
-    table = Table(title=f"layers against ONNX Runtime ({threads} threads each, one process, "
+    cmp = compiled.compare_layers(model, inputs, rounds=args.rounds, repeat=args.repeat)
+    table = Table(title=f"layers against ONNX Runtime ({cmp.threads} threads each, one process, "
                   f"{args.rounds} alternating rounds of {args.repeat} runs; medians of the rounds)")
     for name in ("layer", "count tpp/ORT", "tpp ms", "ORT ms", "ORT / tpp"):
         table.add_column(name, justify="left" if name == "layer" else "right")

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from schedules.conv import ConvProblem
     from schedules.gemm import GemmProblem
 
+    from .layer_compare import LayerComparison
     from .profiling import Profile
 
     Problem = GemmProblem | ConvProblem | BatchGemmProblem
@@ -224,6 +225,33 @@ class CompiledModel:
         args = self._arguments(random_inputs(self.inputs) if inputs is None else inputs)
         # A VM of its own: the instrument stays off the one run() and time() use.
         return profile_vm(relax.VirtualMachine(self.executable, tvm.cpu()), args, repeat)
+
+    def compare_layers(self, model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray]
+                       | None = None, rounds: int = 3, repeat: int = 10
+                       ) -> LayerComparison:
+        """Each conv and dense layer's time next to ONNX Runtime's node of the same shape on
+        ``model`` (the ONNX file this was compiled from, or its path), timed in this process
+        in alternating rounds with TVM's thread count (:mod:`tvm_tpp.layer_compare`).
+
+        Examples
+        --------
+        >>> from tvm_tpp import models
+        >>> mlp = models.load("mlp")
+        >>> cmp = compile(mlp, target="tpp").compare_layers(mlp, rounds=1, repeat=1)
+        >>> sorted(layer.key for layer in cmp.layers if layer.ratio)
+        ['dense 1x1024x1024', 'dense 1x1024x512', 'dense 1x512x1024']
+        """
+        import tvm_ffi
+
+        from .layer_compare import compare_layers
+        from .reference import random_inputs
+
+        self._machine()  # refuses code this CPU cannot run
+        inputs = random_inputs(self.inputs) if inputs is None else inputs
+        proto = onnx.load(model) if isinstance(model, (str, os.PathLike)) else model
+        threads = tvm_ffi.get_global_func("runtime.NumThreads")()
+        return compare_layers(relax.VirtualMachine(self.executable, tvm.cpu()),
+                              self._arguments(inputs), proto, inputs, threads, rounds, repeat)
 
     def source(self, kind: str = "asm") -> str:
         """The generated code of a model compiled in this process: ``"asm"`` or ``"llvm"`` IR.

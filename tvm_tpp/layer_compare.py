@@ -46,8 +46,6 @@ if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-    from .compiler import CompiledModel
-
 __all__ = ["Layer", "LayerComparison", "compare_layers", "layer_key", "ort_layer_key"]
 
 _CONV = re.compile(r"tpp_(dw)?conv2d_\w+?x(\d+)x(\d+)x(\d+)_(?:(\d+)x)?(\d+)x(\d+)_s(\d+)x\d+"
@@ -162,21 +160,16 @@ def _ort_rounds(events: list[dict], rounds: int, repeat: int) -> list[dict[str, 
     return per_round
 
 
-def compare_layers(compiled: CompiledModel, model: onnx.ModelProto,
+def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
                    inputs: Mapping[str, np.ndarray], threads: int, rounds: int = 3,
                    repeat: int = 10, warmup_seconds: float = 3.0) -> LayerComparison:
-    """Time ``compiled`` per call and ONNX Runtime per node on ``model``, in ``rounds``
-    alternating rounds of ``repeat`` runs each (after ``warmup_seconds`` of both), matched
-    by :func:`layer_key`.  ``threads``: ONNX Runtime's intra-op threads (TVM's pool is this
-    process's)."""
-    import tvm
-    from tvm import relax
-
+    """Time ``vm["main"](*args)`` per call and ONNX Runtime per node on ``model`` fed
+    ``inputs`` (the same values), in ``rounds`` alternating rounds of ``repeat`` runs each
+    (after ``warmup_seconds`` of both), matched by :func:`layer_key`.  ``threads``: ONNX
+    Runtime's intra-op threads (TVM's pool is this process's).  ``vm`` gets an instrument:
+    give it a VM of its own (:meth:`tvm_tpp.compiler.CompiledModel.compare_layers` does)."""
     if rounds < 1 or repeat < 1:
         raise ValueError(f"rounds and repeat must be >= 1, got {rounds} and {repeat}")
-    compiled._machine()  # refuses code this CPU cannot run, as profile() does
-    args = compiled._arguments(dict(inputs))
-    vm = relax.VirtualMachine(compiled.executable, tvm.cpu())
     feeds = dict(inputs)
     with tempfile.TemporaryDirectory() as profile_dir:
         session = _ort_session(model, threads, profile_dir)

@@ -47,7 +47,8 @@ from ..errors import UsageError
 if TYPE_CHECKING:
     from tvm.target import Target
 
-__all__ = ["ConvRow", "bench_conv", "conv_problem", "epilogue_of", "variant", "format_rows", "run"]
+__all__ = ["ConvRow", "bench_conv", "epilogue_of", "variant", "format_rows", "run",
+           "tuner_candidates"]
 
 
 @dataclass(frozen=True)
