@@ -189,16 +189,28 @@ def flush_operands(args: list[object]) -> Callable[[], None]:
     return functools.partial(flush, *args)
 
 
+def _then(first: Callable[[], object] | None, second: Callable[[], object] | None
+          ) -> Callable[[], None]:
+    def run() -> None:
+        for step in (first, second):
+            if step is not None:
+                step()
+
+    return run
+
+
 def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
             rounds: int = _ROUNDS, round_seconds: float = _ROUND_SECONDS,
-            built: dict[Config, Callable[[], object]] | None = None, cold: bool = True
-            ) -> list[float | str]:
+            built: dict[Config, Callable[[], object]] | None = None, cold: bool = True,
+            before: Callable[[], object] | None = None) -> list[float | str]:
     """Build ``configs`` together and time them interleaved (see :func:`time_interleaved`):
     seconds of one run, or the error of a candidate that could not be built.
 
     ``built`` maps configs to ready runs (built, with arguments): those are not built again,
     and the new ones are added to it.  ``cold``: operands flushed before each run (module
-    doc); otherwise each run finds them where the previous run of any candidate left them."""
+    doc); otherwise each run finds them where the previous run of any candidate left them.
+    ``before`` runs, untimed, before each run (after the flush): e.g. the kernel that writes
+    the candidates' input, as the layer before does in a network."""
     built = {} if built is None else built
     new = [c for c in dict.fromkeys(configs) if c not in built]
     scheduled = _scheduled(problem, new, isa)
@@ -209,8 +221,9 @@ def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
     for i, args in zip(ok, arguments, strict=True):
         built[new[i]] = functools.partial(compiled[i], *args)  # type: ignore[arg-type]
     timed = [c for c in configs if c in built]
-    flushes = [flush_operands(list(built[c].args)) for c in timed] if cold else None
-    times = time_interleaved([built[c] for c in timed], rounds, round_seconds, flushes)
+    flushes = [flush_operands(list(built[c].args)) if cold else None for c in timed]
+    preparations = [_then(flush, before) for flush in flushes]
+    times = time_interleaved([built[c] for c in timed], rounds, round_seconds, preparations)
     seconds = dict(zip(timed, times, strict=True))
     return [seconds[c] if c in seconds else errors[c] for c in configs]
 

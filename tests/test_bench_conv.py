@@ -75,3 +75,41 @@ def test_threads_are_refused_once_the_pool_runs(monkeypatch, capsys):
     monkeypatch.setenv("TVM_NUM_THREADS", str(running))  # restored after the test
     assert main(["bench-conv", "1x8x7x7x16x1x1", "--threads", str(running + 1)]) == 2
     assert "already has" in capsys.readouterr().err
+
+
+def test_after_writes_the_conv_s_input():
+    """The producer's output is a view of the input the rows share: running it changes that
+    input to exactly what the producer computes."""
+    import numpy as np
+    import tvm
+
+    from microkernels.machine import machine_of
+    from schedules.conv import default_config
+    from schedules.measure import measure
+    from tvm_tpp.bench.conv import _producer
+    from tvm_tpp.tpp_target import target
+
+    tpp = target("tpp")
+    problem = conv_problem("1x16x6x6x32x1x1")
+    config = default_config(problem, machine_of(tpp))
+    built = {}
+    measure(problem, [config], tpp, machine_of(tpp).isa.name, rounds=0, built=built)
+    after = conv_problem("1x8x6x6x16x3x3/s1x1p1x1x1x1", epilogue=Epilogue((EpilogueOp("relu"),)))
+    producer = _producer(after, problem, [built[config]], tpp)
+    x = built[config].args[0]
+    before = x.numpy().copy()
+    producer()
+    y = tvm.runtime.empty((after.rows, after.k), "float32")
+    producer.func(*producer.args[:-1], y)
+    assert np.array_equal(x.numpy().reshape(y.shape), y.numpy())
+    assert not np.array_equal(before, x.numpy())
+
+
+def test_after_runs_before_each_timed_run(capsys):
+    assert main(["bench-conv", "1x16x6x6x32x1x1", "--after", "1x8x6x6x16x3x3/s1x1p1x1x1x1",
+                 "--cold", "--warmup", "0", "--rounds", "1"]) == 0
+    assert "after conv2d 1x8x6x6x16x3x3/s1x1p1x1x1x1 bias_relu" in capsys.readouterr().out
+    # The 3x3 conv's packed input has a border: no producer writes it as it is.
+    assert main(["bench-conv", "1x16x6x6x32x3x3/s1x1p1x1x1x1", "--after",
+                 "1x8x6x6x16x3x3/s1x1p1x1x1x1", "--warmup", "0", "--rounds", "1"]) == 2
+    assert "--after takes the conv before a 1x1 conv" in capsys.readouterr().err

@@ -625,6 +625,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="a row with these fields of the default changed, e.g. fold_taps=false "
                    "or bq=14,bk=32 (repeatable)")
     p.add_argument("--candidates", action="store_true", help="also time the tuner's candidates")
+    p.add_argument("--after", metavar="CONV", help="a conv run untimed before each run, writing "
+                   "this one's input as the layer before does in a network (this conv: 1x1, "
+                   "stride 1, no padding), e.g. 1x256x14x14x256x3x3/s1x1p1x1x1x1")
+    p.add_argument("--after-epilogue", default="bias,relu",
+                   help="the --after conv's epilogue (default bias,relu)")
     p.add_argument("--cold", action="store_true",
                    help="evict every operand but the input before each run, as the tuner times")
     p.add_argument("--threads", type=_at_least(1, int),

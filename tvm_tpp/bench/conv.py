@@ -29,6 +29,7 @@ $ tvm-tpp bench-conv 1x256x14x14x1024x1x1 --epilogue bias,residual,relu --cold -
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -40,7 +41,7 @@ from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules.conv import ConvConfig, ConvProblem, candidates, default_config
 from schedules.measure import measure
-from schedules.ops import OPS, config_text, conv_problem
+from schedules.ops import OPS, config_text, conv_problem, problem_text
 
 from ..errors import UsageError
 
@@ -115,8 +116,8 @@ def variant(config: ConvConfig, text: str, problem: ConvProblem) -> ConvConfig:
 
 def bench_conv(problem: ConvProblem, target: Target,
                variants: Sequence[tuple[str, ConvConfig | None]], *, cold: bool = False,
-               warmup: float = 5.0, rounds: int = 10, round_seconds: float = 0.3
-               ) -> list[ConvRow]:
+               warmup: float = 5.0, rounds: int = 10, round_seconds: float = 0.3,
+               after: ConvProblem | None = None) -> list[ConvRow]:
     """Time each ``(label, config)`` of ``problem`` (None: the default) interleaved.
 
     Parameters
@@ -132,21 +133,48 @@ def bench_conv(problem: ConvProblem, target: Target,
         Seconds of runs, each configuration in turn, before the timing.
     rounds, round_seconds
         Of :func:`schedules.measure.time_interleaved`.
+    after
+        A conv (its default config) that writes ``problem``'s input before each run, untimed,
+        as the layer before does in a network: its output, ``[N*P*Q, K]`` pixels by
+        channels, is ``problem``'s packed input where ``problem`` is a 1x1 conv of stride 1
+        without padding over its ``P x Q`` map and ``K`` channels (ValueError otherwise).
     """
     machine = machine_of(target)
     configs = [config or default_config(problem, machine) for _, config in variants]
     built: dict = {}
     measure(problem, configs, target, machine.isa.name, rounds=0, built=built)
     runs = [built[c] for c in dict.fromkeys(configs) if c in built]
+    producer = _producer(after, problem, runs, target) if after is not None and runs else None
     end = time.perf_counter() + warmup
     while runs and time.perf_counter() < end:
         for run in runs:
+            if producer is not None:
+                producer()
             run()
     times = measure(problem, configs, target, machine.isa.name, rounds=rounds,
-                    round_seconds=round_seconds, built=built, cold=cold)
+                    round_seconds=round_seconds, built=built, cold=cold, before=producer)
     return [ConvRow(label, config, t, "") if isinstance(t, float) else ConvRow(label, config,
                                                                                None, t)
             for (label, _), config, t in zip(variants, configs, times, strict=True)]
+
+
+def _producer(after: ConvProblem, problem: ConvProblem, runs: list, target: Target):
+    """``after``'s kernel writing into the input the ``runs`` share (their first argument)."""
+    feeds = (after.n, after.p, after.q, after.k, after.out_dtype) == (
+        problem.n, problem.h, problem.w, problem.c, problem.dtype)
+    if not (feeds and problem.pointwise and not problem.prologue.ops):
+        raise ValueError(f"the output of {problem_text(after)} is not the packed input of "
+                         f"{problem_text(problem)}: --after takes the conv before a 1x1 conv "
+                         "of stride 1 without padding, its P x Q x K that conv's H x W x C")
+    machine = machine_of(target)
+    config = default_config(after, machine)
+    built: dict = {}
+    measure(after, [config], target, machine.isa.name, rounds=0, built=built)
+    if config not in built:
+        raise ValueError(f"{problem_text(after)} could not be built")
+    run = built[config]
+    x = runs[0].args[0]
+    return functools.partial(run.func, *run.args[:-1], x._create_view((after.rows, after.k)))
 
 
 def tuner_candidates(problem: ConvProblem, target: Target) -> list[tuple[str, ConvConfig]]:
@@ -154,7 +182,8 @@ def tuner_candidates(problem: ConvProblem, target: Target) -> list[tuple[str, Co
     return [(f"candidate {i}", c) for i, c in enumerate(candidates(problem, machine_of(target)))]
 
 
-def format_rows(problem: ConvProblem, rows: Sequence[ConvRow], cold: bool, threads: int) -> str:
+def format_rows(problem: ConvProblem, rows: Sequence[ConvRow], cold: bool, threads: int,
+                after: ConvProblem | None = None) -> str:
     """The rows as a table: time, GFLOPS (GOPS below float32) and speed relative to the
     first row."""
     unit = "GFLOPS" if problem.dtype == "float32" else "GOPS"
@@ -162,7 +191,8 @@ def format_rows(problem: ConvProblem, rows: Sequence[ConvRow], cold: bool, threa
     lines = [f"conv {problem.n}x{problem.c}x{problem.h}x{problem.w} -> {problem.k} "
              f"{problem.r}x{problem.s}, {problem.dtype}, epilogue "
              f"{problem.epilogue.name or '-'}; {threads} thread{'s' if threads > 1 else ''}, "
-             f"{'operands flushed before each run' if cold else 'warm'}",
+             f"{'operands flushed before each run' if cold else 'warm'}"
+             + (f"; after {problem_text(after)}, untimed, writing its input" if after else ""),
              f"{'':{width}s} {'ms':>9s} {unit:>7s} {'x first':>8s}  config"]
     first = rows[0].seconds if rows else None
     for row in rows:
@@ -193,15 +223,23 @@ def run(args: argparse.Namespace) -> int:
         problem = conv_problem(args.conv, args.dtype, epilogue_of(args.epilogue))
     except ValueError as err:
         raise UsageError(str(err)) from None
+    try:
+        after = (conv_problem(args.after, args.dtype, epilogue_of(args.after_epilogue))
+                 if args.after else None)
+    except ValueError as err:
+        raise UsageError(f"--after: {err}") from None
     tpp = target("tpp", num_cores=threads)
     default = default_config(problem, machine_of(tpp))
     variants = [("default", default)] + [(f"vs {text}", variant(default, text, problem))
                                          for text in args.vs or ()]
     if args.candidates:
         variants += tuner_candidates(problem, tpp)
-    rows = bench_conv(problem, tpp, variants, cold=args.cold, warmup=args.warmup,
-                      rounds=args.rounds)
-    print(format_rows(problem, rows, args.cold, threads))
+    try:
+        rows = bench_conv(problem, tpp, variants, cold=args.cold, warmup=args.warmup,
+                          rounds=args.rounds, after=after)
+    except ValueError as err:
+        raise UsageError(f"--after: {err}") from None
+    print(format_rows(problem, rows, args.cold, threads, after))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"conv": args.conv, "dtype": args.dtype, "epilogue": problem.epilogue.name,
