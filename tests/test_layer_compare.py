@@ -14,11 +14,12 @@ from tvm_tpp.reference import random_inputs
 
 
 @pytest.mark.parametrize("name, options", [
-    ("resnet_small", dict(image=32, widths=(16, 32))),
+    pytest.param("resnet_small", dict(image=32, widths=(16, 32)), marks=pytest.mark.slow),
     ("mobilenet_v2", dict(image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)), head=32)),
 ])
 def test_every_kernel_meets_its_onnxruntime_node(name, options):
-    """Strided, pointwise, depthwise convs and the classifier: each key has as many layers on
+    """Strided, pointwise, depthwise convs and the classifier (mobilenet_v2), convs with a
+    fused residual (resnet_small, slow: the same matching): each key has as many layers on
     both sides, and each side's time is positive."""
     model = models.load(name, **options)
     compiled = tvm_tpp.compile(model, target="tpp")
