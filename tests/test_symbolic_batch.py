@@ -113,7 +113,8 @@ def test_dense_residual_follows_the_rows(rows, kernel):
 
 
 @pytest.mark.parametrize("name, options, batches", [
-    ("resnet_small", dict(image=32, widths=(16, 32)), (1, 3)),
+    pytest.param("resnet_small", dict(image=32, widths=(16, 32)), (1, 3),
+                 marks=pytest.mark.slow),  # its convs' batch loop: the int8 case below has it
     pytest.param("mobilenet_v2", dict(image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)),
                                       head=32), (2, 5), marks=pytest.mark.slow),
     ("bert", dict(seq=16, hidden=64, heads=4, ffn=128), (1, 3)),
