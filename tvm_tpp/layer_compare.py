@@ -9,8 +9,9 @@ conversions, attention, ONNX Runtime's reorders) is summed per kind on the tpp s
 (:data:`tvm_tpp.profiling.KIND_NAMES`) and per operator type on ONNX Runtime's.
 
 A layer's time is the median over the rounds of its seconds per run, its ratio the median
-of the rounds' ratios; ``calls`` counts the
-layers of that key per run (ResNet-50 has six ``256x14x14 -> 1024 1x1`` convs).
+of the rounds' ratios; ``calls`` counts the layers of that key per run (ResNet-50 has six
+``256x14x14 -> 1024 1x1`` convs).  Each side's round starts after a pause and one untimed
+run, as ``tvm-tpp bench`` samples: the other runtime's threads spin on after its runs.
 
 Examples
 --------
@@ -40,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .bench.timing import PAUSE_SECONDS
 from .profiling import KIND_NAMES, profile_vm
 
 if TYPE_CHECKING:
@@ -137,8 +139,9 @@ def _ort_session(model: onnx.ModelProto, threads: int, profile_dir: str):
 
 
 def _ort_rounds(events: list[dict], rounds: int, repeat: int) -> list[dict[str, tuple[float, int]]]:
-    """Per round: key -> (seconds per run, nodes), from ONNX Runtime's profile events (the
-    last ``rounds * repeat`` calls of each node: the warm-up runs come first)."""
+    """Per round: key -> (seconds per run, nodes), from ONNX Runtime's profile events: the
+    last ``rounds * (repeat + 1)`` calls of each node (the warm-up runs come first), each
+    round's first call its warm-up run."""
     calls: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for event in events:
         if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
@@ -151,9 +154,9 @@ def _ort_rounds(events: list[dict], rounds: int, repeat: int) -> list[dict[str, 
         calls[event["name"]].append((key, event["dur"] * 1e-6))
     per_round: list[dict[str, tuple[float, int]]] = [{} for _ in range(rounds)]
     for node_calls in calls.values():
-        node_calls = node_calls[-rounds * repeat:]
+        node_calls = node_calls[-rounds * (repeat + 1):]
         for r in range(rounds):
-            part = node_calls[r * repeat:(r + 1) * repeat]
+            part = node_calls[r * (repeat + 1) + 1:(r + 1) * (repeat + 1)]
             if part:
                 seconds, nodes = per_round[r].get(part[0][0], (0.0, 0))
                 per_round[r][part[0][0]] = (seconds + sum(d for _, d in part) / repeat, nodes + 1)
@@ -179,7 +182,10 @@ def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
             session.run(None, feeds)
         tpp_rounds, tpp_runs, ort_runs = [], [], []
         for _ in range(rounds):
-            prof = profile_vm(vm, args, repeat, warmup=0)
+            # Quiet first: the other runtime's threads spin on after its runs (ONNX Runtime's
+            # took a 0.1 ms MLP to 12 ms), then one untimed run wakes this one's.
+            time.sleep(PAUSE_SECONDS)
+            prof = profile_vm(vm, args, repeat, warmup=1)
             tpp_runs.append(prof.latency_seconds)
             per_key: dict[str, tuple[float, int]] = {}
             for op in prof.operators:
@@ -187,6 +193,8 @@ def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
                 seconds, calls = per_key.get(key, (0.0, 0))
                 per_key[key] = (seconds + op.seconds, calls + op.calls)
             tpp_rounds.append(per_key)
+            time.sleep(PAUSE_SECONDS)
+            session.run(None, feeds)  # the round's warm-up run, left out of its profile below
             start = time.perf_counter()
             for _ in range(repeat):
                 session.run(None, feeds)
