@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from .bench.timing import PAUSE_SECONDS
 from .profiling import KIND_NAMES, profile_vm
+from .reference import onnxruntime_session
 
 if TYPE_CHECKING:
     import numpy as np
@@ -126,18 +127,6 @@ class LayerComparison:
                 "threads": self.threads, "rounds": self.rounds, "repeat": self.repeat}
 
 
-def _ort_session(model: onnx.ModelProto, threads: int, profile_dir: str):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.enable_profiling = True
-    options.profile_file_prefix = os.path.join(profile_dir, "ort")
-    return ort.InferenceSession(model.SerializeToString(), options,
-                                providers=["CPUExecutionProvider"])
-
-
 def _ort_rounds(events: list[dict], rounds: int, repeat: int) -> list[dict[str, tuple[float, int]]]:
     """Per round: key -> (seconds per run, nodes), from ONNX Runtime's profile events: the
     last ``rounds * (repeat + 1)`` calls of each node (the warm-up runs come first), each
@@ -175,7 +164,8 @@ def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
         raise ValueError(f"rounds and repeat must be >= 1, got {rounds} and {repeat}")
     feeds = dict(inputs)
     with tempfile.TemporaryDirectory() as profile_dir:
-        session = _ort_session(model, threads, profile_dir)
+        session = onnxruntime_session(model, threads,
+                                      profile_prefix=os.path.join(profile_dir, "ort"))
         end = time.perf_counter() + warmup_seconds
         while time.perf_counter() < end:
             vm["main"](*args)

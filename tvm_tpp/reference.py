@@ -20,7 +20,7 @@ import onnx
 
 from .onnx_import import TensorSpec
 
-__all__ = ["random_inputs", "run_onnxruntime", "max_errors"]
+__all__ = ["random_inputs", "onnxruntime_session", "run_onnxruntime", "max_errors"]
 
 
 def random_inputs(specs: Sequence[TensorSpec], seed: int = 0, batch: int = 1
@@ -45,13 +45,11 @@ def random_inputs(specs: Sequence[TensorSpec], seed: int = 0, batch: int = 1
 TOLERANCES = {"float32": 1e-4, "bf16": 1e-2, "int8": 5e-2}
 
 
-def run_onnxruntime(
-    proto: onnx.ModelProto, inputs: Mapping[str, np.ndarray], threads: int | None = None,
-    optimize: bool = True,
-) -> list[np.ndarray]:
-    """Outputs of ONNX Runtime's CPU provider; ``optimize=False`` runs the graph as written
-    (no fusions: a QDQ model's DequantizeLinear, float op and QuantizeLinear each as the ONNX
-    specification defines them, where the optimized run fuses them into integer kernels)."""
+def onnxruntime_session(proto: onnx.ModelProto, threads: int | None = None,
+                        optimize: bool = True, profile_prefix: str | None = None):
+    """ONNX Runtime's CPU session on ``proto``: ``threads`` intra-op threads and one inter-op
+    thread (its default otherwise), ``optimize=False`` without graph optimizations, and with
+    ``profile_prefix`` its per-node profiler on, writing there."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -60,10 +58,21 @@ def run_onnxruntime(
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-    session = ort.InferenceSession(
-        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
-    return session.run(None, dict(inputs))
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return ort.InferenceSession(proto.SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+
+
+def run_onnxruntime(
+    proto: onnx.ModelProto, inputs: Mapping[str, np.ndarray], threads: int | None = None,
+    optimize: bool = True,
+) -> list[np.ndarray]:
+    """Outputs of ONNX Runtime's CPU provider; ``optimize=False`` runs the graph as written
+    (no fusions: a QDQ model's DequantizeLinear, float op and QuantizeLinear each as the ONNX
+    specification defines them, where the optimized run fuses them into integer kernels)."""
+    return onnxruntime_session(proto, threads, optimize).run(None, dict(inputs))
 
 
 def max_errors(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> tuple[float, float]:

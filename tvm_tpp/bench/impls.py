@@ -350,13 +350,11 @@ def _model_metaschedule(job: Job, workload: ModelWorkload, say: Say) -> Built:
 def _model_onnxruntime(job: Job, workload: ModelWorkload, say: Say) -> Built:
     import onnxruntime as ort
 
+    from ..reference import onnxruntime_session
+
     proto, specs, inputs = workload.load()
     start = time.perf_counter()
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = job.threads
-    options.inter_op_num_threads = 1
-    session = ort.InferenceSession(proto.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
+    session = onnxruntime_session(proto, job.threads)
     # I/O binding: inputs bound once, so timing excludes Python-side input conversion (as
     # TVM's time_evaluator does).
     binding = session.io_binding()
