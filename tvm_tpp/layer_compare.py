@@ -185,10 +185,12 @@ def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
             tpp_rounds.append(per_key)
             time.sleep(PAUSE_SECONDS)
             session.run(None, feeds)  # the round's warm-up run, left out of its profile below
-            start = time.perf_counter()
-            for _ in range(repeat):
+            seconds = []
+            for _ in range(repeat):  # each run timed: a median, as profile_vm's latency is
+                start = time.perf_counter()
                 session.run(None, feeds)
-            ort_runs.append((time.perf_counter() - start) / repeat)
+                seconds.append(time.perf_counter() - start)
+            ort_runs.append(statistics.median(seconds))
         with open(session.end_profiling()) as f:
             events = json.load(f)
     ort_rounds = _ort_rounds(events, rounds, repeat)
