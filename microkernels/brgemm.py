@@ -25,13 +25,15 @@ flat       ``[m, K]`` rows at stride ``sa``   ``[K, n]`` rows at stride ``sb``
 blocked    ``[batch, m, k]`` (stride ``sab``) ``[batch, k, n]`` (stride ``sbb``)
 vnni2      ``[m, K]``                         ``[K/2, n, 2]`` (bf16 pairs along K)
 vnni4      ``[m, K]``                         ``[K/4, n, 4]`` (int8 quads along K)
-vnni4_w7   ``[m, K]`` (uint8)                 as vnni4, every weight in [-64, 63]
+vnni4_w7   ``[m, K]`` (uint8)                 as vnni4, every weight in [-64, 64]
 =========  =================================  =====================================
 
 ``vnni4_w7`` is a contract on B's values, not only on its arrangement: with 7-bit weights
-the pair sums of ``vpmaddubsw`` (``2 * 255 * 64``) cannot saturate int16, so CPUs without VNNI
-run int8 at twice the exact kernel's rate.  oneDNN quantizes weights this way on such CPUs
-(its weight scale adjustment of 0.5); :func:`check_operands` and ``pack`` enforce the range.
+the pair sums of ``vpmaddubsw`` (at most ``2 * 255 * 64 = 32640``) cannot saturate int16, so
+CPUs without VNNI run int8 at about twice the exact kernel's rate.  The range is the one
+ONNX Runtime's ``reduce_range`` quantizes weights to (``[-64, 64]``, its advice for CPUs
+without VNNI; oneDNN's weight scale adjustment of 0.5 does the same);
+:func:`check_operands` and ``pack`` enforce it.
 
 Examples
 --------
@@ -90,7 +92,7 @@ LAYOUTS: dict[str, tuple[int, frozenset[str]]] = {
 }
 
 #: layout -> inclusive range every B value must lie in (layouts that restrict B's values).
-B_RANGES: dict[str, tuple[int, int]] = {"vnni4_w7": (-64, 63)}
+B_RANGES: dict[str, tuple[int, int]] = {"vnni4_w7": (-64, 64)}
 
 
 @dataclass(frozen=True)
@@ -426,7 +428,7 @@ def check_operands(shape: BrgemmShape, b: np.ndarray) -> None:
     ...                np.full((2, 16, 4), 100, "int8"))
     Traceback (most recent call last):
     ...
-    ValueError: layout 'vnni4_w7' needs B in [-64, 63]; got values in [100, 100]
+    ValueError: layout 'vnni4_w7' needs B in [-64, 64]; got values in [100, 100]
     """
     if shape.layout in B_RANGES and b.size:
         lo, hi = B_RANGES[shape.layout]

@@ -82,6 +82,17 @@ class Isa:
         """Whether code for this ISA may use ``feature`` (a cpuinfo flag)."""
         return feature in self.requires
 
+    @property
+    def int8_dot(self) -> bool:
+        """Whether this ISA multiplies u8 x s8 in one instruction that cannot saturate
+        (VNNI's ``vpdpbusd``, AMX tiles, i8mm): without one, 7-bit weights are what make the
+        fast ``vpmaddubsw`` path exact.
+
+        >>> [from_name(n).int8_dot for n in ("avx2", "avx512", "avx_vnni", "amx", "neon_i8mm")]
+        [False, False, True, True, True]
+        """
+        return bool(self.requires & {"avx_vnni", "avx512_vnni", "amx_int8", "i8mm"})
+
     def lanes(self, dtype: str) -> int:
         """Elements of ``dtype`` in one vector register."""
         bits = {"float32": 32, "int32": 32, "bfloat16": 16, "int16": 16, "uint8": 8, "int8": 8}

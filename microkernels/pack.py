@@ -138,10 +138,10 @@ class Packing:
         ``vnni4_w7``), with the layout's value range.
 
         >>> w7 = Packing.for_layout("vnni4_w7")
-        >>> w7.pack(np.full((4, 2), 64, "int8"))
+        >>> w7.pack(np.full((4, 2), 65, "int8"))
         Traceback (most recent call last):
         ...
-        ValueError: vnni_b(4): values must lie in [-64, 63], got [64, 64]
+        ValueError: vnni_b(4): values must lie in [-64, 64], got [65, 65]
         """
         if layout not in LAYOUTS or LAYOUTS[layout][0] == 1:
             raise ValueError(f"{layout!r} is not a VNNI layout of B")

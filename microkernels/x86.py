@@ -30,8 +30,9 @@ no narrow form, so their tail columns use plain widening arithmetic.
 Without VNNI, full-range int8 (``vnni4``) cannot use ``vpmaddubsw``: that instruction
 saturates its 16-bit pair sums (``255 * -128 * 2 < -32768``), which silently corrupts results.
 The exact ``vpmaddwd`` sequence runs at about the fp32 rate (0.9x on Cascade Lake AVX2).
-Weights quantized to 7 bits (layout ``vnni4_w7``, values in [-64, 63], as oneDNN quantizes
-them for CPUs without VNNI) make ``vpmaddubsw`` exact, and it runs at about 1.6x fp32.
+Weights quantized to 7 bits (layout ``vnni4_w7``, values in [-64, 64], as ONNX Runtime's
+``reduce_range`` and oneDNN quantize them for CPUs without VNNI) make ``vpmaddubsw`` exact, and
+it runs at about 1.6x fp32 (Cascade Lake), 2x (Zen 3).
 
 Examples
 --------
@@ -512,7 +513,7 @@ def _int8_exact_steps(shape: BrgemmShape) -> tuple[Step, Step]:
 def _int8_saturating_steps(shape: BrgemmShape) -> tuple[Step, Step]:
     """``vpmaddubsw`` + ``vpmaddwd(1)``: twice the exact kernel's rate, but the u8 x s8 pair
     sums saturate at int16: exact only while ``|a0*b0 + a1*b1| <= 32767`` (e.g. B in
-    [-64, 63], or A < 128)."""
+    [-64, 64], or A < 128)."""
     from tvm import tirx
 
     bits = _isa.from_name(shape.isa).vector_bits
@@ -625,7 +626,7 @@ def int8_dot_impl(shape: BrgemmShape) -> PrimFunc:
 
 @register_impl(("avx2", "avx512"), "uint8", "vnni4_w7", zeroing=True)
 def int8_w7_impl(shape: BrgemmShape) -> PrimFunc:
-    """u8 x s7 kernel with ``vpmaddubsw``: exact because B's layout bounds it to [-64, 63]
+    """u8 x s7 kernel with ``vpmaddubsw``: exact because B's layout bounds it to [-64, 64]
     (``vnni4_w7``); on full-range weights its int16 pair sums would saturate."""
     if shape.dtype_a != "uint8" or shape.layout not in ("vnni4", "vnni4_w7"):
         raise ValueError(f"the vpmaddubsw kernel takes uint8 A in a vnni4 layout, not {shape}")

@@ -323,11 +323,12 @@ def offload(op: str, problem: ConvProblem | DepthwiseProblem, kernel: str,
                    layout="rsc", flops=problem.flops)
 
 
-def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue
+def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue, narrow_weights: bool = False
                  ) -> ConvProblem | DepthwiseProblem:
     """The :class:`~schedules.conv.ConvProblem` of a (supported) ``conv2d`` call, or the
     :class:`~schedules.depthwise.DepthwiseProblem` of a depthwise one (of one image where the
-    batch is symbolic: :func:`conv_batch`)."""
+    batch is symbolic: :func:`conv_batch`); ``narrow_weights``: the conv's int8 weights lie in
+    7 bits (the depthwise kernel has no use for it)."""
     n, c, h, w = _sizes(call.args[0].ty.shape)
     k, _, r, s = static_shape(call.args[1].ty.shape)
     attrs = call.attrs
@@ -338,7 +339,7 @@ def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue
         return DepthwiseProblem(n=n, c=c, h=h, w=w, r=r, s=s, dtype=dtype, epilogue=epilogue,
                                 **geometry)
     return ConvProblem(n=n, c=c, h=h, w=w, k=k, r=r, s=s, dtype=dtype, epilogue=epilogue,
-                       groups=int(attrs.groups), **geometry)
+                       groups=int(attrs.groups), narrow_weights=narrow_weights, **geometry)
 
 
 def to_matrix(y: relax.Expr) -> relax.Expr:

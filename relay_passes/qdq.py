@@ -68,6 +68,7 @@ from microkernels.brgemm import BrgemmShape
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules.gemm import GemmProblem, pack_weight
+from schedules.operands import narrow
 from schedules.tuner import TaskCollector, Tuner
 
 from .conv import conv_batch, conv_problem, emit_conv, offload, to_matrix, unsupported_geometry
@@ -252,6 +253,11 @@ class _Weights:
         other = tuple(a for a in range(self.values.ndim) if a != self.n_axis)
         return self.values.astype(np.int64).sum(axis=other)
 
+    @property
+    def narrow(self) -> bool:
+        """Whether the values lie in 7 bits (:func:`schedules.operands.narrow`)."""
+        return narrow(self.values)
+
 
 def _weights(wq: np.ndarray, sw: np.ndarray, zw: np.ndarray, axis: int, n_axis: int,
              rank: int) -> _Weights | str:
@@ -398,8 +404,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     name = chain.name(output.dtype if output else "float32")
     report.append(Offload.routed(name, shape, kernel, brgemm, flops)
                   if chain.anchor == "matmul"  # shape (m, n, k)
-                  else offload(name, conv_problem(layer, "uint8", epilogue), kernel, brgemm,
-                               target))
+                  else offload(name, conv_problem(layer, "uint8", epilogue, weights.narrow),
+                               kernel, brgemm, target))
     want = list(orig.ty.shape)  # a residual add may have reshaped the layer's output
     return out if same_dims(want, _emitted_shape(chain, x_shape, weights, layer)) else \
         relax.op.reshape(out, want)
@@ -440,7 +446,8 @@ def _emit_dense(xq: relax.Expr, x_shape: tuple, _layer: relax.Call,
     k, n = w.shape
     rows = DenseRows.of(x_shape)
     # Bound to the ISA: its layout (VNNI-4, or MMLA on neon_i8mm) decides the packing.
-    problem = GemmProblem(rows.m, n, k, "uint8", epilogue).on(machine_of(target).isa)
+    problem = GemmProblem(rows.m, n, k, "uint8", epilogue,
+                          narrow_weights=weights.narrow).on(machine_of(target).isa)
     sch, config = scheduled(problem, target, tuner, rows)
     name = f"tpp_qdq_dense_{rows.name()}x{n}x{k}_{problem.epilogue.name}"
     gv = add_kernel(sch.mod["main"], name)
@@ -463,7 +470,7 @@ def _emit_conv(xq: relax.Expr, _x_shape: tuple, layer: relax.Call,
     """The int8 conv kernel of a QDQ conv2d: borders pad with the zero point (real zeros).
     A depthwise conv gets the u8 x s8 -> s32 depthwise kernel (its ``[C, 1, R, S]`` weight's
     ``colsum`` is each channel's filter sum), with the same epilogues."""
-    problem = conv_problem(layer, "uint8", epilogue)
+    problem = conv_problem(layer, "uint8", epilogue, weights.narrow)
     out, kernel, brgemm = emit_conv(xq, problem, weights.values,
                                     [*operands, *([] if residual is None
                                                   else [to_matrix(residual)])],

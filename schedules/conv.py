@@ -328,6 +328,10 @@ class ConvProblem(ConvGeometry):
         ``scale``, ``bias`` (``[C]`` operands, after W among the kernel's parameters, names
         apart from the epilogue's) and ``relu``.  float32 1x1 convs of stride 1, unpadded
         and ungrouped only (module doc).
+    narrow_weights
+        W's int8 values lie in [-64, 64] (:func:`schedules.operands.narrow`): on x86 without
+        VNNI the kernel multiplies them with ``vpmaddubsw``, exactly
+        (:meth:`~schedules.operands.TypedProblem.brgemm_layout`).
 
     Examples
     --------
@@ -362,9 +366,11 @@ class ConvProblem(ConvGeometry):
     groups: int = 1
     zero_border: bool = True
     prologue: Epilogue = field(default_factory=Epilogue)
+    narrow_weights: bool = False
 
     def __post_init__(self) -> None:
         self._validate(("n", "c", "h", "w", "k", "r", "s", "groups"), "conv", "conv")
+        self._check_narrow_weights()
         if not isinstance(self.zero_border, bool):
             raise TypeError(f"zero_border must be a bool, got {self.zero_border!r}")
         self._check_prologue()
@@ -477,7 +483,8 @@ class ConvProblem(ConvGeometry):
         return ConvProblem(self.n, self.s * self.padded_c, self.h, self.q, self.k, self.r, 1,
                            stride=(self.stride[0], 1), padding=(top, 0, bottom, 0),
                            dtype=self.dtype, epilogue=self.epilogue,
-                           dilation=(self.dilation[0], 1), zero_border=self.zero_border)
+                           dilation=(self.dilation[0], 1), zero_border=self.zero_border,
+                           narrow_weights=self.narrow_weights)
 
 
 @dataclass(frozen=True)
@@ -754,7 +761,7 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     # The tiles read X in place (a parameter, kept bf16 by TVM) and W's dense VNNI panels.
     shape = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
-                        layout=problem.layout, isa=isa_name)
+                        layout=problem.brgemm_layout(isa_name), isa=isa_name)
     if single_call:
         shape = zeroing_kernel(sch, init, shape)
     sch.tensorize(inner[0][0], dispatch(shape))

@@ -186,6 +186,10 @@ class GemmProblem(TypedProblem):
         :func:`default_config`, :func:`candidates` and :func:`pack_weight` (``isa=``) bind
         an unbound problem to their ISA (:meth:`on`); a bound one keeps its layout, so the
         weight it packs is the one its schedule reads.
+    narrow_weights
+        W's int8 values lie in [-64, 64] (:func:`schedules.operands.narrow`): on x86 without
+        VNNI the kernel multiplies them with ``vpmaddubsw``, exactly
+        (:meth:`~schedules.operands.TypedProblem.brgemm_layout`).
 
     Examples
     --------
@@ -207,6 +211,7 @@ class GemmProblem(TypedProblem):
     dtype: str = "float32"
     epilogue: Epilogue = field(default_factory=Epilogue)
     isa: str | None = None
+    narrow_weights: bool = False
 
     def __post_init__(self) -> None:
         for dim in ("m", "n", "k"):
@@ -220,6 +225,7 @@ class GemmProblem(TypedProblem):
             object.__setattr__(self, "isa", self.isa.name)
         elif self.isa is not None:
             _isa.from_name(self.isa)  # ValueError naming the known ISAs
+        self._check_narrow_weights()
         self.epilogue.out_dtype(self.epilogue_dtype)  # raises for chains that do not type-check
 
     def on(self, isa: str | _isa.Isa | None) -> GemmProblem:
@@ -587,7 +593,7 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     # On amx, blocks that are not tile-shaped get the AVX-512 kernel (find_impl's fallback).
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
-                        layout=problem.layout, isa=isa_name)
+                        layout=problem.brgemm_layout(isa_name), isa=isa_name)
     if single_call:
         shape = zeroing_kernel(sch, init, shape)
     # Unit loops vanish from the matched block (see the BRGEMM desc): start below them.

@@ -199,8 +199,13 @@ def conv_problem(text: str, dtype: str = "float32", epilogue: Epilogue | None = 
                        groups=groups)
 
 
+def _operand_text(p: GemmProblem | ConvProblem) -> str:
+    """The key's dtype: 7-bit weights run another kernel on some ISAs, so tune apart."""
+    return p.dtype + ("_w7" if p.narrow_weights else "")
+
+
 def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:
-    return (p.n, p.c, p.h, p.w, p.k, p.r, p.s), _geometry_text(p), p.dtype
+    return (p.n, p.c, p.h, p.w, p.k, p.r, p.s), _geometry_text(p), _operand_text(p)
 
 
 def _depthwise_key(p: DepthwiseProblem) -> tuple[tuple[int, ...], str, str]:
@@ -225,7 +230,7 @@ def _unranked(configs: list[Config]) -> tuple[list[Choice], int]:
 #: The operators the tuner handles, by the key's op name.
 OPS: dict[str, Op] = {op.name: op for op in (
     Op("dense", GemmProblem, GemmConfig,
-       key=lambda p: ((p.m, p.n, p.k), "", p.dtype),
+       key=lambda p: ((p.m, p.n, p.k), "", _operand_text(p)),
        default=gemm.default_config,
        choices=_dense_choices,
        schedule=gemm.schedule,

@@ -8,9 +8,11 @@ import json
 import sys
 import textwrap
 
+import numpy as np
 import onnx
 import pytest
 from conftest import ORT_INT8_EXACT, make_dense_model
+from onnx import numpy_helper
 
 import tvm_tpp
 from tvm_tpp.bench.networks import FLOAT32, TOLERANCES, BenchConfig, Row, judge, run_bench
@@ -147,6 +149,27 @@ def test_int8_run_quantizes_once_and_keeps_float32_for_its_row(recorded, tmp_pat
     stamp = (tmp_path / int8).stat().st_mtime_ns
     _, again, _ = recorded(str(path), "int8")
     assert _model_path(again["tpp"]) == int8 and (tmp_path / int8).stat().st_mtime_ns == stamp
+
+
+def test_reduce_range_quantizes_7bit_weights_into_another_file(tmp_path):
+    from tvm_tpp.bench.networks import _int8_model
+
+    model = make_dense_model(m=4, k=64, n=64)
+    path = tmp_path / "dense.onnx"
+    onnx.save(model, str(path))
+    full, _ = _int8_model(model, path, tmp_path)
+    reduced, float_path = _int8_model(model, path, tmp_path, reduce_range=True)
+    assert full != reduced and float_path == path
+    weights = {str(p): [numpy_helper.to_array(t) for t in onnx.load(str(p)).graph.initializer
+                        if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 2]
+               for p in (full, reduced)}
+    assert max(np.abs(w).max() for w in weights[str(full)]) == 127
+    assert max(np.abs(w).max() for w in weights[str(reduced)]) <= 64
+    cfg = BenchConfig(models=("mlp",), impls=("tpp",), precision="int8", reduce_range=True)
+    assert cfg.command_line().endswith("--precision int8 --reduce-range")
+    with pytest.raises(ValueError, match="needs precision int8"):
+        BenchConfig(models=("mlp",), impls=("tpp",), reduce_range=True)
+    assert _parser().parse_args(["bench", "mlp", "--reduce-range"]).reduce_range
 
 
 def test_int8_run_takes_a_quantized_file_as_it_is(recorded, tmp_path):

@@ -148,7 +148,8 @@ def _assert_int8_kernels(report: list[Offload], count: int) -> None:
     assert len(report) == count, report
     for entry in report:
         assert entry.kernel is not None and entry.kernel.startswith("tpp_qdq_dense_"), entry
-        assert (entry.dtypes, entry.layout) == ("uint8*int8->int32", "vnni4"), entry
+        # vnni4_w7 where the weights happen to lie in 7 bits (test_narrow_weights.py)
+        assert entry.dtypes == "uint8*int8->int32" and entry.layout.startswith("vnni4"), entry
 
 
 _LAYERS = {
@@ -291,8 +292,9 @@ def test_tuning_tasks_are_uint8_gemms():
     x = relax.Var("x", relax.TensorType((4, 24), "uint8"))
     tasks = TaskCollector()
     rewrite_qdq(_relax_layer(relax.const(0.1), [x]), tpp_target("tpp"), [], tasks)
+    # W is all ones: 7-bit weights, a task of their own (another kernel without VNNI)
     assert [(key.op, key.shape, key.dtype) for key in tasks.tasks] == [
-        ("dense", (4, 32, 24), "uint8")]
+        ("dense", (4, 32, 24), "uint8_w7")]
 
 
 def test_cli_checks_a_quantized_model_against_its_unfused_qdq_graph(tmp_path, capsys):

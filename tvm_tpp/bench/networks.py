@@ -50,7 +50,7 @@ from microkernels import isa as _isa
 from .. import models
 from ..errors import ModelError
 from ..onnx_import import input_specs, load_onnx
-from ..quantized import RECIPE, is_quantized, quantize_static_qdq
+from ..quantized import RECIPE, RECIPE_REDUCED, is_quantized, quantize_static_qdq
 from ..reference import TOLERANCES as _TOLERANCES
 from ..reference import max_errors, random_inputs
 from . import impls as _impls
@@ -125,6 +125,10 @@ class BenchConfig:
         Seed of the weights of bundled models, of the inputs and of MetaSchedule.
     precision
         One of :data:`TOLERANCES`' keys; below float32 the run adds the :data:`FLOAT32` row.
+    reduce_range
+        With ``precision="int8"``, a float model is quantized with 7-bit weights
+        (``reduce_range``: ONNX Runtime's advice for CPUs without VNNI); every row runs that
+        file.
     shapes
         Input shapes by name for ONNX files whose inputs have symbolic dimensions besides the
         batch (a detector's height and width); these inputs then run at that shape only.
@@ -162,6 +166,7 @@ class BenchConfig:
     work_dir: Path = field(default_factory=default_work_dir)
     seed: int = 0
     precision: str = "float32"
+    reduce_range: bool = False
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     tolerance: float | None = None
     timeout: float = 3600.0
@@ -183,6 +188,8 @@ class BenchConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, "
                              f"got {self.precision!r}")
+        if self.reduce_range and self.precision != "int8":
+            raise ValueError("reduce_range quantizes a model's weights: it needs precision int8")
         if self.tolerance is None:
             object.__setattr__(self, "tolerance", TOLERANCES[self.precision])
         if FLOAT32 in self.impls:
@@ -235,7 +242,7 @@ class BenchConfig:
                  "--repeat", str(self.repeat), "--impls", ",".join(self.impls),
                  "--ms-trials", str(self.ms_trials), "--work-dir", str(self.work_dir),
                  "--seed", str(self.seed), "--timeout", f"{self.timeout:g}",
-                 "--precision", self.precision]
+                 "--precision", self.precision] + (["--reduce-range"] if self.reduce_range else [])
         return shlex.join(words)
 
 
@@ -339,25 +346,28 @@ def _cases(cfg: BenchConfig) -> list[_Case]:
             np.savez(run_dir / "inputs.npz", **random_inputs(specs, seed=cfg.seed))
             model_path, float_path = path, path
             if cfg.precision == "int8":
-                model_path, float_path = _int8_model(proto, path, run_dir)
+                model_path, float_path = _int8_model(proto, path, run_dir, cfg.reduce_range)
             symbolic = tuple(n for n in shapes or {} if n not in cfg.shapes)
             cases[(label, actual)] = _Case(label, actual, model_path, shapes, run_dir,
                                            symbolic, float_path, cfg.precision)
     return list(cases.values())
 
 
-def _int8_model(proto, path: Path, run_dir: Path) -> tuple[Path, Path | None]:
+def _int8_model(proto, path: Path, run_dir: Path, reduce_range: bool = False
+                ) -> tuple[Path, Path | None]:
     """(the int8 model, the float32 one): ``path`` itself when it is quantized already (no
-    float model then), else its QDQ quantization, cached in ``run_dir`` under a hash of the
-    float model (quantizing BERT takes a while; another seed or file is another model)."""
+    float model then), else its QDQ quantization (7-bit weights with ``reduce_range``),
+    cached in ``run_dir`` under a hash of the float model and the recipe (quantizing BERT
+    takes a while; another seed or file is another model)."""
     if is_quantized(proto):
         return path, None
-    digest = hashlib.sha256(proto.SerializeToString() + RECIPE.encode()).hexdigest()[:16]
+    recipe = RECIPE_REDUCED if reduce_range else RECIPE
+    digest = hashlib.sha256(proto.SerializeToString() + recipe.encode()).hexdigest()[:16]
     quantized = run_dir / f"model.int8.{digest}.onnx"
     if not quantized.exists():
         # Written under another name first: an interrupted run leaves no half file behind.
         partial = run_dir / f"{quantized.name}.partial"
-        quantize_static_qdq(proto, partial)
+        quantize_static_qdq(proto, partial, reduce_range=reduce_range)
         partial.replace(quantized)
     return quantized, path
 

@@ -198,7 +198,7 @@ def to_json(rows: Sequence[Row], cfg: BenchConfig, wall_seconds: float | None = 
         "command": cfg.command_line(),
         "host": host_info(),
         "settings": {"threads": cfg.threads, "repeat": cfg.repeat, "impls": list(cfg.compared),
-                     "precision": cfg.precision,
+                     "precision": cfg.precision, "reduce_range": cfg.reduce_range,
                      "batches": list(cfg.batches), "ms_trials": cfg.ms_trials,
                      "tolerance": cfg.tolerance, "seed": cfg.seed,
                      "work_dir": str(cfg.work_dir)},
@@ -269,7 +269,9 @@ def _precision_notes(cfg: BenchConfig) -> list[str]:
         return []
     what = ("tpp rows: dense, conv and attention on bf16 kernels (float32 accumulation), "
             "checked against ONNX Runtime float32" if cfg.precision == "bf16" else
-            "every row but tpp-float32 runs the QDQ-quantized model, checked against that "
+            "every row but tpp-float32 runs the QDQ-quantized model"
+            + (" (7-bit weights: reduce_range)" if cfg.reduce_range else "")
+            + ", checked against that "
             "file's QDQ graph as ONNX Runtime runs it without its fusions (the ONNX spec's "
             "roundings; the onnxruntime row is its fused int8 execution)")
     return [f"precision {cfg.precision}: {what}; tpp-float32 = tpp on the float32 model "
