@@ -91,10 +91,11 @@ def test_narrow_problems_tune_apart():
 @needs_avx2
 @pytest.mark.parametrize("layer", [
     _Conv(5, 24, (9, 11), 3, pad=1, relu=True),
-    _Conv(16, 40, (10, 9), 3, stride=2, pad=1, per_channel=False),
+    pytest.param(_Conv(16, 40, (10, 9), 3, stride=2, pad=1, per_channel=False),
+                 marks=pytest.mark.slow),  # a build each: the default suite's budget
     _Conv(3, 16, (17, 15), 7, stride=2, pad=3, relu=True),
     _Conv(12, 32, (7, 7), 3, pad=1, activations=QuantType.QInt8),
-    _Conv(8, 16, (6, 6), 3, pad=1, sign=-1),
+    pytest.param(_Conv(8, 16, (6, 6), 3, pad=1, sign=-1), marks=pytest.mark.slow),
 ], ids=["3x3_relu", "3x3_s2_per_tensor", "stem_7x7", "int8_activations", "zero_point_255"])
 def test_reduced_range_conv_on_w7_kernel_matches_onnxruntime(layer, tmp_path):
     model = _quantized_conv(layer, tmp_path, reduce_range=True)

@@ -187,6 +187,7 @@ def test_exclusive_servers_time_one_at_a_time(fleet, tmp_path, monkeypatch):
     assert all(a < b for a, b in zip(before, _timed_on(fleet), strict=True))
 
 
+@pytest.mark.slow  # 17 s: a fleet of its own, a tuning run before and after the kill
 def test_killed_server_run_completes_with_every_result(tmp_path, capsys):
     with _fleet(tmp_path / "fleet") as own:
         killed = []
