@@ -166,6 +166,10 @@ def _geometry_text(p: ConvProblem | DepthwiseProblem) -> str:
             + (f"+{prologue.name}" if prologue and prologue.ops else ""))
 
 
+#: What the key's dtype adds for 7-bit weights (``narrow_weights``).
+_NARROW_SUFFIX = "_w7"
+
+
 _CONV_TEXT = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)"
                         r"(?:/s(\d+)x(\d+)p(\d+)x(\d+)x(\d+)x(\d+)(?:d(\d+)x(\d+))?(?:g(\d+))?)?")
 
@@ -174,13 +178,16 @@ def conv_problem(text: str, dtype: str = "float32", epilogue: Epilogue | None = 
                  ) -> ConvProblem:
     """The convolution a tuning key's shape text names (as :func:`problem_text` shows it):
     ``NxCxHxWxKxRxS``, then optionally ``/s{sh}x{sw}p{top}x{left}x{bottom}x{right}`` with
-    ``d{dh}x{dw}`` and ``g{groups}`` where not 1 (stride 1, no padding without it).
+    ``d{dh}x{dw}`` and ``g{groups}`` where not 1 (stride 1, no padding without it); ``dtype``
+    as the key spells it (``uint8_w7``: u8 input, 7-bit weights).
 
     >>> p = ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3)
     >>> conv_problem("1x3x224x224x64x7x7/s2x2p3x3x3x3") == p
     True
     >>> conv_problem("1x8x9x9x8x3x3/s1x1p2x2x2x2d2x2g2").dilation
     (2, 2)
+    >>> conv_problem("1x8x9x9x8x3x3", "uint8_w7").narrow_weights
+    True
     >>> conv_problem("1x64x56x56x64")
     Traceback (most recent call last):
     ...
@@ -194,14 +201,15 @@ def conv_problem(text: str, dtype: str = "float32", epilogue: Epilogue | None = 
     values = [int(v) for v in match.groups()[:7]] + [
         d if v is None else int(v) for v, d in zip(match.groups()[7:], defaults, strict=True)]
     n, c, h, w, k, r, s, sh, sw, top, left, bottom, right, dh, dw, groups = values
+    narrow = dtype.endswith(_NARROW_SUFFIX)
     return ConvProblem(n, c, h, w, k, r, s, stride=(sh, sw), padding=(top, left, bottom, right),
-                       dtype=dtype, epilogue=epilogue or Epilogue(), dilation=(dh, dw),
-                       groups=groups)
+                       dtype=dtype.removesuffix(_NARROW_SUFFIX), epilogue=epilogue or Epilogue(),
+                       dilation=(dh, dw), groups=groups, narrow_weights=narrow)
 
 
 def _operand_text(p: GemmProblem | ConvProblem) -> str:
     """The key's dtype: 7-bit weights run another kernel on some ISAs, so tune apart."""
-    return p.dtype + ("_w7" if p.narrow_weights else "")
+    return p.dtype + (_NARROW_SUFFIX if p.narrow_weights else "")
 
 
 def _conv_key(p: ConvProblem) -> tuple[tuple[int, ...], str, str]:

@@ -618,8 +618,9 @@ def _parser() -> argparse.ArgumentParser:
             "configurations, interleaved (warm, or --cold as the tuner times)")
     p.add_argument("conv", help="NxCxHxWxKxRxS[/s1x1p0x0x0x0[d1x1][g1]] as the tuner names it, "
                    "e.g. 1x64x56x56x64x3x3/s1x1p1x1x1x1")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "uint8"), default="float32",
-                   help="the input's type (uint8: u8 x s8 -> int32)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "uint8", "uint8_w7"),
+                   default="float32", help="the input's type (uint8: u8 x s8 -> int32; "
+                   "uint8_w7: with 7-bit weights, vpmaddubsw on CPUs without VNNI)")
     p.add_argument("--epilogue", default="", help="comma-separated ops without parameters, "
                    "e.g. bias,residual,relu")
     p.add_argument("--vs", action="append", metavar="FIELD=VALUE,...",
