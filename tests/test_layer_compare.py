@@ -47,6 +47,13 @@ def _kernel_calls(compiled):
     ("FusedConv", [[1, 8, 7, 7], [8, 1, 3, 3], [8]], [[1, 8, 7, 7]],
      "conv 8x7x7 -> 8 3x3 s1 g8"),
     ("MatMul", [[2, 128, 768], [768, 3072]], [[2, 128, 3072]], "dense 256x3072x768"),
+    ("QLinearConv", [[1, 16, 8, 8], [], [], [32, 16, 3, 3], [32], [32], [], []],
+     [[1, 32, 4, 4]], "conv 16x8x8 -> 32 3x3 s2"),
+    ("ConvInteger", [[1, 16, 8, 8], [32, 16, 1, 1], [], []], [[1, 32, 8, 8]],
+     "conv 16x8x8 -> 32 1x1 s1"),
+    ("QGemm", [[128, 768], [], [], [3072, 768], [3072], [3072], [3072]], [[128, 3072]],
+     "dense 128x3072x768"),
+    ("QLinearConv", [[1, 16, 8, 8], [], []], [[1, 32, 8, 8]], None),  # no filter recorded
     ("Relu", [[1, 8]], [[1, 8]], None),
     ("Conv", [[1, 8, 16]], [[1, 8, 16]], None),  # a 1-D conv: not a 2-D layer
 ])
@@ -60,6 +67,8 @@ def test_kernel_names_keyed_as_their_layers():
     assert layer_key("tpp_conv2d_1x12x9x9_6x3x3_s1x1_d2x2_g3_bias") == \
         "conv 12x9x9 -> 6 3x3 s1 g3"
     assert layer_key("tpp_batch_gemm_12x128x64x128") is None
+    assert layer_key("tpp_qdq_dense_128x768x3072_bias_requantize_u8_inplace") == \
+        "dense 128x768x3072"
 
 
 def test_cli_prints_and_writes_both_sides(tmp_path, capsys):

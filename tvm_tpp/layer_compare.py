@@ -25,6 +25,11 @@ Examples
 'conv 256x14x14 -> 1024 1x1 s1'
 >>> ort_layer_key("Gemm", [[1, 2048], [1000, 2048], [1000]], [[1, 1000]])
 'dense 1x1000x2048'
+>>> layer_key("tpp_qdq_dense_128x3072x768_bias_requantize_u8")
+'dense 128x3072x768'
+>>> ort_layer_key("QLinearConv", [[1, 64, 56, 56], [], [], [256, 64, 1, 1], [256], [256], [], [],
+...                               [256]], [[1, 256, 56, 56]])
+'conv 64x56x56 -> 256 1x1 s1'
 """
 
 from __future__ import annotations
@@ -53,10 +58,13 @@ __all__ = ["Layer", "LayerComparison", "compare_layers", "layer_key", "ort_layer
 
 _CONV = re.compile(r"tpp_(dw)?conv2d_\w+?x(\d+)x(\d+)x(\d+)_(?:(\d+)x)?(\d+)x(\d+)_s(\d+)x\d+"
                    r"(?:_d\d+x\d+)?(?:_g(\d+))?")
-_DENSE = re.compile(r"tpp_dense_(\w+?)x(\d+)x(\d+)(?:_|$)")
-#: ONNX Runtime's operator types of a convolution and of a dense layer.
-_ORT_CONVS = frozenset({"Conv", "FusedConv", "NhwcFusedConv"})
-_ORT_DENSE = frozenset({"Gemm", "FusedGemm", "MatMul", "FusedMatMul"})
+_DENSE = re.compile(r"tpp_(?:qdq_)?dense_(\w+?)x(\d+)x(\d+)(?:_|$)")
+#: ONNX Runtime's operator types of a convolution, with the input its filter is (its int8
+#: forms' too: a quantized model's layers meet tpp's int8 kernels).
+_ORT_CONVS = {"Conv": 1, "FusedConv": 1, "NhwcFusedConv": 1, "QLinearConv": 3, "ConvInteger": 1}
+#: ... and of a dense layer (keyed by A's and Y's shapes alone: B may be transposed).
+_ORT_DENSE = frozenset({"Gemm", "FusedGemm", "MatMul", "FusedMatMul", "QGemm", "QLinearMatMul",
+                        "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"})
 
 
 def _conv_key(c: int, h: int, w: int, k: int, r: int, s: int, stride: int, groups: int) -> str:
@@ -81,8 +89,9 @@ def ort_layer_key(op: str, inputs: Sequence[Sequence[int]], outputs: Sequence[Se
                   ) -> str | None:
     """The layer an ONNX Runtime node computes, from its operator type and its inputs' and
     outputs' shapes (its profile records no attributes), or None."""
-    if op in _ORT_CONVS and len(inputs) >= 2 and len(inputs[0]) == 4 and len(inputs[1]) == 4:
-        (_, c, h, w), (k, group_c, r, s), (_, _, p, _) = inputs[0], inputs[1], outputs[0]
+    weight = _ORT_CONVS.get(op, 0)
+    if weight and len(inputs) > weight and len(inputs[0]) == 4 and len(inputs[weight]) == 4:
+        (_, c, h, w), (k, group_c, r, s), (_, _, p, _) = inputs[0], inputs[weight], outputs[0]
         stride = max(1, round(h / p)) if p > 1 else 1  # the profile has no strides
         return _conv_key(c, h, w, k, r, s, stride, c // group_c if group_c else 1)
     if op in _ORT_DENSE and len(inputs) >= 2 and inputs[0] and outputs and outputs[0]:
