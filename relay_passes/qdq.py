@@ -52,6 +52,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -253,9 +254,10 @@ class _Weights:
         other = tuple(a for a in range(self.values.ndim) if a != self.n_axis)
         return self.values.astype(np.int64).sum(axis=other)
 
-    @property
+    @functools.cached_property
     def narrow(self) -> bool:
-        """Whether the values lie in 7 bits (:func:`schedules.operands.narrow`)."""
+        """Whether the values lie in 7 bits (:func:`schedules.operands.narrow`; scanned once:
+        the kernel and the report both ask)."""
         return narrow(self.values)
 
 
