@@ -684,8 +684,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-range", action="store_true",
                    help="with --precision int8: quantize a float model's weights to 7 bits "
                    "(ONNX Runtime's reduce_range, its advice for CPUs without VNNI, where "
-                   "8-bit weights saturate its int8 kernels; tpp runs them exactly, twice as "
-                   "fast as 8-bit ones there); every row runs that file")
+                   "8-bit weights saturate its int8 kernels; tpp's kernel multiplies them "
+                   "exactly at about twice its 8-bit rate there); every row runs that file")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress display")
     _rpc_options(p, "build the models for the servers and time them (tpp, tpp-tuned tuned on "
                  "the same servers, tvm-default, metaschedule measured through the same "
