@@ -33,6 +33,7 @@ from .dense import rewrite_dense
 from .guards import guard_gathers
 from .inplace import write_over_dead_operands
 from .keep_int8 import keep_int8
+from .lookup_tables import lookup_tables
 from .padded_outputs import write_padded_outputs
 from .prepare import prepare, sum_to_add
 from .qdq import rewrite_qdq
@@ -74,6 +75,8 @@ def tpp_rewrites(
         mod = rewrite_conv(mod, target, found, tuner, precision)
         # What dense left: matmuls whose operands both vary.
         mod = rewrite_batch_matmul(mod, target, found, tuner, precision)
+        # Elementwise chains between int8 tensors (DenseNet's quantized pre-activations).
+        mod = lookup_tables(mod)
         # DenseNet's concat chains: each layer's channels written into one buffer.
         mod = write_concat_chains(mod)
         # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
