@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import tvm
+from conftest import relax_main
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -30,13 +31,7 @@ SHIFT = RNG.uniform(-0.5, 0.5, 13).astype("float32")
 
 
 def _main(shape, body, dtype="uint8") -> tvm.IRModule:
-    x = relax.Var("x", relax.TensorType(shape, dtype))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(body(bb, x))
-        bb.emit_func_output(out)
-    return bb.get()
+    return relax_main([relax.Var("x", relax.TensorType(shape, dtype))], body)
 
 
 def _pre_activation(bb, x, scale=SCALE, shift=SHIFT):
@@ -69,16 +64,12 @@ def test_chain_becomes_one_lookup():
                                  relax.analysis.get_var2val(func))
     assert axis == 3 and table.shape == (13, 256)
 
-    x = relax.Var("x", relax.TensorType(SHAPE, "uint8"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            gv = add_kernel(bb, lookup_kernel(SHAPE, "uint8", 13, 3, "uint8"),
-                            "tpp_lookup_uint8_2x5x7x13_uint8")
-            out = bb.emit_output(relax.call_tir(gv, [x, relax.const(table)],
-                                                relax.TensorType(SHAPE, "uint8")))
-        bb.emit_func_output(out)
-    tvm.ir.assert_structural_equal(lookup_tables(before), bb.get())
+    def expected(bb, x):
+        gv = add_kernel(bb, lookup_kernel(SHAPE, "uint8", 13, 3, "uint8"),
+                        "tpp_lookup_uint8_2x5x7x13_uint8")
+        return relax.call_tir(gv, [x, relax.const(table)], relax.TensorType(SHAPE, "uint8"))
+
+    tvm.ir.assert_structural_equal(lookup_tables(before), _main(SHAPE, expected))
 
 
 def test_table_is_the_chain_on_every_value():
