@@ -201,8 +201,8 @@ def chain_table(call: relax.Call, bound: dict[relax.Var, relax.Expr] | None = No
 def lookup_kernel(shape: tuple[int, ...], source_dtype: str, rows: int, axis: int | None,
                   out_dtype: str) -> tvm.tirx.PrimFunc:
     """``Y[i] = table[i[axis], X[i] - min(source_dtype)]`` over ``shape``: the leading axes
-    fused and run in parallel, the last one serial (a byte gather per element: no SIMD form
-    is faster on AVX2)."""
+    fused and run in parallel, the last one serial: a byte load per element, faster on Zen 3
+    than ``vpgatherdd`` on a table widened to int32 (BENCHMARKS.md)."""
     x = te.placeholder(shape, source_dtype, name="X")
     table = te.placeholder((rows, 256), out_dtype, name="table")
     low = int(np.iinfo(source_dtype).min)
