@@ -222,13 +222,13 @@ def lookup_kernel(shape: tuple[int, ...], source_dtype: str, rows: int, axis: in
 def lookup_tables(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` with each elementwise chain between 8-bit tensors (module docstring) replaced
     by a table lookup; the operators only the chains read go."""
-    out = tvm.IRModule(dict(mod.functions), attrs=mod.attrs)
+    lookups = _Lookups(mod)
     changed = {}
     for gv, func in mod.functions.items():
         if isinstance(func, relax.Function):
-            mutator = _Lookups(out, relax.analysis.get_var2val(func))
-            changed[gv] = mutator.visit_expr(func)
-            out = mutator.builder_.get()
+            lookups.bound = relax.analysis.get_var2val(func)
+            changed[gv] = lookups.visit_expr(func)
+    out = lookups.builder_.get()  # with the lookup kernels it added
     for gv, func in changed.items():
         out[gv] = func
     return relax.transform.DeadCodeElimination()(out)
@@ -236,9 +236,8 @@ def lookup_tables(mod: tvm.IRModule) -> tvm.IRModule:
 
 @relax.expr_functor.mutator
 class _Lookups(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, bound: dict[relax.Var, relax.Expr]) -> None:
-        super().__init__(mod)
-        self.bound = bound
+    #: The variables of the function being visited, bound to their values.
+    bound: dict[relax.Var, relax.Expr] = {}
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         found = chain_table(call, self.bound)
