@@ -215,8 +215,8 @@ class CompiledModel:
         --------
         >>> from tvm_tpp import models
         >>> p = compile(models.load("mlp"), target="tpp").profile(repeat=2)
-        >>> p.operators[0].kind, round(sum(p.shares.values()), 6)
-        ('tpp', 1.0)
+        >>> sorted({o.kind for o in p.operators}), round(sum(p.shares.values()), 6)
+        (['builtin', 'tpp'], 1.0)
         """
         from .profiling import profile_vm
         from .reference import random_inputs
