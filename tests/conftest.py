@@ -12,9 +12,13 @@ from onnx import TensorProto, helper, numpy_helper
 # threads spinning idle after a parallel kernel take the CPU from the other worker (2 workers
 # on 2 cores: 5 min 10 s of suite and 1 min 26 s of system time, against 4 min 17 s and 16 s).
 # Set over what a worker inherits: the controller's import of tvm_tpp sized it to all cores.
+# Nor may a pool bind its threads to cores: a one-thread pool pins its main thread to core 0
+# once it starts (runtime.NumThreads, bench-conv, profile), and two workers pinned there left
+# the other core idle for the rest of the run (6 min 42 s of suite against 4 min 58 s).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ["TVM_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    os.environ["TVM_BIND_THREADS"] = "0"
 
 # The seeded random calibration reader the quantization tests share is the library's own.
 from tvm_tpp.quantized import RandomCalibration  # noqa: F401, E402

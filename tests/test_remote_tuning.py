@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -38,8 +39,13 @@ def _fleet(path: Path) -> Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    with _fleet(tmp_path_factory.mktemp("fleet")) as running:
+    with pytest.MonkeyPatch.context() as env:  # the fleet's own setting, not conftest's
+        env.delenv("TVM_BIND_THREADS", raising=False)
+        running = _fleet(tmp_path_factory.mktemp("fleet")).__enter__()
+    try:
         yield running
+    finally:
+        running.__exit__(None, None, None)
 
 
 def _timed_on(fleet: Fleet) -> list[int]:
@@ -108,6 +114,21 @@ def test_cli_tunes_over_both_servers(fleet, tmp_path, capsys):
     # The results are the servers' target's: a build for it finds them.
     built = compiler.compile(models.load("mlp"), spec, work_dir=tmp_path)
     assert all("[" in o.kernel for o in built.report if o.kernel)
+
+
+def test_unpinned_servers_sessions_keep_every_core(fleet):
+    """A one-thread TVM pool pins its main thread to core 0 when it starts, unless told not
+    to: the fleet's unpinned servers would all time on core 0."""
+    import psutil
+    from tvm import rpc
+
+    host, port = fleet.address.split(":")
+    session = rpc.connect_tracker(host, int(port)).request(KEY, session_timeout=60)
+    assert session.get_function("runtime.NumThreads")() == 1  # its pool has started
+    sessions = [c for s in fleet.servers for c in psutil.Process(s.pid).children(recursive=True)]
+    assert sessions
+    assert all(set(p.cpu_affinity()) == os.sched_getaffinity(0) for p in sessions)
+    del session
 
 
 def test_unknown_key_and_missing_isa_are_one_line(fleet, capsys):

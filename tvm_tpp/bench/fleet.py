@@ -114,8 +114,11 @@ class Fleet:
                 if shutil.which("taskset") is None:
                     raise RuntimeError("pinning a server to cores needs taskset (util-linux)")
                 command = ["taskset", "-c", ",".join(map(str, spec.cores)), *command]
-            env = dict(spec.env) | ({"TVM_NUM_THREADS": str(spec.threads)}
-                                    if spec.threads else {})
+            # TVM binds its pool's threads to the first cores, a one-thread pool its main
+            # thread to core 0: unpinned servers sharing this host would all share core 0.
+            env = (dict(spec.env) | ({"TVM_NUM_THREADS": str(spec.threads)}
+                                     if spec.threads else {})
+                   | ({} if spec.cores else {"TVM_BIND_THREADS": "0"}))
             self.servers.append(self._start(command, self.log_dir / f"server{i}.log", env))
         for key in {s.key for s in self.specs}:
             count = sum(s.key == key for s in self.specs)
