@@ -34,7 +34,10 @@ KEY = "tpp-test"
 
 
 def _fleet(path: Path) -> Fleet:
-    return Fleet(path, [Server(KEY, threads=1), Server(KEY, threads=1)], start_seconds=90)
+    """Two one-thread servers, the second pinned to this host's last core."""
+    last = max(os.sched_getaffinity(0))
+    return Fleet(path, [Server(KEY, threads=1), Server(KEY, cores=(last,), threads=1)],
+                 start_seconds=90)
 
 
 @pytest.fixture(scope="module")
@@ -116,19 +119,21 @@ def test_cli_tunes_over_both_servers(fleet, tmp_path, capsys):
     assert all("[" in o.kernel for o in built.report if o.kernel)
 
 
-def test_unpinned_servers_sessions_keep_every_core(fleet):
-    """A one-thread TVM pool pins its main thread to core 0 when it starts, unless told not
-    to: the fleet's unpinned servers would all time on core 0."""
+def test_sessions_keep_their_servers_cores(fleet):
+    """A one-thread TVM pool moves its main thread to core 0 when it starts, unless told not
+    to: the fleet's servers, pinned or not, would all time on core 0."""
     import psutil
     from tvm import rpc
 
     host, port = fleet.address.split(":")
-    session = rpc.connect_tracker(host, int(port)).request(KEY, session_timeout=60)
-    assert session.get_function("runtime.NumThreads")() == 1  # its pool has started
-    sessions = [c for s in fleet.servers for c in psutil.Process(s.pid).children(recursive=True)]
-    assert sessions
-    assert all(set(p.cpu_affinity()) == os.sched_getaffinity(0) for p in sessions)
-    del session
+    tracker = rpc.connect_tracker(host, int(port))
+    sessions = [tracker.request(KEY, session_timeout=60) for _ in fleet.servers]
+    assert all(s.get_function("runtime.NumThreads")() == 1 for s in sessions)  # pools started
+    cores = [os.sched_getaffinity(0), {max(os.sched_getaffinity(0))}]
+    for server, want in zip(fleet.servers, cores, strict=True):
+        forked = psutil.Process(server.pid).children(recursive=True)
+        assert forked and all(set(p.cpu_affinity()) == want for p in forked)
+    del sessions
 
 
 def test_unknown_key_and_missing_isa_are_one_line(fleet, capsys):

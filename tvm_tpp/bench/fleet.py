@@ -114,11 +114,11 @@ class Fleet:
                 if shutil.which("taskset") is None:
                     raise RuntimeError("pinning a server to cores needs taskset (util-linux)")
                 command = ["taskset", "-c", ",".join(map(str, spec.cores)), *command]
-            # TVM binds its pool's threads to the first cores, a one-thread pool its main
-            # thread to core 0: unpinned servers sharing this host would all share core 0.
-            env = (dict(spec.env) | ({"TVM_NUM_THREADS": str(spec.threads)}
-                                     if spec.threads else {})
-                   | ({} if spec.cores else {"TVM_BIND_THREADS": "0"}))
+            # Unbound, or TVM binds a session's pool to the first cores when it starts (the
+            # tuner's runtime.NumThreads): a one-thread pool moves its main thread to core 0,
+            # out of the cores taskset gave it, and every server shares core 0.
+            env = dict(spec.env) | {"TVM_BIND_THREADS": "0"} | (
+                {"TVM_NUM_THREADS": str(spec.threads)} if spec.threads else {})
             self.servers.append(self._start(command, self.log_dir / f"server{i}.log", env))
         for key in {s.key for s in self.specs}:
             count = sum(s.key == key for s in self.specs)
