@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 # Set over what a worker inherits: the controller's import of tvm_tpp sized it to all cores.
 # Nor may a pool bind its threads to cores: a one-thread pool pins its main thread to core 0
 # once it starts (runtime.NumThreads, bench-conv, profile), and two workers pinned there left
-# the other core idle for the rest of the run (6 min 42 s of suite against 4 min 58 s).
+# the other core idle for the rest of the run (6 min 25-42 s of suite against 4 min 44 s).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ["TVM_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))

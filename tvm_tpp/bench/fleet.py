@@ -4,7 +4,8 @@ loopback fleet of the remote-tuning tests and of ``python -m tvm_tpp.bench.rpc_s
 They are TVM's own commands (``python -m tvm.exec.rpc_tracker``, ``python -m
 tvm.exec.rpc_server --tracker ... --key ...``), each in a process group of its own so that
 stopping one also stops the session process it forked; a server may be pinned to cores
-(``taskset``) and given a TVM thread count.  Every wait is bounded.
+(``taskset``) and given a TVM thread count; TVM never binds a server's threads to cores
+itself (``TVM_BIND_THREADS=0``).  Every wait is bounded.
 
 Examples
 --------
