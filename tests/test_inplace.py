@@ -5,6 +5,8 @@ Before/Expected pairs checked structurally and numerically, the cases it must le
 and real networks with residual blocks built with the ``tpp`` target against ONNX Runtime.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tvm
@@ -19,28 +21,77 @@ LLVM = tvm.target.Target({"kind": "llvm"})
 F32 = "float32"
 
 
-@T.prim_func(private=True, s_tir=True)
-def add_relu(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
-    for i, j in T.grid(5, 7):
-        with T.sblock("epilogue"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            y[vi, vj] = T.max(x[vi, vj] + r[vi, vj], T.float32(0))
+@functools.cache
+def kernels() -> dict[str, tvm.tirx.PrimFunc]:
+    """The test kernels by name, parsed when a test first asks: TVMScript parsed during an
+    import costs every pytest worker about 0.1 s a function (``inspect.stack``)."""
+    @T.prim_func(private=True, s_tir=True)
+    def add_relu(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
+        for i, j in T.grid(5, 7):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.max(x[vi, vj] + r[vi, vj], T.float32(0))
 
+    @T.prim_func(private=True, s_tir=True)
+    def add_relu_inplace(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32)):
+        for i, j in T.grid(5, 7):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                r[vi, vj] = T.max(x[vi, vj] + r[vi, vj], T.float32(0))
 
-@T.prim_func(private=True, s_tir=True)
-def add_relu_inplace(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32)):
-    for i, j in T.grid(5, 7):
-        with T.sblock("epilogue"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            r[vi, vj] = T.max(x[vi, vj] + r[vi, vj], T.float32(0))
+    @T.prim_func(private=True, s_tir=True)
+    def double(x: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
+        for i, j in T.grid(5, 7):
+            with T.sblock("double"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] * T.float32(2)
 
+    @T.prim_func(private=True, s_tir=True)
+    def shifted(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
+        for i, j in T.grid(5, 7):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] + r[vi, (vj + 1) % 7]  # reads a neighbour's element
 
-@T.prim_func(private=True, s_tir=True)
-def double(x: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
-    for i, j in T.grid(5, 7):
-        with T.sblock("double"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            y[vi, vj] = x[vi, vj] * T.float32(2)
+    @T.prim_func(private=True, s_tir=True)
+    def two_writers(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
+        for i, j in T.grid(5, 7):
+            with T.sblock("first"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj]
+        for i, j in T.grid(5, 7):
+            with T.sblock("second"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = y[vi, vj] + r[vi, vj]  # r would be overwritten by "first"
+
+    @T.prim_func(private=True, s_tir=True)
+    def read_twice(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
+        t = T.sblock_alloc_buffer((5, 7), F32)
+        for i, j in T.grid(5, 7):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] + r[vi, vj]
+        for i, j in T.grid(5, 7):
+            with T.sblock("later"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                t[vi, vj] = r[vi, vj]  # another block reads r
+
+    @T.prim_func(private=True, s_tir=True)
+    def transposed(x: T.Buffer((5, 5), F32), r: T.Buffer((5, 5), F32), y: T.Buffer((5, 5), F32)):
+        for i, j in T.grid(5, 5):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] + r[vj, vi]
+
+    @T.prim_func(private=True, s_tir=True)
+    def other_dtype(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), "int32"),
+                    y: T.Buffer((5, 7), F32)):
+        for i, j in T.grid(5, 7):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] + T.Cast(F32, r[vi, vj])
+
+    return {name: f for name, f in locals().items() if isinstance(f, tvm.tirx.PrimFunc)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,67 +99,17 @@ def double(x: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
 # ---------------------------------------------------------------------------------------------
 
 
-@T.prim_func(private=True, s_tir=True)
-def shifted(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
-    for i, j in T.grid(5, 7):
-        with T.sblock("epilogue"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            y[vi, vj] = x[vi, vj] + r[vi, (vj + 1) % 7]  # reads a neighbour's element
-
-
-@T.prim_func(private=True, s_tir=True)
-def two_writers(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
-    for i, j in T.grid(5, 7):
-        with T.sblock("first"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            y[vi, vj] = x[vi, vj]
-    for i, j in T.grid(5, 7):
-        with T.sblock("second"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            y[vi, vj] = y[vi, vj] + r[vi, vj]  # r would be overwritten by "first"
-
-
-@T.prim_func(private=True, s_tir=True)
-def read_twice(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), F32), y: T.Buffer((5, 7), F32)):
-    t = T.sblock_alloc_buffer((5, 7), F32)
-    for i, j in T.grid(5, 7):
-        with T.sblock("epilogue"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            y[vi, vj] = x[vi, vj] + r[vi, vj]
-    for i, j in T.grid(5, 7):
-        with T.sblock("later"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            t[vi, vj] = r[vi, vj]  # another block reads r
-
-
-@T.prim_func(private=True, s_tir=True)
-def transposed(x: T.Buffer((5, 5), F32), r: T.Buffer((5, 5), F32), y: T.Buffer((5, 5), F32)):
-    for i, j in T.grid(5, 5):
-        with T.sblock("epilogue"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            y[vi, vj] = x[vi, vj] + r[vj, vi]
-
-
-@T.prim_func(private=True, s_tir=True)
-def other_dtype(x: T.Buffer((5, 7), F32), r: T.Buffer((5, 7), "int32"),
-                y: T.Buffer((5, 7), F32)):
-    for i, j in T.grid(5, 7):
-        with T.sblock("epilogue"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            y[vi, vj] = x[vi, vj] + T.Cast(F32, r[vi, vj])
-
-
-@pytest.mark.parametrize("func, expected", [
-    (add_relu, (0, 1)), (double, (0,)), (shifted, (0,)), (two_writers, ()), (read_twice, (0,)),
-    (transposed, (0,)), (other_dtype, (0,))],
-    ids=["add-relu", "double", "shifted", "two-writers", "read-twice", "transposed", "dtype"])
-def test_elementwise_operands(func, expected):
+@pytest.mark.parametrize("name, expected", [
+    ("add_relu", (0, 1)), ("double", (0,)), ("shifted", (0,)), ("two_writers", ()),
+    ("read_twice", (0,)), ("transposed", (0,)), ("other_dtype", (0,))])
+def test_elementwise_operands(name, expected):
     """x is read at each output's own element; r is not, where the name says why."""
-    assert elementwise_operands(func) == expected
+    assert elementwise_operands(kernels()[name]) == expected
 
 
 def test_in_place_function():
-    tvm.ir.assert_structural_equal(in_place(add_relu, 1), add_relu_inplace)
+    k = kernels()
+    tvm.ir.assert_structural_equal(in_place(k["add_relu"], 1), k["add_relu_inplace"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,13 +124,12 @@ def _module(emit, params=("x",), outputs=1) -> tvm.IRModule:
     """main(params) with one dataflow block, ``emit(bb, kernels, *params)`` returning the
     block's outputs, over the kernels double, add_relu, shifted and add_relu_inplace."""
     bb = relax.BlockBuilder()
-    kernels = {name: bb.add_func(f, name) for name, f in (
-        ("double", double), ("add_relu", add_relu), ("shifted", shifted),
-        ("add_relu_inplace", add_relu_inplace))}
+    added = {name: bb.add_func(kernels()[name], name)
+             for name in ("double", "add_relu", "shifted", "add_relu_inplace")}
     args = [relax.Var(name, TENSOR) for name in params]
     with bb.function("main", args):
         with bb.dataflow():
-            outs = [bb.emit_output(v) for v in emit(bb, kernels, *args)]
+            outs = [bb.emit_output(v) for v in emit(bb, added, *args)]
         bb.emit_func_output(outs[0] if len(outs) == 1 else relax.Tuple(outs))
     return relax.transform.DeadCodeElimination(["main"])(bb.get()) if outputs else bb.get()
 
@@ -201,7 +201,7 @@ def test_symbolic_functions_kept():
     """A function with symbolic shapes is left as it is (re-emitted, it could lose where a
     shape expression is computed)."""
     bb = relax.BlockBuilder()
-    k = {name: bb.add_func(f, name) for name, f in (("double", double), ("add_relu", add_relu))}
+    k = {name: bb.add_func(kernels()[name], name) for name in ("double", "add_relu")}
     n = tvm.tirx.Var("n", "int64")
     x, s = relax.Var("x", TENSOR), relax.Var("s", relax.TensorType((n,), F32))
     with bb.function("main", [x, s]):
