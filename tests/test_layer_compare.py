@@ -38,6 +38,22 @@ def test_every_kernel_meets_its_onnxruntime_node(name, options):
     assert cmp.tpp_run_seconds > 0 and cmp.ort_run_seconds > 0
 
 
+def test_attention_matmuls_meet_onnxruntime_matmuls():
+    """A BERT layer's two batch matmuls of activations (``Q K^T`` with its scale and mask,
+    ``P V``) are keyed as ONNX Runtime's MatMul nodes are, beside the dense layers."""
+    model = models.load("bert", seq=16, hidden=96, heads=4, ffn=128)
+    compiled = tvm_tpp.compile(model, target="tpp")
+    inputs = random_inputs(compiled.inputs)
+    cmp = compare_layers(relax.VirtualMachine(compiled.executable, tvm.cpu()),
+                         compiled._arguments(inputs), model, inputs, threads=1, rounds=1,
+                         repeat=1, warmup_seconds=0.0)
+    keyed = {layer.key: (layer.tpp_calls, layer.ort_calls) for layer in cmp.layers
+             if not layer.key.startswith("other")}
+    assert keyed == {"batch matmul 4x16x16x24": (1, 1), "batch matmul 4x16x24x16": (1, 1),
+                     "dense 16x96x96": (4, 4), "dense 16x128x96": (1, 1),
+                     "dense 16x96x128": (1, 1)}, keyed
+
+
 def _kernel_calls(compiled):
     return [o.name for o in compiled.profile(repeat=1).operators for _ in range(o.calls)]
 
@@ -53,6 +69,13 @@ def _kernel_calls(compiled):
      "conv 16x8x8 -> 32 1x1 s1"),
     ("QGemm", [[128, 768], [], [], [3072, 768], [3072], [3072], [3072]], [[128, 3072]],
      "dense 128x3072x768"),
+    ("MatMul", [[2, 12, 128, 64], [2, 12, 64, 128]], [[2, 12, 128, 128]],
+     "batch matmul 24x128x128x64"),
+    ("FusedMatMul", [[3, 64, 128], [3, 64, 96]], [[3, 128, 96]],  # A read transposed
+     "batch matmul 3x128x96x64"),
+    ("QLinearMatMul", [[12, 128, 128], [], [], [12, 128, 64], [], [], [], []],
+     [[12, 128, 64]], "batch matmul 12x128x64x128"),
+    ("MatMul", [[2, 128, 768], [2, 768, 64]], [[2, 128, 64]], "batch matmul 2x128x64x768"),
     ("QLinearConv", [[1, 16, 8, 8], [], []], [[1, 32, 8, 8]], None),  # no filter recorded
     ("Relu", [[1, 8]], [[1, 8]], None),
     ("Conv", [[1, 8, 16]], [[1, 8, 16]], None),  # a 1-D conv: not a 2-D layer
@@ -67,6 +90,8 @@ def test_kernel_names_keyed_as_their_layers():
     assert layer_key("tpp_conv2d_1x12x9x9_6x3x3_s1x1_d2x2_g3_bias") == \
         "conv 12x9x9 -> 6 3x3 s1 g3"
     assert layer_key("tpp_batch_gemm_12x128x64x128") is None
+    assert layer_key("tpp_batch_matmul_12x128x64x128_by12") == "batch matmul 12x128x64x128"
+    assert layer_key("tpp_batch_matmul_n12x128x64x128") is None  # per image: a symbolic batch
     assert layer_key("tpp_qdq_dense_128x768x3072_bias_requantize_u8_inplace") == \
         "dense 128x768x3072"
 

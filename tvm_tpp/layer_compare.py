@@ -3,9 +3,10 @@
 :func:`compare_layers` times the tpp build per call (:func:`tvm_tpp.profiling.profile_vm`)
 and ONNX Runtime per node (its own profiler) in alternating rounds, with the same thread
 count, and matches the two by :func:`layer_key`: a convolution by its input, filter, stride
-and groups, a dense layer by its ``M x N x K`` — what both sides compute, whatever each fused
-into it (a bias, an activation, a residual add).  What has no key (pooling, layout
-conversions, attention, ONNX Runtime's reorders) is summed per kind on the tpp side
+and groups, a dense layer by its ``M x N x K``, a batch matmul of two activations (attention's
+``Q K^T`` and ``P V``) by its ``batch x M x N x K`` — what both sides compute, whatever each
+fused into it (a bias, an activation, a residual add, a scale).  What has no key (pooling,
+softmax, layout conversions, ONNX Runtime's reorders) is summed per kind on the tpp side
 (:data:`tvm_tpp.profiling.KIND_NAMES`) and per operator type on ONNX Runtime's.
 
 A layer's time is the median over the rounds of its seconds per run, its ratio the median
@@ -27,6 +28,10 @@ Examples
 'dense 1x1000x2048'
 >>> layer_key("tpp_qdq_dense_128x3072x768_bias_requantize_u8")
 'dense 128x3072x768'
+>>> layer_key("tpp_batch_matmul_96x128x128x64_txb12_scale")
+'batch matmul 96x128x128x64'
+>>> ort_layer_key("MatMul", [[8, 12, 128, 64], [8, 12, 64, 128]], [[8, 12, 128, 128]])
+'batch matmul 96x128x128x64'
 >>> ort_layer_key("QLinearConv", [[1, 64, 56, 56], [], [], [256, 64, 1, 1], [256], [256], [], [],
 ...                               [256]], [[1, 256, 56, 56]])
 'conv 64x56x56 -> 256 1x1 s1'
@@ -59,12 +64,16 @@ __all__ = ["Layer", "LayerComparison", "compare_layers", "layer_key", "ort_layer
 _CONV = re.compile(r"tpp_(dw)?conv2d_\w+?x(\d+)x(\d+)x(\d+)_(?:(\d+)x)?(\d+)x(\d+)_s(\d+)x\d+"
                    r"(?:_d\d+x\d+)?(?:_g(\d+))?")
 _DENSE = re.compile(r"tpp_(?:qdq_)?dense_(\w+?)x(\d+)x(\d+)(?:_|$)")
+#: A static batch only (a symbolic build's ``n`` names the batch per image).
+_BATCH_MATMUL = re.compile(r"tpp_batch_matmul_(\d+)x(\d+)x(\d+)x(\d+)(?:_|$)")
 #: ONNX Runtime's operator types of a convolution, with the input its filter is (its int8
 #: forms' too: a quantized model's layers meet tpp's int8 kernels).
 _ORT_CONVS = {"Conv": 1, "FusedConv": 1, "NhwcFusedConv": 1, "QLinearConv": 3, "ConvInteger": 1}
-#: ... and of a dense layer (keyed by A's and Y's shapes alone: B may be transposed).
-_ORT_DENSE = frozenset({"Gemm", "FusedGemm", "MatMul", "FusedMatMul", "QGemm", "QLinearMatMul",
-                        "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"})
+#: ... and of a dense layer (keyed by A's and Y's shapes alone: B may be transposed), with the
+#: input B is (a batch matmul's when it has batch axes too).
+_ORT_DENSE = {"Gemm": 1, "FusedGemm": 1, "MatMul": 1, "FusedMatMul": 1, "QGemm": 3,
+              "QLinearMatMul": 3, "MatMulInteger": 1, "MatMulIntegerToFloat": 1,
+              "DynamicQuantizeMatMul": 1}
 
 
 def _conv_key(c: int, h: int, w: int, k: int, r: int, s: int, stride: int, groups: int) -> str:
@@ -82,6 +91,8 @@ def layer_key(name: str) -> str | None:
     if match := _DENSE.match(name):
         rows, n, k = match.groups()
         return f"dense {rows}x{n}x{k}"
+    if match := _BATCH_MATMUL.match(name):
+        return "batch matmul {}x{}x{}x{}".format(*match.groups())
     return None
 
 
@@ -95,6 +106,12 @@ def ort_layer_key(op: str, inputs: Sequence[Sequence[int]], outputs: Sequence[Se
         stride = max(1, round(h / p)) if p > 1 else 1  # the profile has no strides
         return _conv_key(c, h, w, k, r, s, stride, c // group_c if group_c else 1)
     if op in _ORT_DENSE and len(inputs) >= 2 and inputs[0] and outputs and outputs[0]:
+        a, y = inputs[0], outputs[0]
+        b = inputs[_ORT_DENSE[op]] if len(inputs) > _ORT_DENSE[op] else ()
+        if len(a) >= 3 and len(b) >= 3 and len(y) >= 3:  # both operands batched: activations
+            m, n = y[-2], y[-1]
+            k = a[-1] if a[-2] == m else a[-2]  # FusedMatMul may read A transposed
+            return f"batch matmul {math.prod(y[:-2])}x{m}x{n}x{k}"
         rows = math.prod(inputs[0][:-1])
         return f"dense {rows}x{outputs[0][-1]}x{inputs[0][-1]}"
     return None
