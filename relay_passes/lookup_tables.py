@@ -57,6 +57,7 @@ ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
     "relax.subtract": np.subtract,
     "relax.multiply": np.multiply,
     "relax.divide": np.divide,
+    "relax.power": np.power,
     "relax.maximum": np.maximum,
     "relax.minimum": np.minimum,
     "relax.nn.relu": lambda v: np.maximum(v, np.float32(0)),
@@ -129,8 +130,14 @@ class _Chain:
             scale = self._constant(call.args[1], call.attrs.axis).astype("float32")
             zero = self._constant(call.args[2], call.attrs.axis).astype("float32")
             info = np.iinfo(dtype)
-            return lambda x: np.clip(np.rint(inner(x) / scale) + zero, info.min,
-                                     info.max).astype(dtype)
+
+            def quantize(x: np.ndarray) -> np.ndarray:
+                value = inner(x)
+                if np.isnan(value).any():  # Pow of a negative value, say: no defined integer
+                    raise _NotAChain
+                return np.clip(np.rint(value / scale) + zero, info.min, info.max).astype(dtype)
+
+            return quantize
         fn = ELEMENTWISE.get(name)
         if fn is None or str(call.ty.dtype) != "float32":
             raise _NotAChain
@@ -193,7 +200,10 @@ def chain_table(call: relax.Call, bound: dict[relax.Var, relax.Expr] | None = No
     info = np.iinfo(str(chain.source.ty.dtype))
     values = np.arange(info.min, info.max + 1, dtype=str(chain.source.ty.dtype)).reshape(1, -1)
     with np.errstate(all="ignore"):
-        table = evaluate(values)
+        try:
+            table = evaluate(values)
+        except _NotAChain:
+            return None
     rows = 1 if chain.axis is None else chain.shape[chain.axis]
     return chain.source, np.ascontiguousarray(np.broadcast_to(table, (rows, 256))), chain.axis
 

@@ -2,8 +2,9 @@
 
 The rewrite against its expected IR (``tvm.ir.assert_structural_equal``), the chains it must
 leave alone, each table against the chain evaluated in numpy by hand, and QDQ graphs built with
-onnx.helper (DenseNet's quantized pre-activation, a GELU reading its input twice, a signed
-source) compiled for the tpp target and compared with ONNX Runtime running them unfused.
+onnx.helper (DenseNet's quantized pre-activation, BERT's erf GELU and GPT-2's tanh GELU with
+its cube, each reading the input twice, a signed source) compiled for the tpp target and
+compared with ONNX Runtime running them unfused.
 """
 
 from __future__ import annotations
@@ -117,6 +118,12 @@ def _float_out(bb, x):
     return relax.op.multiply(v, relax.const(np.float32(2)))
 
 
+def _power_of_negatives(bb, x):  # (-0.15)^0.5: no value to quantize
+    v = bb.emit(relax.op.dequantize(x, relax.const(0.05), relax.const(3, "uint8")))
+    v = bb.emit(relax.op.power(v, relax.const(np.float32(0.5))))
+    return relax.op.quantize(v, relax.const(0.04), relax.const(0, "uint8"), out_dtype="uint8")
+
+
 def _not_elementwise(bb, x):
     v = bb.emit(relax.op.dequantize(x, relax.const(0.05), relax.const(3, "uint8")))
     v = bb.emit(relax.op.nn.softmax(v, axis=-1))
@@ -125,9 +132,9 @@ def _not_elementwise(bb, x):
 
 @pytest.mark.parametrize("body,shape", [(_two_axes, SHAPE), (_two_sources, SHAPE),
                                         (_broadcast_up, (1, 13)), (_float_out, SHAPE),
-                                        (_not_elementwise, SHAPE)],
+                                        (_power_of_negatives, SHAPE), (_not_elementwise, SHAPE)],
                          ids=["constant on two axes", "two sources", "broadcast to more",
-                              "float output", "softmax"])
+                              "float output", "square root of negatives", "softmax"])
 def test_other_chains_are_left_alone(body, shape):
     before = _main(shape, body)
     tvm.ir.assert_structural_equal(lookup_tables(before), before)
@@ -162,6 +169,14 @@ def _qdq_model(kind: str):
         e = qdq(op("Erf", [qdq(h, "h", 0.02, 128)], "e"), "e", 0.008, 128)
         p = qdq(op("Add", [e, const("one", 1.0)], "p"), "p", 0.008, 0)
         y = op("Mul", [op("Mul", [t, p], "tp"), const("half", 0.5)], "y0")
+    elif kind == "tanh-gelu":  # GPT-2's: x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        cube = qdq(op("Pow", [t, const("three", 3.0)], "cube"), "cube", 0.4, 128)
+        m = qdq(op("Mul", [cube, const("c", 0.044715)], "m"), "m", 0.02, 128)
+        i = qdq(op("Add", [t, m], "i"), "i", 0.03, 128)
+        k = qdq(op("Mul", [i, const("rt2pi", math.sqrt(2 / math.pi))], "k"), "k", 0.03, 128)
+        p = qdq(op("Add", [qdq(op("Tanh", [k], "th"), "th", 0.008, 128), const("one", 1.0)],
+                   "p"), "p", 0.008, 0)
+        y = op("Mul", [op("Mul", [t, p], "tp"), const("half", 0.5)], "y0")
     else:
         c = (6, 1, 1)
         s = op("Mul", [t, const("scale", RNG.uniform(0.5, 1.5, c))], "s")
@@ -175,14 +190,17 @@ def _qdq_model(kind: str):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
-@pytest.mark.parametrize("kind", ["pre-activation", "gelu", "signed"])
+@pytest.mark.parametrize("kind", ["pre-activation", "gelu", "tanh-gelu", "signed"])
 def test_qdq_graph_equals_onnxruntime(kind):
     model = _qdq_model(kind)
     target = tvm_tpp.target("tpp")
     with target:
         rewritten = tpp_rewrites(target)(import_model(model)[0])
     lookups = [gv.name_hint for gv in rewritten.functions if "lookup" in gv.name_hint]
-    assert len(lookups) == 1, lookups  # the whole chain, input to output quantization
+    assert len(lookups) == 1, lookups  # the whole chain, input to output quantization ...
+    ops = {b.value.op.name for block in rewritten["main"].body.blocks for b in block.bindings
+           if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)}
+    assert ops == {"relax.quantize", "relax.call_tir", "relax.dequantize"}, ops  # ... alone
     compiled = tvm_tpp.compile(model, "tpp")
     x = RNG.standard_normal((1, 6, 9, 11)).astype("float32") * 2
     (got,) = compiled.run(x=x)
