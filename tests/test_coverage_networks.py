@@ -36,10 +36,12 @@ SMALL = {
     "gpt2-erf-add": ("gpt2", dict(SMALL_GPT2, gelu="erf", mask="add")),
 }
 #: The default suite's batch of each small variant; the other one runs in the slow suite, as
-#: both of inception's and mobilenet_v2's do (the default suite's budget: inception's concat
-#: and pooling chains are there in test_concat_chain and test_graph_properties, mobilenet_v2's
-#: inverted residuals of depthwise convs in efficientnet's case and test_layer_compare).
-DEFAULT_BATCH = {"efficientnet": 1, "seg_head": 1, "mobilenet_v2": None, "inception": None,
+#: both of inception's, mobilenet_v2's and efficientnet's do (the default suite's budget:
+#: inception's concat and pooling chains are there in test_concat_chain and
+#: test_graph_properties, the inverted residuals of depthwise convs in test_layer_compare's
+#: mobilenet_v2, efficientnet's SiLU and squeeze-excite scaling in test_epilogue_patterns and
+#: test_layouts).
+DEFAULT_BATCH = {"efficientnet": None, "seg_head": 1, "mobilenet_v2": None, "inception": None,
                  "gpt2": 1, "gpt2-erf-add": 1}
 CASES = [pytest.param(name, options, batch, id=f"{case}-small-b{batch}",
                       marks=() if batch == DEFAULT_BATCH[case] else pytest.mark.slow)

@@ -99,7 +99,7 @@ def test_kernel_names_keyed_as_their_layers():
 def test_cli_prints_and_writes_both_sides(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["profile", "mlp", "--against", "onnxruntime", "--repeat", "2", "--rounds", "1",
-                 "--json", str(out)]) == 0
+                 "--warmup", "0", "--json", str(out)]) == 0
     assert "layers against ONNX Runtime" in capsys.readouterr().out
     layers = json.loads(out.read_text())["against_onnxruntime"]["layers"]
     dense = [layer for layer in layers if layer["key"].startswith("dense")]

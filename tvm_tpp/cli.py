@@ -326,7 +326,8 @@ def _print_against_onnxruntime(console, compiled: CompiledModel, model, inputs,
     """``profile --against onnxruntime``: the table of :mod:`tvm_tpp.layer_compare`."""
     from rich.table import Table
 
-    cmp = compiled.compare_layers(model, inputs, rounds=args.rounds, repeat=args.repeat)
+    cmp = compiled.compare_layers(model, inputs, rounds=args.rounds, repeat=args.repeat,
+                                  warmup_seconds=args.warmup)
     table = Table(title=f"layers against ONNX Runtime ({cmp.threads} threads each, one process, "
                   f"{args.rounds} alternating rounds of {args.repeat} runs; medians of the rounds)")
     for name in ("layer", "count tpp/ORT", "tpp ms", "ORT ms", "ORT / tpp"):
@@ -574,9 +575,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write every operator's time and the totals as JSON")
     p.add_argument("--against", choices=("onnxruntime",),
                    help="also time ONNX Runtime per node on the same file, in this process, and "
-                   "list each conv and dense layer's time on both sides")
+                   "list each conv, dense layer and attention batch matmul's time on both sides")
     p.add_argument("--rounds", type=_at_least(1, int), default=3,
                    help="alternating rounds of --repeat runs each for --against (default 3)")
+    p.add_argument("--warmup", type=_at_least(0, float), default=3.0,
+                   help="seconds of both runtimes' runs before --against's rounds (default 3)")
 
     p = add("tune", cmd_tune, "tune every GEMM, conv and batch GEMM of the models over their "
             "loop_spec spaces")

@@ -227,17 +227,19 @@ class CompiledModel:
         return profile_vm(relax.VirtualMachine(self.executable, tvm.cpu()), args, repeat)
 
     def compare_layers(self, model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray]
-                       | None = None, rounds: int = 3, repeat: int = 10
-                       ) -> LayerComparison:
-        """Each conv and dense layer's time next to ONNX Runtime's node of the same shape on
-        ``model`` (the ONNX file this was compiled from, or its path), timed in this process
-        in alternating rounds with TVM's thread count (:mod:`tvm_tpp.layer_compare`).
+                       | None = None, rounds: int = 3, repeat: int = 10,
+                       warmup_seconds: float = 3.0) -> LayerComparison:
+        """Each conv, dense layer and attention batch matmul's time next to ONNX Runtime's
+        node of the same shape on ``model`` (the ONNX file this was compiled from, or its
+        path), timed in this process in alternating rounds with TVM's thread count, after
+        ``warmup_seconds`` of both (:mod:`tvm_tpp.layer_compare`).
 
         Examples
         --------
         >>> from tvm_tpp import models
         >>> mlp = models.load("mlp")
-        >>> cmp = compile(mlp, target="tpp").compare_layers(mlp, rounds=1, repeat=1)
+        >>> cmp = compile(mlp, target="tpp").compare_layers(mlp, rounds=1, repeat=1,
+        ...                                                 warmup_seconds=0)
         >>> sorted(layer.key for layer in cmp.layers if layer.ratio)
         ['dense 1x1024x1024', 'dense 1x1024x512', 'dense 1x512x1024']
         """
@@ -251,7 +253,8 @@ class CompiledModel:
         proto = onnx.load(model) if isinstance(model, (str, os.PathLike)) else model
         threads = tvm_ffi.get_global_func("runtime.NumThreads")()
         return compare_layers(relax.VirtualMachine(self.executable, tvm.cpu()),
-                              self._arguments(inputs), proto, inputs, threads, rounds, repeat)
+                              self._arguments(inputs), proto, inputs, threads, rounds, repeat,
+                              warmup_seconds)
 
     def source(self, kind: str = "asm") -> str:
         """The generated code of a model compiled in this process: ``"asm"`` or ``"llvm"`` IR.
