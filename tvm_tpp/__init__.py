@@ -20,11 +20,12 @@ from microkernels import isa as _isa
 
 # TVM's runtime starts a single worker thread on some VMs; size its pool from the cores this
 # process may use, unless the user chose.  Must happen before TVM's runtime first runs.
-os.environ.setdefault("TVM_NUM_THREADS", str(_isa.num_cores()))
+_CORES = _isa.num_cores()
+os.environ.setdefault("TVM_NUM_THREADS", str(_CORES))
 # TVM binds its pool's threads to the machine's first cores when the pool starts, a
 # one-thread pool its calling thread to core 0, even out of the cores this process was given
 # (taskset, a cpuset): there the affinity mask places the threads instead.
-if _isa.num_cores() < (os.cpu_count() or 1):
+if _CORES < (os.cpu_count() or 1):
     os.environ.setdefault("TVM_BIND_THREADS", "0")
 
 __version__ = "0.1.0"

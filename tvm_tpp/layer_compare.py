@@ -112,8 +112,7 @@ def ort_layer_key(op: str, inputs: Sequence[Sequence[int]], outputs: Sequence[Se
             m, n = y[-2], y[-1]
             k = a[-1] if a[-2] == m else a[-2]  # FusedMatMul may read A transposed
             return f"batch matmul {math.prod(y[:-2])}x{m}x{n}x{k}"
-        rows = math.prod(inputs[0][:-1])
-        return f"dense {rows}x{outputs[0][-1]}x{inputs[0][-1]}"
+        return f"dense {math.prod(a[:-1])}x{y[-1]}x{a[-1]}"
     return None
 
 
