@@ -93,6 +93,18 @@ class Isa:
         """
         return bool(self.requires & {"avx_vnni", "avx512_vnni", "amx_int8", "i8mm"})
 
+    @property
+    def bf16_dot(self) -> bool:
+        """Whether this ISA multiplies bfloat16 in hardware (AVX512-BF16's ``vdpbf16ps``, AMX
+        tiles, Arm's ``bfmmla``): without it, bf16 kernels widen every operand to float32
+        and run slower than the float32 kernels.
+
+        >>> [from_name(n).bf16_dot for n in ("avx2", "avx512_vnni", "avx512_bf16", "amx",
+        ...                                   "neon", "neon_i8mm")]
+        [False, False, True, True, False, True]
+        """
+        return bool(self.requires & {"avx512_bf16", "amx_bf16", "bf16"})
+
     def lanes(self, dtype: str) -> int:
         """Elements of ``dtype`` in one vector register."""
         bits = {"float32": 32, "int32": 32, "bfloat16": 16, "int16": 16, "uint8": 8, "int8": 8}

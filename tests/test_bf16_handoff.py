@@ -63,7 +63,7 @@ def test_a_conv_read_by_anything_else_writes_float32():
 def test_handoff_matches_onnxruntime_float32():
     model = _convs(extra_reader=False)
     x = np.random.default_rng(1).standard_normal((1, 8, 9, 9)).astype("float32")
-    got = tvm_tpp.compile(model, target="tpp", precision="bf16").run(x=x)
+    got = tvm_tpp.compile(model, target="tpp", precision="bf16-strict").run(x=x)
     assert max_errors(got, run_onnxruntime(model, {"x": x}))[1] <= 1e-2
 
 

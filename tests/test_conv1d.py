@@ -52,7 +52,7 @@ def _conv1d_model(c=12, k=16, length=29, kernel=5, stride=2, pads=(3, 1), dilati
 @pytest.mark.parametrize("kwargs", [{}, dict(group=1, dilation=1, stride=1, pads=(2, 2)),
                                     dict(c=3, k=8, group=1, batch=3)],
                          ids=["grouped_dilated_strided", "plain", "few_channels_batch3"])
-@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("precision", ["float32", "bf16-strict"])
 def test_onnx_conv1d_runs_on_a_tpp_conv_kernel(kwargs, precision):
     model = _conv1d_model(**kwargs)
     compiled = tvm_tpp.compile(model, target="tpp", precision=precision)

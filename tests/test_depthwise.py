@@ -219,7 +219,7 @@ def test_float_pass_routes_depthwise_conv_bias_clip(stride):
 
 def test_bf16_pass_routes_depthwise_conv():
     model = _depthwise_model(c=40, size=(7, 9), stride=2)
-    compiled = tvm_tpp.compile(model, target="tpp", precision="bf16")
+    compiled = tvm_tpp.compile(model, target="tpp", precision="bf16-strict")
     [record] = [r for r in compiled.report if r.op.startswith("conv2d")]
     assert record.dtypes == "bfloat16*bfloat16->float32", record
     inputs = random_inputs(compiled.inputs, seed=0)

@@ -291,7 +291,7 @@ def _model_kernels_match_the_host(runner, model, precision: str, instruction: st
 def test_bf16_model_kernels_run_under_qemu(runner, serial):
     from tvm_tpp import models
 
-    _model_kernels_match_the_host(runner, models.load("mlp"), "bf16", "bfmmla")
+    _model_kernels_match_the_host(runner, models.load("mlp"), "bf16-strict", "bfmmla")
 
 
 def test_int8_model_kernels_run_under_qemu(runner, serial, quantized_mlp):

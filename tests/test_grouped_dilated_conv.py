@@ -218,7 +218,7 @@ def test_bf16_network_multiplies_whole_vnni_groups_in_bf16_and_the_rest_in_float
     _set_group(model, "y", 8)  # 32 channels: 4 a group
     w = next(t for t in model.graph.initializer if t.name == "y.w")
     w.CopyFrom(numpy_helper.from_array(np.ones((16, 4, 3, 3), "float32") * 0.1, "y.w"))
-    compiled = tvm_tpp.compile(model, target="tpp", precision="bf16")
+    compiled = tvm_tpp.compile(model, target="tpp", precision="bf16-strict")
     dtypes = {r.kernel.split()[0]: r.dtypes for r in compiled.report if r.kernel}
     assert dtypes["tpp_conv2d_1x24x9x9_48x1x1_s1x1_g3_bias_relu_bf16"] == \
         "bfloat16*bfloat16->float32"
@@ -231,7 +231,7 @@ def test_bf16_network_multiplies_whole_vnni_groups_in_bf16_and_the_rest_in_float
     _set_group(model, "g1", 8)  # 24 channels: 3 a group
     w = next(t for t in model.graph.initializer if t.name == "g1.w")
     w.CopyFrom(numpy_helper.from_array(np.full((48, 3, 1, 1), 0.2, "float32"), "g1.w"))
-    compiled = tvm_tpp.compile(model, target="tpp", precision="bf16")
+    compiled = tvm_tpp.compile(model, target="tpp", precision="bf16-strict")
     [g1] = [r for r in compiled.report if r.kernel and "48x1x1" in r.kernel]
     assert "_g8_" in g1.kernel and g1.dtypes == "float32*float32->float32"
     _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))

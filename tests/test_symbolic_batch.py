@@ -132,7 +132,7 @@ def test_network_compiles_once_and_runs_any_batch(name, options, batches):
 @pytest.mark.slow  # the float32 and int8 cases cover the same kernels' batch loop
 def test_bf16_network_runs_any_batch():
     model = models.load("resnet_small", batch="N", image=32, widths=(16, 32))
-    compiled = tvm_tpp.compile(model, precision="bf16")
+    compiled = tvm_tpp.compile(model, precision="bf16-strict")
     assert {r.dtypes for r in compiled.report if r.kernel} == {"bfloat16*bfloat16->float32"}
     _assert_matches(compiled, model, (1, 3), TOLERANCES["bf16"])
 

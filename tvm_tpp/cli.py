@@ -192,6 +192,8 @@ def _print_kernels(compiled: CompiledModel, report: bool, report_file: Path | No
     configs = (f"configs looked up in {compiled.database}" if compiled.database is not None
                else "default configs (no tuning database)")
     print(f"TPP kernels  : {kernels} of {len(compiled.report)} operators, {configs}")
+    if compiled.precision_note is not None:
+        print(f"precision    : {compiled.precision_note}")
     fraction = compiled.tpp_flops_fraction
     if fraction is not None:
         total = sum(o.flops or 0 for o in compiled.report)
@@ -261,7 +263,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         expected = run_onnxruntime(proto, inputs, optimize=not quantized)
         abs_err, rel_err = max_errors(outputs, expected)
         rtol = args.rtol if args.rtol is not None else TOLERANCES[
-            "int8" if quantized else args.precision]
+            "int8" if quantized else compiled.precision]
         status = "OK" if rel_err <= rtol else "MISMATCH"
         what = "vs ORT unfused" if quantized else "vs ORT      "
         print(f"{what} : max abs err {abs_err:.3e}, max rel err {rel_err:.3e} [{status}]")
@@ -540,11 +542,13 @@ def _parser() -> argparse.ArgumentParser:
                        "FLOPs on TPP kernels and tpp_flops_fraction")
         # No argparse choices: a bad value is then compiler's one-line UsageError, not a
         # usage dump.
-        p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
+        p.add_argument("--precision", default="float32", metavar="{float32,bf16,bf16-strict}",
                        help="bf16: dense layers, convolutions and attention multiply in "
-                       "bfloat16, accumulating in float32 (everything else stays float32); "
-                       "a quantized (int8) model runs its int8 layers on int8 kernels "
-                       "whatever this says")
+                       "bfloat16, accumulating in float32 (everything else stays float32), "
+                       "on CPUs with bf16 arithmetic (AVX512-BF16, AMX, Arm BF16), elsewhere "
+                       "in float32 (emulated bf16 is slower there); bf16-strict: in bfloat16 "
+                       "on every CPU; a quantized (int8) model runs its int8 layers on int8 "
+                       "kernels whatever this says")
 
     p = add("info", cmd_info, "host ISA, caches, target and registered microkernels")
     p.add_argument("-v", "--verbose", action="store_true", help="also print the tpp target")
@@ -559,8 +563,8 @@ def _parser() -> argparse.ArgumentParser:
     model_options(p)
     p.add_argument("--check", choices=("onnxruntime",), help="compare outputs with ONNX Runtime")
     p.add_argument("--rtol", type=float, help="max relative error for --check (default: "
-                   "1e-4, with --precision bf16 1e-2, for a quantized model 5e-2 against its "
-                   "QDQ graph run unfused by ONNX Runtime)")
+                   "1e-4, 1e-2 where the layers multiply in bf16, for a quantized model 5e-2 "
+                   "against its QDQ graph run unfused by ONNX Runtime)")
     p.add_argument("--repeat", type=_at_least(1, int), default=10, help="timed samples")
     p.add_argument("--number", type=_at_least(1, int), default=1, help="runs per timed sample")
     p.add_argument("--seed", type=int, default=0)
@@ -594,8 +598,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="show the measurements (next to the cost model's ranking for GEMMs)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show what TVM and LLVM print while building candidates")
-    p.add_argument("--precision", default="float32", metavar="{float32,bf16}",
-                   help="tune the GEMMs a build of this precision runs (bf16: its dense layers)")
+    p.add_argument("--precision", default="float32", metavar="{float32,bf16,bf16-strict}",
+                   help="tune the GEMMs a build of this precision runs (as compile's "
+                   "--precision)")
     _rpc_options(p, "measure candidates (built here, in parallel across the servers)")
     p.add_argument("--exclusive", action="store_true", help="with --rpc: the servers share "
                    "one machine; they time one at a time (building still overlaps)")
@@ -678,7 +683,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds one implementation may spend building and tuning")
     # No choices, as for run: a bad value is BenchConfig's one-line error.
     p.add_argument("--precision", default="float32", metavar="{float32,bf16,int8}",
-                   help="bf16: tpp rows multiply in bf16 (dense, conv, attention); int8: every "
+                   help="bf16: tpp rows built with run's --precision bf16 (dense, conv and "
+                   "attention in bf16 on CPUs with bf16 arithmetic, float32 elsewhere, as "
+                   "OpenVINO's default does); int8: every "
                    "row on a QDQ-quantized model (a float one is quantized with ONNX Runtime's "
                    "pre-processing and seeded random calibration, cached in the work dir); "
                    "below float32 a tpp-float32 row is added (default tolerance: bf16 1e-2 vs "

@@ -39,6 +39,7 @@ import tvm
 from tvm import relax
 from tvm.target import Target
 
+from microkernels.machine import is_tpp, machine_of
 from relay_passes import Offload, tpp_flops_fraction
 from relay_passes.dense import PRECISIONS
 from relay_passes.pipeline import tpp_pipeline, tpp_rewrites
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
     Problem = GemmProblem | ConvProblem | BatchGemmProblem
 
 __all__ = ["compile", "tune", "lower", "load", "import_model", "remote_pool", "target_spec",
-           "CompiledModel", "Tuned",
+           "CompiledModel", "Tuned", "PRECISION_CHOICES", "STRICT_BF16", "kernel_precision",
            "WORK_DIR", "DATABASE", "ARTIFACT_FORMAT", "native_output"]
 
 #: The work directory :func:`tune` writes by default, and :func:`compile` reads if it exists.
@@ -77,6 +78,11 @@ DATABASE = _database_file.FILE_NAME
 _TOP_K = 8  # candidates measured per operator besides its default
 _SIDECAR = ".json"  # export writes model.so and model.so.json (format, inputs, target, hash)
 _SOURCE_FORMATS = {"asm": "asm", "llvm": "ll"}  # CompiledModel.source's kinds, LLVM's names
+#: bf16 kernels on every ISA, emulated (exactly, and slower than float32) where the ISA has
+#: no bf16 arithmetic: a bf16 CPU's numbers on any machine.
+STRICT_BF16 = "bf16-strict"
+#: What ``precision=`` of :func:`compile`, :func:`tune` and :func:`lower` takes.
+PRECISION_CHOICES = (*PRECISIONS, STRICT_BF16)
 #: What :func:`compile` and :func:`tune` accept as a model.
 Model = str | os.PathLike | bytes | onnx.ModelProto | tvm.IRModule
 
@@ -108,6 +114,10 @@ class CompiledModel:
         The part of ``compile_seconds`` spent tuning (0 when the database knew every operator).
     database
         The tuning database the configs were looked up in; None: every operator's default.
+    precision, requested_precision
+        What the float layers multiply in (``"float32"`` or ``"bf16"``) and the
+        ``precision`` the build was asked for (:func:`kernel_precision`; None: unknown, as
+        for a loaded export).
     """
 
     def __init__(
@@ -119,6 +129,8 @@ class CompiledModel:
         report: Sequence[Offload] = (),
         tune_seconds: float = 0.0,
         database: Path | None = None,
+        precision: str = "float32",
+        requested_precision: str | None = None,
     ) -> None:
         self.executable = executable
         self.target = target
@@ -127,7 +139,18 @@ class CompiledModel:
         self.report = list(report)
         self.tune_seconds = tune_seconds
         self.database = database
+        self.precision = precision
+        self.requested_precision = requested_precision
         self._vm = None
+
+    @property
+    def precision_note(self) -> str | None:
+        """Why the float layers run in another precision than the one asked for, or None."""
+        if self.requested_precision != "bf16" or self.precision == "bf16":
+            return None
+        isa = machine_of(self.target).isa.name
+        return (f"bf16 asked for, but {isa} has no bf16 arithmetic: float32 kernels, faster "
+                f"than emulated bf16 ({STRICT_BF16!r} emulates it)")
 
     @property
     def tpp_flops_fraction(self) -> float | None:
@@ -577,8 +600,35 @@ def _store_errors() -> Iterator[None]:
 
 def _precision(precision: str) -> None:
     """``precision`` checked: a user's typo is a one-line error, not a pass's ValueError."""
-    if precision not in PRECISIONS:
-        raise UsageError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision not in PRECISION_CHOICES:
+        raise UsageError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, "
+                         f"got {precision!r}")
+
+
+def kernel_precision(precision: str, tgt: Target) -> str:
+    """What the float layers of a ``precision`` build for ``tgt`` multiply in: ``"bf16"``
+    only where the target's ISA multiplies bf16 in hardware (AVX512-BF16, AMX, Arm BF16),
+    float32 elsewhere — emulated bf16 is slower than float32 there, and OpenVINO's bf16 hint
+    runs float32 on those CPUs too; :data:`STRICT_BF16` asks for bf16 kernels anyway.
+
+    Raises
+    ------
+    UsageError
+        ``precision`` is not one of :data:`PRECISION_CHOICES`.
+
+    Examples
+    --------
+    >>> [kernel_precision("bf16", make_target(f"tpp -isa={isa}")) for isa in ("avx2", "amx")]
+    ['float32', 'bf16']
+    >>> kernel_precision("bf16-strict", make_target("tpp -isa=avx2"))
+    'bf16'
+    """
+    _precision(precision)
+    if precision == STRICT_BF16:
+        return "bf16"
+    if precision == "bf16" and is_tpp(tgt) and not machine_of(tgt).isa.bf16_dot:
+        return "float32"
+    return precision
 
 
 def _measurable(tgt: Target) -> None:
@@ -594,7 +644,7 @@ def _tune_tasks(mod: tvm.IRModule, tgt: Target, database: Database, budget: floa
     collector = TaskCollector()
     with tgt:
         # The rewrites name the tasks (bf16 GEMMs are problems, and keys, of their own).
-        tpp_rewrites(tgt, tuner=collector, precision=precision)(mod)
+        tpp_rewrites(tgt, tuner=collector, precision=kernel_precision(precision, tgt))(mod)
     problems = list(collector.tasks.values())
     if pool is not None:
         return _tune_remote(problems, tgt, database, budget, top_k, on_tuned, pool)
@@ -776,7 +826,7 @@ def tune(
     NotRunnableError
         The target is not one this CPU runs (without ``rpc``).
     UsageError
-        ``precision`` is neither ``"float32"`` nor ``"bf16"``; ``key`` or ``isa`` without
+        ``precision`` is not one of :data:`PRECISION_CHOICES`; ``key`` or ``isa`` without
         ``rpc``.
     RemoteError
         With ``rpc``: the tracker is unreachable, no server is (or stays) under ``key``, or
@@ -830,7 +880,8 @@ def lower(
     mod, _ = import_model(model, input_shapes)
     lookup = _lookup(_existing_database(work_dir))
     with tgt, native_output():  # the graph pipeline without code generation
-        lowered = tpp_pipeline(tgt, tuner=lookup, precision=precision)(mod)
+        lowered = tpp_pipeline(tgt, tuner=lookup,
+                               precision=kernel_precision(precision, tgt))(mod)
     if lookup is not None:
         lookup.check()
     return lowered
@@ -878,8 +929,11 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         ``"float32"``, or ``"bf16"``: dense layers, convolutions and attention multiply in
         bfloat16 with float32 accumulation (weights rounded and packed at compile time,
         activations converted as each kernel reads them; inputs, outputs and epilogues stay
-        float32).  Expect a normwise error vs float32 of a few 1e-3 instead of 1e-6.  A
-        quantized (int8) model runs its quantized layers on int8 kernels whatever this is.
+        float32) where the target's ISA multiplies bf16 in hardware, in float32 elsewhere
+        (:func:`kernel_precision`; the model's ``precision_note`` says so); ``"bf16-strict"``:
+        in bfloat16 on every ISA.  Expect a normwise error vs float32 of a few 1e-3 instead
+        of 1e-6.  A quantized (int8) model runs its quantized layers on int8 kernels whatever
+        this is.
 
     Raises
     ------
@@ -892,10 +946,10 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     DatabaseError
         The given ``work_dir`` has no database, or its database is corrupt.
     UsageError
-        ``precision`` is neither ``"float32"`` nor ``"bf16"``, or ``untuned`` with tuning.
+        ``precision`` is not one of :data:`PRECISION_CHOICES`, or ``untuned`` with tuning.
     """
     tgt = make_target(target)
-    _precision(precision)
+    kernels = kernel_precision(precision, tgt)
     if untuned and (tune or work_dir is not None):
         raise UsageError("untuned builds read no work directory and tune nothing")
     if tune:
@@ -911,9 +965,9 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     lookup = _lookup(database)
     with native_output():
         executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(
-            tgt, report, lookup, precision))
+            tgt, report, lookup, kernels))
     if lookup is not None:
         lookup.check()
     return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report,
                          sum(t.result.tune_seconds for t in tuned),
-                         database.path if database is not None else None)
+                         database.path if database is not None else None, kernels, precision)

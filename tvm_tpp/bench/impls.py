@@ -156,7 +156,8 @@ def _model_tpp(job: Job, workload: ModelWorkload, say: Say) -> Built:
         how = ""
     routed = sum(1 for o in compiled.report if o.kernel)
     notes = (f"{job.precision}: {routed}/{len(compiled.report)} matched operators on TPP "
-             "kernels" if compiled.report else job.precision) + (f"; {how}" if how else "")
+             "kernels" if compiled.report else job.precision) + "".join(
+        f"; {note}" for note in (compiled.precision_note, how) if note)
     return _vm_built(compiled.executable, inputs, time.perf_counter() - start,
                      target=str(compiled.target), notes=notes)
 
@@ -213,7 +214,8 @@ def _model_tpp_tuned(job: Job, workload: ModelWorkload, say: Say) -> Built:
                      tune_seconds=compiled.tune_seconds, search_seconds=sum(searches),
                      target=str(compiled.target),
                      notes=f"{job.precision}: database {Path(job.work_dir) / compiler.DATABASE}: "
-                     f"{cached.count(False)} operators tuned, {sum(cached)} cached")
+                     f"{cached.count(False)} operators tuned, {sum(cached)} cached"
+                     + (f"; {compiled.precision_note}" if compiled.precision_note else ""))
 
 
 def _model_tvm_default(job: Job, workload: ModelWorkload, say: Say) -> Built:

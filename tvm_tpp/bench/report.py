@@ -267,7 +267,8 @@ def _precision_notes(cfg: BenchConfig) -> list[str]:
     """What a low-precision run compared (nothing for float32)."""
     if cfg.precision == "float32":
         return []
-    what = ("tpp rows: dense, conv and attention on bf16 kernels (float32 accumulation), "
+    what = ("tpp rows: dense, conv and attention on bf16 kernels (float32 accumulation) on "
+            "CPUs with bf16 arithmetic, on float32 kernels elsewhere (as the row's note says), "
             "checked against ONNX Runtime float32" if cfg.precision == "bf16" else
             "every row but tpp-float32 runs the QDQ-quantized model"
             + (" (7-bit weights: reduce_range)" if cfg.reduce_range else "")
