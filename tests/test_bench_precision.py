@@ -216,6 +216,26 @@ def test_cli_bench_precision_end_to_end(tmp_path, capsys, precision):
     assert rows["tpp"]["notes"].startswith(f"{precision}: 3/3 matched operators")
 
 
+def test_tpp_row_says_where_bf16_builds_float32_kernels(tmp_path):
+    """A bf16 run's tpp row on a CPU without bf16 arithmetic builds float32 kernels (as
+    OpenVINO's default does there) and its note says so."""
+    import numpy as np
+
+    import tvm_tpp
+    from tvm_tpp import compiler
+    from tvm_tpp.bench import impls
+
+    onnx.save(make_dense_model(m=2, k=8, n=4), str(tmp_path / "m.onnx"))
+    np.savez(tmp_path / "i.npz", x=np.ones((2, 8), "float32"))
+    workload = ModelWorkload(str(tmp_path / "m.onnx"), str(tmp_path / "i.npz"),
+                             str(tmp_path / "o.npz"), "m_1")
+    built = impls.build(Job("tpp", 1, str(tmp_path), (workload,), precision="bf16"),
+                        workload, print)
+    note = compiler.precision_note("bf16", tvm_tpp.target("tpp"))
+    assert built.notes.startswith("bf16: 1/1 matched operators on TPP kernels")
+    assert (note in built.notes) if note else "no bf16 arithmetic" not in built.notes
+
+
 @pytest.mark.parametrize("precision, optimized", [("float32", True), ("bf16", True),
                                                   ("int8", False)])
 def test_int8_reference_is_the_unfused_qdq_graph(tmp_path, monkeypatch, precision, optimized):

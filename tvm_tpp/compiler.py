@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = ["compile", "tune", "lower", "load", "import_model", "remote_pool", "target_spec",
            "CompiledModel", "Tuned", "PRECISION_CHOICES", "STRICT_BF16", "kernel_precision",
+           "precision_note",
            "WORK_DIR", "DATABASE", "ARTIFACT_FORMAT", "native_output"]
 
 #: The work directory :func:`tune` writes by default, and :func:`compile` reads if it exists.
@@ -145,12 +146,11 @@ class CompiledModel:
 
     @property
     def precision_note(self) -> str | None:
-        """Why the float layers run in another precision than the one asked for, or None."""
-        if self.requested_precision != "bf16" or self.precision == "bf16":
+        """Why the float layers run in another precision than the one asked for, or None
+        (:func:`precision_note`)."""
+        if self.requested_precision is None:
             return None
-        isa = machine_of(self.target).isa.name
-        return (f"bf16 asked for, but {isa} has no bf16 arithmetic: float32 kernels, faster "
-                f"than emulated bf16 ({STRICT_BF16!r} emulates it)")
+        return precision_note(self.requested_precision, self.target)
 
     @property
     def tpp_flops_fraction(self) -> float | None:
@@ -629,6 +629,21 @@ def kernel_precision(precision: str, tgt: Target) -> str:
     if precision == "bf16" and is_tpp(tgt) and not machine_of(tgt).isa.bf16_dot:
         return "float32"
     return precision
+
+
+def precision_note(precision: str, tgt: Target) -> str | None:
+    """Why the float layers of a ``precision`` build for ``tgt`` multiply in another type
+    than ``precision`` names (:func:`kernel_precision`), or None.
+
+    >>> precision_note("bf16", make_target("tpp -isa=avx512_vnni"))[:52]
+    'bf16 asked for, but avx512_vnni has no bf16 arithmet'
+    >>> precision_note("bf16", make_target("tpp -isa=amx")) is None
+    True
+    """
+    if precision != "bf16" or kernel_precision(precision, tgt) == "bf16":
+        return None
+    return (f"bf16 asked for, but {machine_of(tgt).isa.name} has no bf16 arithmetic: float32 "
+            f"kernels, faster than emulated bf16 ({STRICT_BF16!r} emulates it)")
 
 
 def _measurable(tgt: Target) -> None:

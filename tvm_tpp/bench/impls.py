@@ -155,9 +155,10 @@ def _model_tpp(job: Job, workload: ModelWorkload, say: Say) -> Built:
                                     untuned=True, precision=_compile_precision(job))
         how = ""
     routed = sum(1 for o in compiled.report if o.kernel)
+    note = compiler.precision_note(_compile_precision(job), compiled.target)
     notes = (f"{job.precision}: {routed}/{len(compiled.report)} matched operators on TPP "
              "kernels" if compiled.report else job.precision) + "".join(
-        f"; {note}" for note in (compiled.precision_note, how) if note)
+        f"; {text}" for text in (note, how) if text)
     return _vm_built(compiled.executable, inputs, time.perf_counter() - start,
                      target=str(compiled.target), notes=notes)
 
