@@ -144,5 +144,5 @@ def test_tune_then_compile_in_bf16(tmp_path):
     assert compiled.report[0].dtypes == BF16
     # "bf16" tunes what its build runs on this host: bf16 GEMMs only with bf16 arithmetic.
     hinted = tvm_tpp.tune(model, work_dir=tmp_path, budget=1.0, top_k=2, precision="bf16")
-    runs = kernel_precision("bf16", make_target("tpp"))
-    assert [t.problem.dtype for t in hinted] == [{"bf16": "bfloat16"}.get(runs, runs)]
+    bf16_here = kernel_precision("bf16", make_target("tpp")) == "bf16"
+    assert [t.problem.dtype for t in hinted] == ["bfloat16" if bf16_here else "float32"]
