@@ -61,6 +61,7 @@ def _tiled(kernel: BrgemmShape, rows: int, cols: int, intrin: str | None = None)
     return big, sch.mod
 
 
+# TVMScript parsed when a test asks: parsed at import, each function costs ~0.3 s per worker.
 @functools.cache
 def _build(case: str):
     kernel, rows, cols = CASES[case]
@@ -226,19 +227,22 @@ def test_mmla_odd_problem_through_padding(runner):
 M, N, K = 16, 16, 48
 
 
-@T.prim_func(s_tir=True)
-def _plain_int8_gemm(A: T.Buffer((M, K), "int8"), B: T.Buffer((K, N), "int8"),
-                     C: T.Buffer((M, N), "int32")):
-    T.func_attr({"global_symbol": "main", "tirx.noalias": True})
-    for i, j, k in T.grid(M, N, K):
-        with T.sblock("gemm"):
-            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-            C[vi, vj] = C[vi, vj] + T.Cast("int32", A[vi, vk]) * T.Cast("int32", B[vk, vj])
+@functools.cache
+def _plain_int8_gemm_ir():
+    @T.prim_func(s_tir=True)
+    def _plain_int8_gemm(A: T.Buffer((M, K), "int8"), B: T.Buffer((K, N), "int8"),
+                         C: T.Buffer((M, N), "int32")):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        for i, j, k in T.grid(M, N, K):
+            with T.sblock("gemm"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                C[vi, vj] = C[vi, vj] + T.Cast("int32", A[vi, vk]) * T.Cast("int32", B[vk, vj])
+    return _plain_int8_gemm
 
 
 def test_mmla_index_maps_let_a_plain_gemm_tensorize(runner):
     """transform_layout with pack.mmla_index_maps turns a row-major GEMM into MMLA kernel calls."""
-    sch = s_tir.Schedule(_plain_int8_gemm)
+    sch = s_tir.Schedule(_plain_int8_gemm_ir())
     block = sch.get_sblock("gemm")
     sch.transform_layout(block, "A", mmla_index_maps(8, "a")[0])
     sch.transform_layout(block, "B", mmla_index_maps(8, "b")[0])

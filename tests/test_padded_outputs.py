@@ -7,6 +7,8 @@ it refuses, the Relax rewrite as Before/Expected and through the VM, the graphs 
 alone, and networks built with the ``tpp`` target against ONNX Runtime, float32 and int8.
 """
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -33,35 +35,42 @@ LLVM = tvm.target.Target({"kind": "llvm"})
 F32 = "float32"
 
 
-@T.prim_func(private=True, s_tir=True)
-def relu(x: T.Buffer((6, 8), F32), y: T.Buffer((6, 8), F32)):
-    for i, j in T.grid(6, 8):
-        with T.sblock("epilogue"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            y[vi, vj] = T.max(x[vi, vj], T.float32(0))
+# TVMScript parsed when a test asks: parsed at import, each function costs ~0.3 s per worker.
+@functools.cache
+def _relu_ir():
+    @T.prim_func(private=True, s_tir=True)
+    def relu(x: T.Buffer((6, 8), F32), y: T.Buffer((6, 8), F32)):
+        for i, j in T.grid(6, 8):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.max(x[vi, vj], T.float32(0))
+    return relu
 
 
 # relu's output as 2 images of 1x3 pixels, one row above them and two columns to the right.
-@T.prim_func(private=True, s_tir=True)
-def relu_padded(x: T.Buffer((6, 8), F32), padded: T.Buffer((20, 8), F32)):
-    padded_bits = T.decl_buffer((20, 8), "uint32", data=padded.data)
-    for image, y in T.grid(2, 2):
-        base: T.int32 = (image * 2 + y) * 5
-        if y < 1 or y >= 2:
-            for x_1, v in T.grid(5, 1):
-                for j in T.vectorized(8):
-                    padded_bits[base + x_1, v * 8 + j] = T.uint32(0)
-        else:
-            for x_1, v in T.grid(2, 1):
-                for j in T.vectorized(8):
-                    padded_bits[base + 3 + x_1, v * 8 + j] = T.uint32(0)
-    for i, j in T.grid(6, 8):
-        with T.sblock("epilogue"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            T.reads(x[vi, vj])
-            T.writes(padded[(vi // 3 * 2 + vi % 3 // 3 + 1) * 5 + vi % 3 % 3, vj])
-            padded[(vi // 3 * 2 + vi % 3 // 3 + 1) * 5 + vi % 3 % 3, vj] = T.max(
-                x[vi, vj], T.float32(0))
+@functools.cache
+def _relu_padded_ir():
+    @T.prim_func(private=True, s_tir=True)
+    def relu_padded(x: T.Buffer((6, 8), F32), padded: T.Buffer((20, 8), F32)):
+        padded_bits = T.decl_buffer((20, 8), "uint32", data=padded.data)
+        for image, y in T.grid(2, 2):
+            base: T.int32 = (image * 2 + y) * 5
+            if y < 1 or y >= 2:
+                for x_1, v in T.grid(5, 1):
+                    for j in T.vectorized(8):
+                        padded_bits[base + x_1, v * 8 + j] = T.uint32(0)
+            else:
+                for x_1, v in T.grid(2, 1):
+                    for j in T.vectorized(8):
+                        padded_bits[base + 3 + x_1, v * 8 + j] = T.uint32(0)
+        for i, j in T.grid(6, 8):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                T.reads(x[vi, vj])
+                T.writes(padded[(vi // 3 * 2 + vi % 3 // 3 + 1) * 5 + vi % 3 % 3, vj])
+                padded[(vi // 3 * 2 + vi % 3 // 3 + 1) * 5 + vi % 3 % 3, vj] = T.max(
+                    x[vi, vj], T.float32(0))
+    return relu_padded
 
 
 def _copy(dtype: str) -> tvm.tirx.PrimFunc:
@@ -76,8 +85,8 @@ def _copy(dtype: str) -> tvm.tirx.PrimFunc:
 
 
 def test_padded_output_function():
-    tvm.ir.assert_structural_equal(padded_output(relu, (2, 1, 3), (1, 0, 0, 2), 0.0),
-                                   relu_padded)
+    tvm.ir.assert_structural_equal(padded_output(_relu_ir(), (2, 1, 3), (1, 0, 0, 2), 0.0),
+                                   _relu_padded_ir())
 
 
 def _padded(y: np.ndarray, images: tuple[int, int, int], padding, value) -> np.ndarray:
@@ -153,7 +162,7 @@ def test_kernels_writing_tiles_refused():
 def _module(emit) -> tvm.IRModule:
     """main(x: [6, 8]) with one dataflow block whose outputs ``emit(bb, relu_gv, x)`` gives."""
     bb = relax.BlockBuilder()
-    kernel = bb.add_func(relu, "relu")
+    kernel = bb.add_func(_relu_ir(), "relu")
     x = relax.Var("x", relax.TensorType((6, 8), F32))
     with bb.function("main", [x]):
         with bb.dataflow():
@@ -175,8 +184,8 @@ def test_pad_written_by_the_kernel():
         return [relax.op.nn.pad(_relu_nhwc(bb, kernel, x), PAD)]
 
     def expected(bb, kernel, x):
-        padded = bb.add_func(relu_padded.with_attrs({"op_pattern": 8, "tirx.is_scheduled": True}),
-                             "relu_padded")
+        padded = bb.add_func(_relu_padded_ir().with_attrs(
+            {"op_pattern": 8, "tirx.is_scheduled": True}), "relu_padded")
         y = bb.emit(relax.call_tir(padded, [x], relax.TensorType((20, 8), F32)))
         return [relax.op.reshape(y, (2, 2, 5, 8))]
 

@@ -6,6 +6,8 @@ against numpy (outputs first filled with NaN, the residual read and written in p
 kernels it must leave alone; and a network through the ``tpp`` pipeline against ONNX Runtime.
 """
 
+import functools
+
 import numpy as np
 import onnx
 import pytest
@@ -30,55 +32,62 @@ BIAS_RESIDUAL_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("residual"), Epilo
 BIAS_GELU = Epilogue((EpilogueOp("bias"), EpilogueOp("gelu", variant="erf")))
 
 
-@T.prim_func(s_tir=True)
-def _before(a: T.Buffer((4, 8), "float32"), bias: T.Buffer((8,), "float32"),
-            r: T.Buffer((4, 8), "float32"), y: T.Buffer((4, 8), "float32")):
-    acc = T.sblock_alloc_buffer((4, 8))
-    for i0 in range(2):
-        with T.sblock("kernel"):
-            vi = T.axis.spatial(2, i0)
-            T.reads(a[vi * 2:vi * 2 + 2, 0:8])
-            T.writes(acc[vi * 2:vi * 2 + 2, 0:8])
-            C = T.match_buffer(acc[vi * 2:vi * 2 + 2, 0:8], (2, 8), strides=("sc", 1),
-                               offset_factor=1)
-            reg = T.alloc_buffer((8,), scope="local")
-            for row in range(2):
-                reg[0:8] = a[vi * 2 + row, T.Ramp(0, 1, 8)] * T.Broadcast(T.float32(2), 8)
-                C[row, 0:8] = reg[T.Ramp(0, 1, 8)]
-        for i1, j in T.grid(2, 8):
-            with T.sblock("epilogue"):
-                v_i = T.axis.spatial(4, i0 * 2 + i1)
-                v_j = T.axis.spatial(8, j)
-                T.reads(acc[v_i, v_j], bias[v_j], r[v_i, v_j])
-                T.writes(y[v_i, v_j])
-                y[v_i, v_j] = T.max(acc[v_i, v_j] + bias[v_j] + r[v_i, v_j], T.float32(0))
+# TVMScript parsed when a test asks: parsed at import, each function costs ~0.3 s per worker.
+@functools.cache
+def _before_ir():
+    @T.prim_func(s_tir=True)
+    def _before(a: T.Buffer((4, 8), "float32"), bias: T.Buffer((8,), "float32"),
+                r: T.Buffer((4, 8), "float32"), y: T.Buffer((4, 8), "float32")):
+        acc = T.sblock_alloc_buffer((4, 8))
+        for i0 in range(2):
+            with T.sblock("kernel"):
+                vi = T.axis.spatial(2, i0)
+                T.reads(a[vi * 2:vi * 2 + 2, 0:8])
+                T.writes(acc[vi * 2:vi * 2 + 2, 0:8])
+                C = T.match_buffer(acc[vi * 2:vi * 2 + 2, 0:8], (2, 8), strides=("sc", 1),
+                                   offset_factor=1)
+                reg = T.alloc_buffer((8,), scope="local")
+                for row in range(2):
+                    reg[0:8] = a[vi * 2 + row, T.Ramp(0, 1, 8)] * T.Broadcast(T.float32(2), 8)
+                    C[row, 0:8] = reg[T.Ramp(0, 1, 8)]
+            for i1, j in T.grid(2, 8):
+                with T.sblock("epilogue"):
+                    v_i = T.axis.spatial(4, i0 * 2 + i1)
+                    v_j = T.axis.spatial(8, j)
+                    T.reads(acc[v_i, v_j], bias[v_j], r[v_i, v_j])
+                    T.writes(y[v_i, v_j])
+                    y[v_i, v_j] = T.max(acc[v_i, v_j] + bias[v_j] + r[v_i, v_j], T.float32(0))
+    return _before
 
 
-@T.prim_func(s_tir=True)
-def _expected(a: T.Buffer((4, 8), "float32"), bias: T.Buffer((8,), "float32"),
-              r: T.Buffer((4, 8), "float32"), y: T.Buffer((4, 8), "float32")):
-    T.sblock_alloc_buffer((4, 8))
-    for i0 in range(2):
-        with T.sblock("kernel"):
-            vi = T.axis.spatial(2, i0)
-            T.reads(a[vi * 2:vi * 2 + 2, 0:8], bias[0:8], r[0:4, 0:8])
-            T.writes(y[0:4, 0:8])
-            for row in range(2):  # the tile's lines, ahead of the FMAs: r read, y written
-                T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(r[vi * 2 + row, 0]),
-                                   0, 3, 1)
-                T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(y[vi * 2 + row, 0]),
-                                   1, 3, 1)
-            reg = T.alloc_buffer((8,), scope="local")
-            for row in range(2):
-                reg[0:8] = a[vi * 2 + row, T.Ramp(0, 1, 8)] * T.Broadcast(T.float32(2), 8)
-                for lane in T.vectorized(8):
-                    y[vi * 2 + row, lane] = T.max(reg[lane] + bias[lane] + r[vi * 2 + row, lane],
-                                                  T.float32(0))
+@functools.cache
+def _expected_ir():
+    @T.prim_func(s_tir=True)
+    def _expected(a: T.Buffer((4, 8), "float32"), bias: T.Buffer((8,), "float32"),
+                  r: T.Buffer((4, 8), "float32"), y: T.Buffer((4, 8), "float32")):
+        T.sblock_alloc_buffer((4, 8))
+        for i0 in range(2):
+            with T.sblock("kernel"):
+                vi = T.axis.spatial(2, i0)
+                T.reads(a[vi * 2:vi * 2 + 2, 0:8], bias[0:8], r[0:4, 0:8])
+                T.writes(y[0:4, 0:8])
+                for row in range(2):  # the tile's lines, ahead of the FMAs: r read, y written
+                    T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(r[vi * 2 + row, 0]),
+                                       0, 3, 1)
+                    T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(y[vi * 2 + row, 0]),
+                                       1, 3, 1)
+                reg = T.alloc_buffer((8,), scope="local")
+                for row in range(2):
+                    reg[0:8] = a[vi * 2 + row, T.Ramp(0, 1, 8)] * T.Broadcast(T.float32(2), 8)
+                    for lane in T.vectorized(8):
+                        y[vi * 2 + row, lane] = T.max(
+                            reg[lane] + bias[lane] + r[vi * 2 + row, lane], T.float32(0))
+    return _expected
 
 
 def test_stores_go_through_the_epilogue():
-    tvm.ir.assert_structural_equal(epilogue_in_registers(_before),
-                                   _expected.with_attr("global_symbol", "_before"))
+    tvm.ir.assert_structural_equal(epilogue_in_registers(_before_ir()),
+                                   _expected_ir().with_attr("global_symbol", "_before"))
 
 
 def test_kernel_reading_its_tile_is_left_alone():

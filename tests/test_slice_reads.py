@@ -5,6 +5,8 @@ The PrimFunc rewrite as a Before/Expected pair and numerically on scheduled conv
 the Relax rewrite as Before/Expected and through the VM, with the slices it must keep.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tvm
@@ -23,41 +25,51 @@ F32 = "float32"
 LLVM = tvm.target.Target({"kind": "llvm"})
 
 
-@T.prim_func(private=True, s_tir=True)
-def double(x: T.Buffer((2, 3, 4), F32), y: T.Buffer((2, 3, 4), F32)):
-    for i, j, c in T.grid(2, 3, 4):
-        with T.sblock("double"):
-            vi, vj, vc = T.axis.remap("SSS", [i, j, c])
-            y[vi, vj, vc] = x[vi, vj, vc] * T.float32(2)
+# TVMScript parsed when a test asks: parsed at import, each function costs ~0.3 s per worker.
+@functools.cache
+def _double_ir():
+    @T.prim_func(private=True, s_tir=True)
+    def double(x: T.Buffer((2, 3, 4), F32), y: T.Buffer((2, 3, 4), F32)):
+        for i, j, c in T.grid(2, 3, 4):
+            with T.sblock("double"):
+                vi, vj, vc = T.axis.remap("SSS", [i, j, c])
+                y[vi, vj, vc] = x[vi, vj, vc] * T.float32(2)
+    return double
 
 
-@T.prim_func(private=True, s_tir=True)
-def double_from6(x: T.Buffer((2, 3, 6), F32), y: T.Buffer((2, 3, 4), F32)):
-    for i, j, c in T.grid(2, 3, 4):
-        with T.sblock("double"):
-            vi, vj, vc = T.axis.remap("SSS", [i, j, c])
-            T.reads(x[vi, vj, vc])
-            T.writes(y[vi, vj, vc])
-            y[vi, vj, vc] = x[vi, vj, vc] * T.float32(2)
+@functools.cache
+def _double_from6_ir():
+    @T.prim_func(private=True, s_tir=True)
+    def double_from6(x: T.Buffer((2, 3, 6), F32), y: T.Buffer((2, 3, 4), F32)):
+        for i, j, c in T.grid(2, 3, 4):
+            with T.sblock("double"):
+                vi, vj, vc = T.axis.remap("SSS", [i, j, c])
+                T.reads(x[vi, vj, vc])
+                T.writes(y[vi, vj, vc])
+                y[vi, vj, vc] = x[vi, vj, vc] * T.float32(2)
+    return double_from6
 
 
-@T.prim_func(private=True, s_tir=True)
-def dense_tile(x: T.Buffer((2, 3, 4), F32), y: T.Buffer((2, 3, 4), F32)):
-    for i in range(2):
-        with T.sblock("tile"):
-            vi = T.axis.spatial(2, i)
-            tile = T.match_buffer(x[vi, 0:3, 0:4], (3, 4))  # dense: assumes rows of 4
-            for j, c in T.grid(3, 4):
-                y[vi, j, c] = tile[j, c]
+@functools.cache
+def _dense_tile_ir():
+    @T.prim_func(private=True, s_tir=True)
+    def dense_tile(x: T.Buffer((2, 3, 4), F32), y: T.Buffer((2, 3, 4), F32)):
+        for i in range(2):
+            with T.sblock("tile"):
+                vi = T.axis.spatial(2, i)
+                tile = T.match_buffer(x[vi, 0:3, 0:4], (3, 4))  # dense: assumes rows of 4
+                for j, c in T.grid(3, 4):
+                    y[vi, j, c] = tile[j, c]
+    return dense_tile
 
 
 def test_reading_wider_function():
-    tvm.ir.assert_structural_equal(reading_wider(double, 0, 6), double_from6)
+    tvm.ir.assert_structural_equal(reading_wider(_double_ir(), 0, 6), _double_from6_ir())
 
 
 def test_dense_matched_tiles_refused():
-    assert reading_wider(dense_tile, 0, 6) is None
-    assert reading_wider(double, 0, 3) is None  # narrower than the parameter
+    assert reading_wider(_dense_tile_ir(), 0, 6) is None
+    assert reading_wider(_double_ir(), 0, 3) is None  # narrower than the parameter
 
 
 def _run_wide(func, problem: ConvProblem, config, extra: int, x: np.ndarray,
@@ -105,7 +117,7 @@ def _buffer() -> relax.Var:
 
 def _slice_then(axes=(2,), begin=0, end=4, step=1):
     def body(bb, buf):
-        kernel = bb.add_func(double, "double")
+        kernel = bb.add_func(_double_ir(), "double")
         part = bb.emit(relax.op.strided_slice(buf, axes=list(axes), begin=[begin], end=[end],
                                               strides=[step]))
         return relax.call_tir(kernel, [part], relax.TensorType((2, 3, 4), F32))
@@ -117,7 +129,7 @@ def test_slice_read_in_place():
     before = relax_main([_buffer()], _slice_then())
 
     def expected_body(bb, buf):
-        kernel = add_kernel(bb, double_from6, "double_from6")
+        kernel = add_kernel(bb, _double_from6_ir(), "double_from6")
         return relax.call_tir(kernel, [buf], relax.TensorType((2, 3, 4), F32))
 
     after = read_slices_in_place(before)

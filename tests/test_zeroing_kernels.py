@@ -7,6 +7,7 @@ compute the same values as numpy either way.
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -96,38 +97,45 @@ def test_zeroing_keeps_the_implementation():
 # -------------------------------------------------------------------------------- schedules
 
 
-@T.prim_func(s_tir=True)
-def _matmul(a: T.Buffer((8, 4), "float32"), b: T.Buffer((4, 16), "float32"),
-            c: T.Buffer((8, 16), "float32")):
-    for i, j, k in T.grid(8, 16, 4):
-        with T.sblock("C"):
-            vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-            with T.init():
-                c[vi, vj] = T.float32(0)
-            c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
-
-
-@T.prim_func(s_tir=True)
-def _matmul_without_zeroing(a: T.Buffer((8, 4), "float32"), b: T.Buffer((4, 16), "float32"),
-                            c: T.Buffer((8, 16), "float32")):
-    for i, j in T.grid(8, 16):
-        with T.sblock("C_init"):
-            T.where(T.bool(False))
-            vi, vj = T.axis.remap("SS", [i, j])
-            c[vi, vj] = T.float32(0)
-        for k in range(4):
-            with T.sblock("C_update"):
+# TVMScript parsed when a test asks: parsed at import, each function costs ~0.3 s per worker.
+@functools.cache
+def _matmul_ir():
+    @T.prim_func(s_tir=True)
+    def _matmul(a: T.Buffer((8, 4), "float32"), b: T.Buffer((4, 16), "float32"),
+                c: T.Buffer((8, 16), "float32")):
+        for i, j, k in T.grid(8, 16, 4):
+            with T.sblock("C"):
                 vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    c[vi, vj] = T.float32(0)
                 c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+    return _matmul
+
+
+@functools.cache
+def _matmul_without_zeroing_ir():
+    @T.prim_func(s_tir=True)
+    def _matmul_without_zeroing(a: T.Buffer((8, 4), "float32"), b: T.Buffer((4, 16), "float32"),
+                                c: T.Buffer((8, 16), "float32")):
+        for i, j in T.grid(8, 16):
+            with T.sblock("C_init"):
+                T.where(T.bool(False))
+                vi, vj = T.axis.remap("SS", [i, j])
+                c[vi, vj] = T.float32(0)
+            for k in range(4):
+                with T.sblock("C_update"):
+                    vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                    c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vk, vj]
+    return _matmul_without_zeroing
 
 
 def test_drop_zeroing_structure():
-    sch = s_tir.Schedule(_matmul)
+    sch = s_tir.Schedule(_matmul_ir())
     block = sch.get_sblock("C")
     init = sch.decompose_reduction(block, sch.get_loops(block)[2])
     assert nest.drop_zeroing(sch, init)
     tvm.ir.assert_structural_equal(
-        sch.mod["main"], _matmul_without_zeroing.with_attr("global_symbol", "_matmul"))
+        sch.mod["main"], _matmul_without_zeroing_ir().with_attr("global_symbol", "_matmul"))
 
 
 def test_drop_zeroing_keeps_other_starting_values():
