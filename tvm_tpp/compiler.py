@@ -115,10 +115,8 @@ class CompiledModel:
         The part of ``compile_seconds`` spent tuning (0 when the database knew every operator).
     database
         The tuning database the configs were looked up in; None: every operator's default.
-    precision, requested_precision
-        What the float layers multiply in (``"float32"`` or ``"bf16"``) and the
-        ``precision`` the build was asked for (:func:`kernel_precision`; None: unknown, as
-        for a loaded export).
+    requested_precision
+        The ``precision`` the build was asked for (None: unknown, as for a loaded export).
     """
 
     def __init__(
@@ -130,7 +128,6 @@ class CompiledModel:
         report: Sequence[Offload] = (),
         tune_seconds: float = 0.0,
         database: Path | None = None,
-        precision: str = "float32",
         requested_precision: str | None = None,
     ) -> None:
         self.executable = executable
@@ -140,9 +137,16 @@ class CompiledModel:
         self.report = list(report)
         self.tune_seconds = tune_seconds
         self.database = database
-        self.precision = precision
         self.requested_precision = requested_precision
         self._vm = None
+
+    @property
+    def precision(self) -> str | None:
+        """What the float layers multiply in, ``"float32"`` or ``"bf16"``
+        (:func:`kernel_precision`; None: unknown, as for a loaded export)."""
+        if self.requested_precision is None:
+            return None
+        return kernel_precision(self.requested_precision, self.target)
 
     @property
     def precision_note(self) -> str | None:
@@ -964,7 +968,7 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         ``precision`` is not one of :data:`PRECISION_CHOICES`, or ``untuned`` with tuning.
     """
     tgt = make_target(target)
-    kernels = kernel_precision(precision, tgt)
+    kernels = kernel_precision(precision, tgt)  # checks it before any time is spent
     if untuned and (tune or work_dir is not None):
         raise UsageError("untuned builds read no work directory and tune nothing")
     if tune:
@@ -985,4 +989,4 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
         lookup.check()
     return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report,
                          sum(t.result.tune_seconds for t in tuned),
-                         database.path if database is not None else None, kernels, precision)
+                         database.path if database is not None else None, precision)
