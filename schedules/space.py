@@ -388,6 +388,12 @@ def heuristic(
        panels, where the plain order reads it once and re-reads only the inner operand, from
        L3 (BERT's 128 x 3072 x 768 GEMM on a 512 KiB L2: swapped, each thread's one row
        block streams all of the 9 MiB weight).
+    6. Neither 3 nor 4 when the inner loop walks row blocks of A (more N blocks than M
+       blocks): the plain order keeps each call's panel of B in cache while consecutive row
+       blocks of A, contiguous in memory, stream past it.  Keeping row blocks of A resident
+       instead and streaming B's panels past them ran 0.80x as fast (1024 x 3072 x 768, the
+       GPT-2 layer's at batch 8, 64-row blocks on a Zen 3; its network 1.08x faster plain;
+       BENCHMARKS.md): rules 3 and 4 keep panels of B resident, never of A.
 
     Examples
     --------
@@ -409,7 +415,7 @@ def heuristic(
     panel = (bn if inner == "c" else bm) * Kb * bk * dtype_bytes
     steps = {"a": k_step} if k_step != 1 else {}
     par = outer.upper() + inner.upper()
-    if inner_trips * panel <= caches.l2 // 2:
+    if inner == "b" or inner_trips * panel <= caches.l2 // 2:  # rule 6; 3 with nothing to block
         return Candidate(par + "a", {}, steps)
     outer_bytes = outer_trips * (bm if outer == "b" else bn) * Kb * bk * dtype_bytes
     if outer_bytes > caches.l3 // 2 >= inner_trips * panel:  # rule 5

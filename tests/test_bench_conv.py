@@ -86,7 +86,7 @@ def test_after_writes_the_conv_s_input():
     from microkernels.machine import machine_of
     from schedules.conv import default_config
     from schedules.measure import measure
-    from tvm_tpp.bench.conv import _producer
+    from tvm_tpp.bench.configs import _producer
     from tvm_tpp.tpp_target import target
 
     tpp = target("tpp")

@@ -166,6 +166,16 @@ def test_default_splits_k_when_its_panel_outgrows_half_of_l2(caches, long_k):
             (64, 16, 512, 8, None)
 
 
+def test_an_m_with_few_divisors_runs_in_tall_calls_not_rows():
+    """197 rows (ViT's tokens) have no divisor between 1 and 197: one call of 197 rows, not
+    197 calls of one (3.3x slower on a Zen 3)."""
+    machine = _avx2(isa.DEFAULT_CACHES)
+    assert default_config(GemmProblem(197, 768, 768), machine).bm == 197
+    assert default_config(GemmProblem(1576, 768, 768, "uint8"), machine).bm == 197
+    problem = GemmProblem(197, 40, 24, epilogue=BIAS_RELU)
+    _run(problem, default_config(problem, machine))
+
+
 def test_default_columns_are_one_register_tile():
     """x86 GEMMs take one register tile of columns per call where it divides N (16 on
     AVX2, 64 on AVX-512): the call streams its panel of B; the tuner still tries the wide

@@ -152,13 +152,19 @@ def test_heuristic():
     # BERT's 128 x 3072 x 768 (two row blocks, 48 column blocks, A 384 KiB, B 9 MiB) on a
     # 512 KiB L2 and an 8 MiB L3: B would come from memory once per row block, not swapped
     # (rule 5).
-    # Nor when the swap leaves one row block per thread (rule 4 needs two each): 2 threads
-    # on two row blocks, or 4 on four, keep the plain order; 2 threads on four swap.
+    # Nor ever when the inner loop walks row blocks of A (rule 6: only B's panels are kept
+    # resident): however many row blocks per thread, and GPT-2's 1024 x 3072 x 768 in
+    # 64 x 16 blocks (each row block 192 KiB, under half of L2: rule 4 used to swap it).
     bert_ffn = dict(bm=64, bn=64, bk=384, k_step=2)
     big_l3 = Caches(32 << 10, 512 << 10, 32 << 20)
     assert heuristic(2, 2, 48, big_l3, 2, **bert_ffn) == Candidate("CBa", {}, {"a": 2})
-    assert heuristic(2, 4, 48, big_l3, 2, **bert_ffn) == Candidate("BCa", {}, {"a": 2})
+    assert heuristic(2, 4, 48, big_l3, 2, **bert_ffn) == Candidate("CBa", {}, {"a": 2})
     assert heuristic(2, 4, 48, big_l3, 4, **bert_ffn) == Candidate("CBa", {}, {"a": 2})
+    assert heuristic(2, 16, 192, big_l3, 2, bm=64, bn=16, bk=384, k_step=2) == \
+        Candidate("CBa", {}, {"a": 2})
+    # The same blocks the other way round (B's panels inner) still swap (rule 4).
+    assert heuristic(2, 192, 16, big_l3, 2, bm=16, bn=64, bk=384, k_step=2) == \
+        Candidate("CBa", {}, {"a": 2})
     assert heuristic(2, 2, 48, Caches(32 << 10, 512 << 10, 8 << 20), 2, **bert_ffn) == \
         Candidate("CBa", {}, {"a": 2})
     assert heuristic(32, 32, 32, DEFAULT_CACHES, 2, k_step=4).step("a") == 4

@@ -418,8 +418,8 @@ def _explain(console, tuned) -> None:
     print_tuned(console, tuned)
 
 
-def cmd_bench_conv(args: argparse.Namespace) -> int:
-    from .bench.conv import run
+def cmd_bench_configs(args: argparse.Namespace) -> int:
+    from .bench.configs import run
 
     return run(args)
 
@@ -507,6 +507,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {plot(rows, args.plot)}")
     return 1 if any(r.status in ("WRONG", "error") for r in rows) else 0
+
+
+def _kernel_bench_options(p: argparse.ArgumentParser, example: str) -> None:
+    """The options ``bench-conv`` and ``bench-dense`` share (:mod:`tvm_tpp.bench.configs`)."""
+    p.add_argument("--epilogue", default="", help="comma-separated ops without parameters, "
+                   "e.g. bias,residual,relu")
+    p.add_argument("--vs", action="append", metavar="FIELD=VALUE,...",
+                   help=f"a row with these fields of the default changed, e.g. {example} "
+                   "(repeatable)")
+    p.add_argument("--candidates", action="store_true", help="also time the tuner's candidates")
+    p.add_argument("--cold", action="store_true",
+                   help="evict every operand but the input before each run, as the tuner times")
+    p.add_argument("--threads", type=_at_least(1, int),
+                   help="threads of TVM's pool and of the schedule (default: all cores)")
+    p.add_argument("--warmup", type=_at_least(0, float), default=5.0,
+                   help="seconds of untimed runs first (default 5)")
+    p.add_argument("--rounds", type=_at_least(1, int), default=10,
+                   help="interleaved rounds of 0.3 s per row (default 10)")
+    p.add_argument("--json", help="write the rows as JSON")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -622,33 +641,26 @@ def _parser() -> argparse.ArgumentParser:
                    "the AMX peak, where this process may run AMX")
     p.add_argument("--json", help="write the result as JSON")
 
-    p = add("bench-conv", cmd_bench_conv, "one conv kernel's time under its default and other "
-            "configurations, interleaved (warm, or --cold as the tuner times)")
+    p = add("bench-conv", cmd_bench_configs, "one conv kernel's time under its default and "
+            "other configurations, interleaved (warm, or --cold as the tuner times)")
     p.add_argument("conv", help="NxCxHxWxKxRxS[/s1x1p0x0x0x0[d1x1][g1]] as the tuner names it, "
                    "e.g. 1x64x56x56x64x3x3/s1x1p1x1x1x1")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "uint8", "uint8_w7"),
                    default="float32", help="the input's type (uint8: u8 x s8 -> int32; "
                    "uint8_w7: with 7-bit weights, vpmaddubsw on CPUs without VNNI)")
-    p.add_argument("--epilogue", default="", help="comma-separated ops without parameters, "
-                   "e.g. bias,residual,relu")
-    p.add_argument("--vs", action="append", metavar="FIELD=VALUE,...",
-                   help="a row with these fields of the default changed, e.g. fold_taps=false "
-                   "or bq=14,bk=32 (repeatable)")
-    p.add_argument("--candidates", action="store_true", help="also time the tuner's candidates")
+    _kernel_bench_options(p, "fold_taps=false or bq=14,bk=32")
     p.add_argument("--after", metavar="CONV", help="a conv run untimed before each run, writing "
                    "this one's input as the layer before does in a network (this conv: 1x1, "
                    "stride 1, no padding), e.g. 1x256x14x14x256x3x3/s1x1p1x1x1x1")
     p.add_argument("--after-epilogue", default="bias,relu",
                    help="the --after conv's epilogue (default bias,relu)")
-    p.add_argument("--cold", action="store_true",
-                   help="evict every operand but the input before each run, as the tuner times")
-    p.add_argument("--threads", type=_at_least(1, int),
-                   help="threads of TVM's pool and of the schedule (default: all cores)")
-    p.add_argument("--warmup", type=_at_least(0, float), default=5.0,
-                   help="seconds of untimed runs first (default 5)")
-    p.add_argument("--rounds", type=_at_least(1, int), default=10,
-                   help="interleaved rounds of 0.3 s per row (default 10)")
-    p.add_argument("--json", help="write the rows as JSON")
+
+    p = add("bench-dense", cmd_bench_configs, "one dense layer's kernel time under its default "
+            "and other configurations, interleaved (warm, or --cold as the tuner times)")
+    p.add_argument("dense", help="MxNxK as the tuner names it, e.g. 1024x3072x768")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "uint8"), default="float32",
+                   help="the input's type (uint8: u8 x s8 -> int32)")
+    _kernel_bench_options(p, "bm=64 or bn=32,bk=256")
 
     p = add("bench", cmd_bench, "compare with TVM, MetaSchedule, ONNX Runtime and OpenVINO (fair "
             "timing)")

@@ -1,16 +1,17 @@
-"""``tvm-tpp bench-conv``: one convolution kernel timed under several configurations, side by
-side in one process.
+"""``tvm-tpp bench-conv`` and ``bench-dense``: one conv or dense kernel timed under several
+configurations, side by side in one process.
 
-The conv is named as the tuner names it (``tvm-tpp tune --explain``, the tuning database):
-``NxCxHxWxKxRxS/s{sh}x{sw}p{top}x{left}x{bottom}x{right}`` (:func:`schedules.ops.
-conv_problem`).  Its rows: the untuned default (:func:`schedules.conv.default_config`), each
-``--vs`` variant (fields of the default replaced, e.g. ``fold_taps=false`` or
-``bq=14,bk=32``) and, with ``--candidates``, the tuner's list.  They are built together and
-timed as the tuner times them (:func:`schedules.measure.measure`: interleaved rounds, the
-fastest sample), after ``--warmup`` seconds of runs of each in turn (a VM's first seconds
-after a build run slower); warm, or with ``--cold`` every operand but the input evicted from
-the caches before each run, as the tuner measures.  Only the kernel is timed: its input
-packed and padded, its weights packed, as in a built network.
+The kernel is named as the tuner names it (``tvm-tpp tune --explain``, the tuning database):
+a conv ``NxCxHxWxKxRxS/s{sh}x{sw}p{top}x{left}x{bottom}x{right}`` (:func:`schedules.ops.
+conv_problem`), a dense layer ``MxNxK``.  Its rows: the untuned default (its template's
+``default_config``), each ``--vs`` variant (fields of the default replaced, e.g.
+``fold_taps=false`` or ``bq=14,bk=32`` of a conv, ``bm=64`` of a dense layer) and, with
+``--candidates``, the tuner's list.  They are built together and timed as the tuner times
+them (:func:`schedules.measure.measure`: interleaved rounds, the fastest sample), after
+``--warmup`` seconds of runs of each in turn (a VM's first seconds after a build run slower);
+warm, or with ``--cold`` every operand but the input evicted from the caches before each
+run, as the tuner measures.  Only the kernel is timed: its input packed and padded, its
+weights packed, as in a built network.
 
 ``--threads N`` sizes TVM's thread pool (it must not have started yet: a fresh process) and
 schedules for N cores.
@@ -19,9 +20,10 @@ Examples
 --------
 $ tvm-tpp bench-conv 1x3x224x224x64x7x7/s2x2p3x3x3x3 --epilogue bias,relu --vs fold_taps=false
 $ tvm-tpp bench-conv 1x256x14x14x1024x1x1 --epilogue bias,residual,relu --cold --candidates
+$ tvm-tpp bench-dense 1024x3072x768 --epilogue bias --cold --vs bm=64
 >>> from tvm_tpp.tpp_target import target
->>> rows = bench_conv(conv_problem("1x8x6x6x16x3x3/s1x1p1x1x1x1"), target("tpp"),
-...                   [("default", None)], warmup=0.0, rounds=1)
+>>> rows = bench_configs(conv_problem("1x8x6x6x16x3x3/s1x1p1x1x1x1"), target("tpp"),
+...                      [("default", None)], warmup=0.0, rounds=1)
 >>> [(r.label, r.seconds > 0) for r in rows]
 [('default', True)]
 """
@@ -39,26 +41,29 @@ from typing import TYPE_CHECKING
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
-from schedules.conv import ConvConfig, ConvProblem, candidates, default_config
+from schedules.conv import ConvProblem
+from schedules.gemm import GemmConfig, GemmProblem
 from schedules.measure import measure
-from schedules.ops import OPS, config_text, conv_problem, problem_text
+from schedules.nest import check_exact
+from schedules.ops import Config, Problem, config_text, conv_problem, op_of, problem_text
+from schedules.space import Candidate
 
 from ..errors import UsageError
 
 if TYPE_CHECKING:
     from tvm.target import Target
 
-__all__ = ["ConvRow", "bench_conv", "epilogue_of", "variant", "format_rows", "run",
-           "tuner_candidates"]
+__all__ = ["ConfigRow", "bench_configs", "dense_problem", "epilogue_of", "variant",
+           "format_rows", "run", "tuner_candidates"]
 
 
 @dataclass(frozen=True)
-class ConvRow:
+class ConfigRow:
     """One configuration's time: ``seconds`` of one run, or the ``error`` that kept it from
     being built."""
 
     label: str
-    config: ConvConfig
+    config: Config
     seconds: float | None
     error: str = ""
 
@@ -90,15 +95,43 @@ def _value(field_type: str, name: str, text: str) -> object:
     return text
 
 
-def variant(config: ConvConfig, text: str, problem: ConvProblem) -> ConvConfig:
+def dense_problem(text: str, dtype: str = "float32", epilogue: Epilogue | None = None
+                  ) -> GemmProblem:
+    """The dense layer ``MxNxK`` names (as the tuner shows it).
+
+    >>> dense_problem("1024x3072x768").flops
+    4831838208
+    """
+    try:
+        m, n, k = (int(d) for d in text.split("x"))
+    except ValueError:
+        raise UsageError(f"a dense layer is MxNxK, e.g. 1024x3072x768; got {text!r}") from None
+    try:
+        return GemmProblem(m, n, k, dtype, epilogue or Epilogue())
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+#: Fields ``--vs`` cannot set: block steps (the tuner's candidates have them).
+_UNSETTABLE = ("block_steps", "candidate")
+
+
+def variant(config: Config, text: str, problem: Problem) -> Config:
     """``config`` with the fields ``text`` sets (``name=value,...``), checked against
     ``problem``.
 
+    >>> from schedules.conv import ConvConfig
     >>> p = conv_problem("1x64x56x56x64x3x3/s1x1p1x1x1x1")
     >>> variant(ConvConfig(bq=28, bc=64, bk=64), "bq=14,spec=ACbfgde", p).bq
     14
+    >>> variant(GemmConfig.of("CBa", 256, 16, 384, k_step=2), "bm=64,spec=BCa",
+    ...         dense_problem("1024x3072x768")).spec
+    'BCa'
     """
-    settable = {f.name: str(f.type) for f in fields(ConvConfig) if f.name != "block_steps"}
+    settable = {f.name: str(f.type) for f in fields(config) if f.name not in _UNSETTABLE}
+    dense = isinstance(config, GemmConfig)
+    if dense:  # its loop order is its candidate's, which also holds k_step
+        settable |= {"spec": "str", "k_step": "int"}
     changes: dict[str, object] = {}
     for item in text.split(","):
         name, eq, value = item.partition("=")
@@ -107,23 +140,32 @@ def variant(config: ConvConfig, text: str, problem: ConvProblem) -> ConvConfig:
             raise UsageError(f"--vs takes FIELD=VALUE,... of {', '.join(settable)}; got {item!r}")
         changes[name] = _value(settable[name], name, value.strip())
     try:
+        if dense and {"spec", "k_step"} & changes.keys():
+            steps = dict(config.candidate.steps)
+            steps["a"] = changes.pop("k_step", config.k_step)
+            candidate = Candidate(changes.pop("spec", config.spec), {}, steps)
+            changes["candidate"] = candidate
         changed = replace(config, **changes)
-        changed.parse(problem)  # blocks that tile the conv, a loop_spec that fits them
+        # blocks that tile the problem, a loop_spec that fits them
+        if dense:
+            check_exact(changed.candidate.parse(*changed.blocked(problem).trips))
+        else:
+            changed.parse(problem)
     except Exception as err:  # ValueError, LoopSpecError: the user's variant does not fit
         raise UsageError(f"--vs {text}: {err}") from None
     return changed
 
 
-def bench_conv(problem: ConvProblem, target: Target,
-               variants: Sequence[tuple[str, ConvConfig | None]], *, cold: bool = False,
-               warmup: float = 5.0, rounds: int = 10, round_seconds: float = 0.3,
-               after: ConvProblem | None = None) -> list[ConvRow]:
+def bench_configs(problem: Problem, target: Target,
+                  variants: Sequence[tuple[str, Config | None]], *, cold: bool = False,
+                  warmup: float = 5.0, rounds: int = 10, round_seconds: float = 0.3,
+                  after: ConvProblem | None = None) -> list[ConfigRow]:
     """Time each ``(label, config)`` of ``problem`` (None: the default) interleaved.
 
     Parameters
     ----------
     problem, target
-        The conv and the ``tpp`` target it is scheduled and built for.
+        The conv or dense layer and the ``tpp`` target it is scheduled and built for.
     variants
         Labelled configurations; one built once however often it is listed.
     cold
@@ -140,7 +182,7 @@ def bench_conv(problem: ConvProblem, target: Target,
         without padding over its ``P x Q`` map and ``K`` channels (ValueError otherwise).
     """
     machine = machine_of(target)
-    configs = [config or default_config(problem, machine) for _, config in variants]
+    configs = [config or op_of(problem).default(problem, machine) for _, config in variants]
     built: dict = {}
     measure(problem, configs, target, machine.isa.name, rounds=0, built=built)
     runs = [built[c] for c in dict.fromkeys(configs) if c in built]
@@ -153,8 +195,8 @@ def bench_conv(problem: ConvProblem, target: Target,
             run()
     times = measure(problem, configs, target, machine.isa.name, rounds=rounds,
                     round_seconds=round_seconds, built=built, cold=cold, before=producer)
-    return [ConvRow(label, config, t, "") if isinstance(t, float) else ConvRow(label, config,
-                                                                               None, t)
+    return [ConfigRow(label, config, t, "") if isinstance(t, float)
+            else ConfigRow(label, config, None, t)
             for (label, _), config, t in zip(variants, configs, times, strict=True)]
 
 
@@ -167,7 +209,7 @@ def _producer(after: ConvProblem, problem: ConvProblem, runs: list, target: Targ
                          f"{problem_text(problem)}: --after takes the conv before a 1x1 conv "
                          "of stride 1 without padding, its P x Q x K that conv's H x W x C")
     machine = machine_of(target)
-    config = default_config(after, machine)
+    config = op_of(after).default(after, machine)
     built: dict = {}
     measure(after, [config], target, machine.isa.name, rounds=0, built=built)
     if config not in built:
@@ -177,19 +219,23 @@ def _producer(after: ConvProblem, problem: ConvProblem, runs: list, target: Targ
     return functools.partial(run.func, *run.args[:-1], x._create_view((after.rows, after.k)))
 
 
-def tuner_candidates(problem: ConvProblem, target: Target) -> list[tuple[str, ConvConfig]]:
-    """The tuner's candidates for ``problem``, labelled ``candidate N``."""
-    return [(f"candidate {i}", c) for i, c in enumerate(candidates(problem, machine_of(target)))]
+def tuner_candidates(problem: Problem, target: Target) -> list[tuple[str, Config]]:
+    """The tuner's candidates for ``problem`` in its measuring order, labelled ``candidate
+    N``."""
+    choices, _ = op_of(problem).choices(problem, machine_of(target), 400)
+    return [(f"candidate {i}", c.config) for i, c in enumerate(choices)]
 
 
-def format_rows(problem: ConvProblem, rows: Sequence[ConvRow], cold: bool, threads: int,
+def format_rows(problem: Problem, rows: Sequence[ConfigRow], cold: bool, threads: int,
                 after: ConvProblem | None = None) -> str:
     """The rows as a table: time, GFLOPS (GOPS below float32) and speed relative to the
     first row."""
     unit = "GFLOPS" if problem.dtype == "float32" else "GOPS"
     width = max([14, *(len(row.label) for row in rows)])
-    lines = [f"conv {problem.n}x{problem.c}x{problem.h}x{problem.w} -> {problem.k} "
-             f"{problem.r}x{problem.s}, {problem.dtype}, epilogue "
+    what = (f"conv {problem.n}x{problem.c}x{problem.h}x{problem.w} -> {problem.k} "
+            f"{problem.r}x{problem.s}" if isinstance(problem, ConvProblem)
+            else f"dense {problem.m}x{problem.n}x{problem.k}")
+    lines = [f"{what}, {problem.dtype}, epilogue "
              f"{problem.epilogue.name or '-'}; {threads} thread{'s' if threads > 1 else ''}, "
              f"{'operands flushed before each run' if cold else 'warm'}"
              + (f"; after {problem_text(after)}, untimed, writing its input" if after else ""),
@@ -208,7 +254,8 @@ def format_rows(problem: ConvProblem, rows: Sequence[ConvRow], cold: bool, threa
 
 
 def run(args: argparse.Namespace) -> int:
-    """``tvm-tpp bench-conv``: 0, or 1 when a row could not be built."""
+    """``tvm-tpp bench-conv`` (``args.conv``) or ``bench-dense`` (``args.dense``): 0, or 1
+    when a row could not be built."""
     if args.threads is not None:  # before TVM's thread pool starts (checked below)
         os.environ["TVM_NUM_THREADS"] = str(args.threads)
     import tvm_ffi
@@ -219,32 +266,37 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and threads != args.threads:
         raise UsageError(f"--threads {args.threads}: TVM's thread pool of this process already "
                          f"has {threads} threads")
+    conv = getattr(args, "conv", None)
+    epilogue = epilogue_of(args.epilogue)
     try:
-        problem = conv_problem(args.conv, args.dtype, epilogue_of(args.epilogue))
+        problem = (conv_problem(conv, args.dtype, epilogue) if conv
+                   else dense_problem(args.dense, args.dtype, epilogue))
     except ValueError as err:
         raise UsageError(str(err)) from None
     try:
         after = (conv_problem(args.after, args.dtype, epilogue_of(args.after_epilogue))
-                 if args.after else None)
+                 if getattr(args, "after", None) else None)
     except ValueError as err:
         raise UsageError(f"--after: {err}") from None
     tpp = target("tpp", num_cores=threads)
-    default = default_config(problem, machine_of(tpp))
+    op = op_of(problem)
+    default = op.default(problem, machine_of(tpp))
     variants = [("default", default)] + [(f"vs {text}", variant(default, text, problem))
                                          for text in args.vs or ()]
     if args.candidates:
         variants += tuner_candidates(problem, tpp)
     try:
-        rows = bench_conv(problem, tpp, variants, cold=args.cold, warmup=args.warmup,
-                          rounds=args.rounds, after=after)
+        rows = bench_configs(problem, tpp, variants, cold=args.cold, warmup=args.warmup,
+                             rounds=args.rounds, after=after)
     except ValueError as err:
         raise UsageError(f"--after: {err}") from None
     print(format_rows(problem, rows, args.cold, threads, after))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"conv": args.conv, "dtype": args.dtype, "epilogue": problem.epilogue.name,
-                       "threads": threads, "cold": args.cold, "flops": problem.flops,
+            json.dump({op.name: conv or args.dense, "dtype": args.dtype,
+                       "epilogue": problem.epilogue.name, "threads": threads, "cold": args.cold,
+                       "flops": problem.flops,
                        "rows": [{"label": r.label, "seconds": r.seconds, "error": r.error,
-                                 "config": OPS["conv2d"].to_json(r.config)} for r in rows]},
+                                 "config": op.to_json(r.config)} for r in rows]},
                       f, indent=1)
     return 0 if all(r.seconds is not None for r in rows) else 1
