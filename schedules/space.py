@@ -391,9 +391,9 @@ def heuristic(
     6. Neither 3 nor 4 when the inner loop walks row blocks of A (more N blocks than M
        blocks): the plain order keeps each call's panel of B in cache while consecutive row
        blocks of A, contiguous in memory, stream past it.  Keeping row blocks of A resident
-       instead and streaming B's panels past them ran 0.80x as fast (1024 x 3072 x 768, the
-       GPT-2 layer's at batch 8, 64-row blocks on a Zen 3; its network 1.08x faster plain;
-       BENCHMARKS.md): rules 3 and 4 keep panels of B resident, never of A.
+       instead and streaming B's panels past them ran 0.80-0.84x as fast (1024 x 3072 x 768,
+       the GPT-2 layer's at batch 8, 64-row blocks on a Zen 3; the whole layer 1.12x faster
+       plain; BENCHMARKS.md): rules 3 and 4 keep panels of B resident, never of A.
 
     Examples
     --------
