@@ -141,8 +141,9 @@ def variant(config: Config, text: str, problem: Problem) -> Config:
         changes[name] = _value(settable[name], name, value.strip())
     try:
         if dense and {"spec", "k_step"} & changes.keys():
-            steps = dict(config.candidate.steps)
-            steps["a"] = changes.pop("k_step", config.k_step)
+            steps = {**config.candidate.steps, "a": changes.pop("k_step", config.k_step)}
+            if steps["a"] == 1:  # as GemmConfig.of writes it: the default step is no entry
+                del steps["a"]
             candidate = Candidate(changes.pop("spec", config.spec), {}, steps)
             changes["candidate"] = candidate
         changed = replace(config, **changes)
