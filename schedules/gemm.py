@@ -382,6 +382,13 @@ class GemmConfig:
             raise ValueError(f"bk={self.bk} is not a multiple of {problem.alpha}, the VNNI "
                              f"group of {problem.dtype} GEMMs")
 
+    def parse(self, problem: GemmProblem) -> LoopSpec:
+        """The parsed loop_spec over ``problem``'s blocks (ValueError if the blocks do not
+        tile it, LoopSpecError if the spec does not fit them)."""
+        spec = self.candidate.parse(*self.blocked(problem).trips)
+        check_exact(spec)
+        return spec
+
     def blocked(self, problem: GemmProblem) -> BlockedGemm:
         """The problem in block units, as the space and the cost model see it."""
         self.check(problem)
@@ -564,8 +571,7 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
 
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
     problem = problem.on(isa_name)
-    spec = config.candidate.parse(*config.blocked(problem).trips)
-    check_exact(spec)
+    spec = config.parse(problem)
     if batch is not None:
         check_run_time_loop(spec, "b")
     sch = s_tir.Schedule(workload(problem, config.bn, batch=batch))
