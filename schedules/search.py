@@ -39,8 +39,10 @@ from .ops import Choice, Config, Problem, op_of
 if TYPE_CHECKING:
     from tvm.target import Target
 
-__all__ = ["Measurement", "TuneResult", "tune", "BATCH", "MARGIN"]
+__all__ = ["Measurement", "TuneResult", "tune", "BATCH", "MARGIN", "MAX_CANDIDATES"]
 
+#: The most candidates a tuning run (and ``bench-conv``/``bench-dense --candidates``) lists.
+MAX_CANDIDATES = 400
 #: Candidates compiled per module: one LLVM invocation for several, and a budgeted tuner
 #: checks its clock between modules.
 BATCH = 5
@@ -101,7 +103,7 @@ def tune(
     *,
     database: Database | None = None,
     top_k: int = 8,
-    max_candidates: int = 400,
+    max_candidates: int = MAX_CANDIDATES,
     budget_seconds: float | None = None,
     progress: Callable[[int, int], None] | None = None,
     measurer: Measurer | None = None,

@@ -45,6 +45,7 @@ from schedules.conv import ConvProblem
 from schedules.gemm import GemmConfig, GemmProblem
 from schedules.measure import measure
 from schedules.ops import Config, Problem, config_text, conv_problem, op_of, problem_text
+from schedules.search import MAX_CANDIDATES
 from schedules.space import Candidate
 
 from ..errors import UsageError
@@ -218,7 +219,7 @@ def _producer(after: ConvProblem, problem: ConvProblem, runs: list, target: Targ
 def tuner_candidates(problem: Problem, target: Target) -> list[tuple[str, Config]]:
     """The tuner's candidates for ``problem`` in its measuring order, labelled ``candidate
     N``."""
-    choices, _ = op_of(problem).choices(problem, machine_of(target), 400)
+    choices, _ = op_of(problem).choices(problem, machine_of(target), MAX_CANDIDATES)
     return [(f"candidate {i}", c.config) for i, c in enumerate(choices)]
 
 
