@@ -104,3 +104,26 @@ def test_cli_prints_and_writes_both_sides(tmp_path, capsys):
     layers = json.loads(out.read_text())["against_onnxruntime"]["layers"]
     dense = [layer for layer in layers if layer["key"].startswith("dense")]
     assert dense and all(x["tpp_seconds"] and x["ort_seconds"] for x in dense)
+
+
+def test_convs_onnxruntime_padded_keep_the_models_key():
+    """On AVX-512 hosts ONNX Runtime's NCHWc layout rounds channels up to 16 and profiles
+    the padded shapes, under the name of the node a conv's fused chain ends in."""
+    from tvm_tpp.layer_compare import _model_convs, _ort_rounds
+
+    model = models.load("mobilenet_v2", image=32, stem=8, blocks=((1, 8, 1, 1),), head=32)
+
+    def event(name, op, inputs, output):
+        return {"cat": "Node", "name": f"{name}_kernel_time", "dur": 5,
+                "args": {"op_name": op, "input_type_shape": [{"float": s} for s in inputs],
+                         "output_type_shape": [{"float": output}]}}
+
+    events = [event("stem.relu6_nchwc", "Conv", [[1, 3, 32, 32], [16, 3, 3, 3]], [1, 16, 16, 16]),
+              event("block0.0.depthwise.relu6_nchwc", "Conv",
+                    [[1, 16, 16, 16], [16, 1, 3, 3]], [1, 16, 16, 16]),
+              event("head.relu6_nchwc", "Conv", [[1, 8, 16, 16], [32, 8, 1, 1]], [1, 32, 16, 16])]
+    (keys,) = _ort_rounds(events * 2, rounds=1, repeat=1, convs=_model_convs(model))
+    assert sorted(keys) == ["conv 3x32x32 -> 8 3x3 s2", "conv 8x16x16 -> 32 1x1 s1",
+                            "conv 8x16x16 -> 8 3x3 s1 g8"]
+    (padded,) = _ort_rounds(events * 2, rounds=1, repeat=1)  # without the model's convs
+    assert "conv 16x16x16 -> 16 3x3 s1 g16" in padded

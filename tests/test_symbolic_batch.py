@@ -36,6 +36,11 @@ def _kernels(compiled):
     return [r.kernel for r in compiled.report if r.kernel]
 
 
+#: The run-time batch's dense kernel in the default nest: one row block and one column block
+#: (40 columns are 5 blocks on AVX2, 1 on AVX-512), in either order, nothing split.
+UNTUNED_DENSE = {f"tpp_dense_n8x40x24_bias_relu [{spec}]" for spec in ("CBa", "BCa")}
+
+
 def _dense_with_residual(rows: tuple, k: int = 24, n: int = 40) -> onnx.ModelProto:
     """relu(x @ W + b + r) with x ``[*rows, K]`` and the residual r an input too."""
     rng = np.random.default_rng(1)
@@ -99,7 +104,8 @@ def test_dense_matrix_runs_any_batch_in_padded_row_blocks():
     model = make_dense_model(k=24, n=40, batch_dim="N")
     compiled = tvm_tpp.compile(model)
     assert compiled.inputs[0].shape == ("N", 24)
-    assert _kernels(compiled) == ["tpp_dense_n8x40x24_bias_relu [CBa]"]
+    (kernel,) = _kernels(compiled)
+    assert kernel in UNTUNED_DENSE
     _assert_matches(compiled, model, (1, 7, 8, 9, 17))
 
 
@@ -195,5 +201,6 @@ def test_a_tuned_nest_that_splits_the_run_time_loop_gives_way_to_the_default(tmp
     static = tvm_tpp.compile(make_dense_model(m=8, k=24, n=40), work_dir=tmp_path)
     assert "[bCab]" in _kernels(static)[0]  # the tuned nest, where the rows are static
     compiled = tvm_tpp.compile(model, work_dir=tmp_path)
-    assert _kernels(compiled) == ["tpp_dense_n8x40x24_bias_relu [CBa]"]
+    (kernel,) = _kernels(compiled)
+    assert kernel in UNTUNED_DENSE
     _assert_matches(compiled, model, (1, 9))

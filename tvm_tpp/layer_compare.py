@@ -49,7 +49,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .bench.timing import PAUSE_SECONDS
 from .profiling import KIND_NAMES, profile_vm
@@ -74,10 +74,35 @@ _ORT_CONVS = {"Conv": 1, "FusedConv": 1, "NhwcFusedConv": 1, "QLinearConv": 3, "
 _ORT_DENSE = {"Gemm": 1, "FusedGemm": 1, "MatMul": 1, "FusedMatMul": 1, "QGemm": 3,
               "QLinearMatMul": 3, "MatMulInteger": 1, "MatMulIntegerToFloat": 1,
               "DynamicQuantizeMatMul": 1}
+#: The widest channel block of ONNX Runtime's NCHWc layout (AVX-512's 16 floats).
+_NCHWC_BLOCK = 16
 
 
-def _conv_key(c: int, h: int, w: int, k: int, r: int, s: int, stride: int, groups: int) -> str:
-    return f"conv {c}x{h}x{w} -> {k} {r}x{s} s{stride}" + (f" g{groups}" if groups > 1 else "")
+class ConvShape(NamedTuple):
+    """What a convolution key names: input channels and map, output channels, filter,
+    stride and groups."""
+
+    c: int
+    h: int
+    w: int
+    k: int
+    r: int
+    s: int
+    stride: int
+    groups: int
+
+    @property
+    def key(self) -> str:
+        return (f"conv {self.c}x{self.h}x{self.w} -> {self.k} {self.r}x{self.s} s{self.stride}"
+                + (f" g{self.groups}" if self.groups > 1 else ""))
+
+    def padded_to(self, other: ConvShape) -> bool:
+        """Whether ``other`` is this conv with its channels rounded up to a block, as ONNX
+        Runtime's NCHWc layout runs it (and profiles it) on AVX-512 hosts."""
+        same = ("h", "w", "r", "s", "stride")
+        return ([getattr(self, f) for f in same] == [getattr(other, f) for f in same]
+                and 0 <= other.c - self.c < _NCHWC_BLOCK and 0 <= other.k - self.k < _NCHWC_BLOCK
+                and (self.groups == 1) == (other.groups == 1))
 
 
 def layer_key(name: str) -> str | None:
@@ -85,9 +110,8 @@ def layer_key(name: str) -> str | None:
     if match := _CONV.match(name):
         dw, c, h, w, k, r, s, stride, groups = match.groups()
         if dw:  # depthwise: one filter per channel
-            return _conv_key(int(c), int(h), int(w), int(c), int(r), int(s), int(stride), int(c))
-        return _conv_key(int(c), int(h), int(w), int(k), int(r), int(s), int(stride),
-                         int(groups or 1))
+            k, groups = c, c
+        return ConvShape(*map(int, (c, h, w, k, r, s, stride, groups or 1))).key
     if match := _DENSE.match(name):
         rows, n, k = match.groups()
         return f"dense {rows}x{n}x{k}"
@@ -96,15 +120,23 @@ def layer_key(name: str) -> str | None:
     return None
 
 
+def _ort_conv(op: str, inputs: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]
+              ) -> ConvShape | None:
+    weight = _ORT_CONVS.get(op, 0)
+    if not (weight and len(inputs) > weight and len(inputs[0]) == 4 and len(inputs[weight]) == 4
+            and outputs and len(outputs[0]) == 4):
+        return None
+    (_, c, h, w), (k, group_c, r, s), (_, _, p, _) = inputs[0], inputs[weight], outputs[0]
+    stride = max(1, round(h / p)) if p > 1 else 1  # the profile has no strides
+    return ConvShape(c, h, w, k, r, s, stride, c // group_c if group_c else 1)
+
+
 def ort_layer_key(op: str, inputs: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]
                   ) -> str | None:
     """The layer an ONNX Runtime node computes, from its operator type and its inputs' and
     outputs' shapes (its profile records no attributes), or None."""
-    weight = _ORT_CONVS.get(op, 0)
-    if weight and len(inputs) > weight and len(inputs[0]) == 4 and len(inputs[weight]) == 4:
-        (_, c, h, w), (k, group_c, r, s), (_, _, p, _) = inputs[0], inputs[weight], outputs[0]
-        stride = max(1, round(h / p)) if p > 1 else 1  # the profile has no strides
-        return _conv_key(c, h, w, k, r, s, stride, c // group_c if group_c else 1)
+    if conv := _ort_conv(op, inputs, outputs):
+        return conv.key
     if op in _ORT_DENSE and len(inputs) >= 2 and inputs[0] and outputs and outputs[0]:
         a, y = inputs[0], outputs[0]
         b = inputs[_ORT_DENSE[op]] if len(inputs) > _ORT_DENSE[op] else ()
@@ -152,10 +184,40 @@ class LayerComparison:
                 "threads": self.threads, "rounds": self.rounds, "repeat": self.repeat}
 
 
-def _ort_rounds(events: list[dict], rounds: int, repeat: int) -> list[dict[str, tuple[float, int]]]:
+def _model_convs(model: onnx.ModelProto) -> dict[str, list[ConvShape]]:
+    """Node name -> the convolutions of ``model`` that node is, or follows within a few
+    nodes (the one ONNX Runtime names a conv fused with its BatchNorm, activation or add
+    after), with their shapes before ONNX Runtime pads any channels."""
+    import onnx
+
+    graph = onnx.shape_inference.infer_shapes(model).graph
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in (*graph.input, *graph.value_info, *graph.output)}
+    shapes.update({t.name: list(t.dims) for t in graph.initializer})
+    producer = {out: node for node in graph.node for out in node.output}
+    found: dict[str, list[ConvShape]] = {}
+    for node in graph.node:
+        frontier, convs = [node], []
+        for _ in range(4):  # a conv, its BatchNorm, its activation, an add
+            for n in frontier:
+                if conv := _ort_conv(n.op_type, [shapes.get(i, []) for i in n.input],
+                                     [shapes.get(o, []) for o in n.output]):
+                    convs.append(conv)
+            frontier = [producer[i] for n in frontier if n.op_type not in _ORT_CONVS
+                        for i in n.input if i in producer]
+        found[node.name] = convs
+    return found
+
+
+def _ort_rounds(events: list[dict], rounds: int, repeat: int,
+                convs: Mapping[str, Sequence[ConvShape]] | None = None,
+                ) -> list[dict[str, tuple[float, int]]]:
     """Per round: key -> (seconds per run, nodes), from ONNX Runtime's profile events: the
     last ``rounds * (repeat + 1)`` calls of each node (the warm-up runs come first), each
-    round's first call its warm-up run."""
+    round's first call its warm-up run.  ``convs`` (:func:`_model_convs`) keys a conv whose
+    channels ONNX Runtime padded by the model's conv it ran."""
+    convs = convs or {}
+    known = {conv for found in convs.values() for conv in found}
     calls: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for event in events:
         if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
@@ -165,6 +227,9 @@ def _ort_rounds(events: list[dict], rounds: int, repeat: int) -> list[dict[str, 
                   for side in ("input", "output")]
         op = args.get("op_name", "?")
         key = ort_layer_key(op, *shapes) or f"other: ONNX Runtime {op}"
+        if (conv := _ort_conv(op, *shapes)) and known and conv not in known:
+            node = event["name"].removesuffix("_kernel_time").removesuffix("_nchwc")
+            key = next((c.key for c in convs.get(node, ()) if c.padded_to(conv)), key)
         calls[event["name"]].append((key, event["dur"] * 1e-6))
     per_round: list[dict[str, tuple[float, int]]] = [{} for _ in range(rounds)]
     for node_calls in calls.values():
@@ -218,7 +283,7 @@ def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
             ort_runs.append(statistics.median(seconds))
         with open(session.end_profiling()) as f:
             events = json.load(f)
-    ort_rounds = _ort_rounds(events, rounds, repeat)
+    ort_rounds = _ort_rounds(events, rounds, repeat, _model_convs(model))
 
     def median(per_round: list[dict[str, tuple[float, int]]], key: str
                ) -> tuple[float | None, int]:
