@@ -299,7 +299,8 @@ def _prologue_pays(problem: ConvProblem, machine: Machine) -> bool:
 def _read_by_convs_only(value: relax.Expr,
                         read_by: Callable[[relax.Expr], list[relax.Expr] | None]) -> bool:
     """Whether every reader of ``value`` is a conv this pass routes (reading it as its data)
-    or one it has routed in bf16 already (reading it only through ``astype(., bfloat16)``)."""
+    or one it has routed in bf16 already (reading it only through ``astype(., bfloat16)``,
+    or a cast to bfloat16 on its own)."""
     found = read_by(value)
     return bool(found) and all(_reads_as_bf16_conv(r) for r in found)
 
@@ -308,7 +309,7 @@ def _reads_as_bf16_conv(reader: relax.Expr) -> bool:
     if is_call_to(reader, "relax.nn.conv2d"):
         return (isinstance(reader.args[0], relax.Var) and _unsupported(reader) is None
                 and unsupported_geometry(reader, "bfloat16") is None)
-    return is_call_to(reader, "relax.call_tir") and reads_through_bf16_cast(reader)
+    return reads_through_bf16_cast(reader)
 
 
 def offload(op: str, problem: ConvProblem | DepthwiseProblem, kernel: str,

@@ -298,12 +298,13 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
 
 def _reads_as_bf16_dense(reader: relax.Expr) -> bool:
     """Whether ``reader`` is a dense layer this pass routes in bf16 (reading the value as its
-    X), or one it has routed already (reading it only through its bf16 cast)."""
+    X), or one it has routed already (reading it only through its bf16 cast, or that cast
+    on its own)."""
     if is_call_to(reader, "relax.matmul"):
         x, w = reader.args
         return (isinstance(x, relax.Var) and isinstance(w, tvm.ir.expr.Constant)
                 and w.ty.ndim == 2 and _unsupported(x, w.value.numpy()) is None)
-    return is_call_to(reader, "relax.call_tir") and reads_through_bf16_cast(reader)
+    return reads_through_bf16_cast(reader)
 
 
 def _why_left(call: relax.Call) -> str | None:

@@ -372,16 +372,20 @@ def readers(func: relax.Function) -> Callable[[relax.Expr], list[relax.Expr] | N
 
 
 def reads_through_bf16_cast(reader: relax.Expr) -> bool:
-    """Whether ``reader`` (a kernel call a pass emitted) reads every variable it reads only
-    cast to bfloat16, ``astype(v, "bfloat16")`` or ``astype(reshape(v), "bfloat16")``: a bf16
-    kernel's input, which a producer may hand over in bf16 already."""
+    """Whether ``reader`` takes a value only as bfloat16, so a producer may hand it over in
+    bf16 already: a cast ``astype(v, "bfloat16")`` (the input of a bf16 kernel routed before
+    its producer, bound on its own), or a kernel call a pass emitted that reads every
+    variable it reads only cast to bfloat16, ``astype(v, "bfloat16")`` or
+    ``astype(reshape(v), "bfloat16")``."""
+    if _is_bf16_cast(reader):
+        return True
     uses: list[relax.Var] = []
     casts: list[relax.Var] = []
 
     def visit(e: relax.Expr) -> None:
         if isinstance(e, relax.Var):
             uses.append(e)
-        elif is_call_to(e, "relax.astype") and str(e.attrs.dtype) == "bfloat16":
+        elif _is_bf16_cast(e):
             source = e.args[0]
             if is_call_to(source, "relax.reshape"):
                 source = source.args[0]
@@ -389,7 +393,12 @@ def reads_through_bf16_cast(reader: relax.Expr) -> bool:
                 casts.append(source)
 
     relax.analysis.post_order_visit(reader, visit)
-    return bool(casts) and sorted(map(id, uses)) == sorted(map(id, casts))
+    return (is_call_to(reader, "relax.call_tir") and bool(casts)
+            and sorted(map(id, uses)) == sorted(map(id, casts)))
+
+
+def _is_bf16_cast(e: relax.Expr) -> bool:
+    return is_call_to(e, "relax.astype") and str(e.attrs.dtype) == "bfloat16"
 
 
 def depends_on(expr: relax.Expr, target: relax.Expr,

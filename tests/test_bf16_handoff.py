@@ -10,6 +10,7 @@ layout rule alone (Before/Expected), and numerically against ONNX Runtime float3
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tvm
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
@@ -23,14 +24,18 @@ from tvm_tpp.reference import max_errors, run_onnxruntime
 from tvm_tpp.tpp_target import target as tpp_target
 
 
-def _convs(extra_reader: bool):
-    """x -> conv1 -> relu -> conv2 -> y, and with ``extra_reader`` also y2 = relu1 + x."""
+def _convs(extra_reader: bool, residual: bool = False):
+    """x -> conv1 -> relu -> conv2 -> y, and with ``extra_reader`` also y2 = relu1 + x; with
+    ``residual``, y = relu(conv2 + x) (ResNet's 3x3 conv -> 1x1 conv with the shortcut)."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((rng.standard_normal((8, 8, 3, 3)) * 0.2)
                                      .astype("float32"), f"w{i}") for i in (1, 2)]
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1] * 4),
              helper.make_node("Relu", ["c1"], ["r1"]),
-             helper.make_node("Conv", ["r1", "w2"], ["y"], pads=[1] * 4)]
+             helper.make_node("Conv", ["r1", "w2"], ["c2" if residual else "y"], pads=[1] * 4)]
+    if residual:
+        nodes += [helper.make_node("Add", ["c2", "x"], ["s"]),
+                  helper.make_node("Relu", ["s"], ["y"])]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 9, 9])]
     if extra_reader:
         nodes.append(helper.make_node("Add", ["r1", "x"], ["y2"]))
@@ -56,12 +61,18 @@ def test_a_conv_read_only_by_a_bf16_conv_writes_bf16():
     assert _kernel_outputs(_convs(extra_reader=False)) == ["bfloat16", "float32"]
 
 
+def test_a_conv_read_by_a_bf16_conv_with_a_float32_residual_writes_bf16():
+    """The reader reads its shortcut in float32 and this conv only through its bf16 cast."""
+    assert _kernel_outputs(_convs(extra_reader=False, residual=True)) == ["bfloat16", "float32"]
+
+
 def test_a_conv_read_by_anything_else_writes_float32():
     assert _kernel_outputs(_convs(extra_reader=True)) == ["float32", "float32"]
 
 
-def test_handoff_matches_onnxruntime_float32():
-    model = _convs(extra_reader=False)
+@pytest.mark.parametrize("residual", [False, True])
+def test_handoff_matches_onnxruntime_float32(residual):
+    model = _convs(extra_reader=False, residual=residual)
     x = np.random.default_rng(1).standard_normal((1, 8, 9, 9)).astype("float32")
     got = tvm_tpp.compile(model, target="tpp", precision="bf16-strict").run(x=x)
     assert max_errors(got, run_onnxruntime(model, {"x": x}))[1] <= 1e-2
