@@ -39,10 +39,12 @@ def random_inputs(specs: Sequence[TensorSpec], seed: int = 0, batch: int = 1
 
 #: How far an output may be from the reference, by precision (max |error| / max |reference|,
 #: :func:`max_errors`).  float32: rounding only.  bf16 rounds X and W to 8 significant bits
-#: (about 1e-3 over a few thousand-term dot products).  int8: against the model's QDQ graph as
+#: (about 1e-3 over a few thousand-term dot products), and the errors grow with depth: VGG-19
+#: at batch 8 came out 1.07e-2 from float32 in tpp's bf16 and 1.14e-2 in OpenVINO's (Sapphire
+#: Rapids, 2026-11-29).  int8: against the model's QDQ graph as
 #: ONNX Runtime runs it unfused (the ONNX spec's roundings); ONNX Runtime's own fused int8 run
 #: differs from that by up to 3.2 % (BERT, measured 2026-11-25; tpp 0.8 %).
-TOLERANCES = {"float32": 1e-4, "bf16": 1e-2, "int8": 5e-2}
+TOLERANCES = {"float32": 1e-4, "bf16": 2e-2, "int8": 5e-2}
 
 
 def onnxruntime_session(proto: onnx.ModelProto, threads: int | None = None,
