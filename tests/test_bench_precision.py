@@ -105,7 +105,8 @@ def test_job_carries_the_precision():
 def test_config_adds_the_float32_row_below_float32():
     assert BenchConfig(models=("mlp",), impls=("tpp",)).compared == ("tpp",)
     bf16 = BenchConfig(models=("mlp",), impls=("tpp", "tpp-tuned"), precision="bf16")
-    assert bf16.compared == ("tpp", "tpp-tuned", FLOAT32) and bf16.tolerance == TOLERANCES["bf16"] == 2e-2
+    assert bf16.compared == ("tpp", "tpp-tuned", FLOAT32)
+    assert bf16.tolerance == TOLERANCES["bf16"] == 2e-2
     assert "--precision bf16" in bf16.command_line()
     with pytest.raises(ValueError, match="adds it"):
         BenchConfig(models=("mlp",), impls=("tpp", FLOAT32), precision="bf16")
