@@ -596,7 +596,7 @@ def _limit(row: Row, tolerance: float) -> float:
     Examples
     --------
     >>> _limit(Row("m", 1, 2, "openvino", notes="bf16: OpenVINO's defaults"), 1e-4)
-    0.01
+    0.02
     >>> _limit(Row("m", 1, 2, "openvino-f32", notes="float32: f32 hint"), 1e-4)
     0.0001
     """
