@@ -44,6 +44,7 @@ def test_int8_rows_and_the_tuners_candidates(capsys):
     (["37x48x40", "--vs", "spec=ZZZ"], "--vs spec=ZZZ"),
     (["37x48x40", "--vs", "candidate=x"], "--vs takes FIELD=VALUE"),
     (["37x48x40", "--epilogue", "bias,sparkle"], "unknown epilogue op 'sparkle'"),
+    (["37x48x40", "--epilogue", "gelu_sigmoid"], "unknown gelu variant 'sigmoid'"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["bench-dense", *args, "--warmup", "0", "--rounds", "1"]) == 2

@@ -69,15 +69,22 @@ class ConfigRow:
 
 
 def epilogue_of(text: str) -> Epilogue:
-    """The epilogue ``--epilogue`` names: kinds that take no parameter, comma-separated.
+    """The epilogue ``--epilogue`` names: kinds that take no parameter, and GELU by its
+    variant as kernel names spell it (``gelu_erf``, ``gelu_tanh``), comma-separated.
 
     >>> epilogue_of("bias,residual,relu").name
     'bias_residual_relu'
+    >>> epilogue_of("bias,gelu_erf").name
+    'bias_gelu_erf'
     >>> epilogue_of("")
     Epilogue(ops=())
     """
+    def op(name: str) -> EpilogueOp:
+        kind, _, variant = name.partition("_")
+        return EpilogueOp(kind, variant=variant) if kind == "gelu" else EpilogueOp(name)
+
     try:
-        return Epilogue(tuple(EpilogueOp(kind.strip()) for kind in text.split(",") if kind.strip()))
+        return Epilogue(tuple(op(name.strip()) for name in text.split(",") if name.strip()))
     except (ValueError, TypeError) as err:
         raise UsageError(f"--epilogue: {err}") from None
 
