@@ -226,10 +226,11 @@ def _ort_rounds(events: list[dict], rounds: int, repeat: int,
         shapes = [[list(d.values())[0] for d in args.get(f"{side}_type_shape", [])]
                   for side in ("input", "output")]
         op = args.get("op_name", "?")
-        key = ort_layer_key(op, *shapes) or f"other: ONNX Runtime {op}"
-        if (conv := _ort_conv(op, *shapes)) and known and conv not in known:
+        conv = _ort_conv(op, *shapes)
+        if conv is not None and known and conv not in known:  # channels padded by NCHWc
             node = event["name"].removesuffix("_kernel_time").removesuffix("_nchwc")
-            key = next((c.key for c in convs.get(node, ()) if c.padded_to(conv)), key)
+            conv = next((c for c in convs.get(node, ()) if c.padded_to(conv)), conv)
+        key = (conv.key if conv else ort_layer_key(op, *shapes)) or f"other: ONNX Runtime {op}"
         calls[event["name"]].append((key, event["dur"] * 1e-6))
     per_round: list[dict[str, tuple[float, int]]] = [{} for _ in range(rounds)]
     for node_calls in calls.values():
