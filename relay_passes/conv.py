@@ -63,12 +63,15 @@ from schedules.conv import (
     ConvConfig,
     ConvProblem,
     default_config,
+    fold_rows_pays,
+    fold_rows_weight,
     one_row_pays,
     pack_weight,
     schedule,
 )
 from schedules.depthwise import DepthwiseConfig, DepthwiseProblem
 from schedules.operands import OPERANDS
+from schedules.stacked_rows import stacked_rows_kernel
 from schedules.tuner import TaskCollector, Tuner, config_for
 
 from .dense import PRECISIONS
@@ -377,6 +380,19 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     if isinstance(problem, DepthwiseProblem):
         return _emit_depthwise(x, problem, weight, operands, add_kernel, target, tuner,
                                pad_value, batch)
+    named = problem  # the kernel is named after the conv, whatever form computes it
+    packed = None
+    if fold_rows_pays(problem):  # an image's first conv: one call per whole filter
+        # x is a cast (not yet typed) to the problem's dtype, or a typed quantized tensor.
+        dtype = str(x.ty.dtype) if isinstance(x.ty, relax.TensorType) else problem.dtype
+        stacked = stacked_rows_kernel(problem, dtype, pad_value, batch is not None)
+        folded = problem.rows_folded()
+        images, rows, columns, channels = _times(batch, problem.n), *folded.input_shape[1:]
+        packed = relax.op.reshape(call_kernel(
+            add_kernel(stacked, "pad_stack_rows"), [x],
+            (images, rows, columns, folded.stride[1], folded.padded_c), dtype),
+            (images, rows, columns, channels))
+        problem, weight = folded, fold_rows_weight(weight)
     # A pointwise conv on a small map: its pixels as one row, tiles spanning image rows.
     machine = machine_of(target)
     one_row = batch is None and one_row_pays(problem, machine)
@@ -385,14 +401,15 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     (func, brgemm), config = with_config(  # the problem the kernel computes
         kernel_problem, target, tuner,
         lambda c: _kernel(kernel_problem, c, isa, batch is not None), batch is not None)
-    sh, sw = problem.stride
-    name = (f"tpp_conv2d_{_images(problem, batch)}x{problem.c}x{problem.h}x{problem.w}_"
-            f"{problem.k}x{problem.r}x{problem.s}_s{sh}x{sw}" + _geometry_tag(problem)
-            + (f"_pre_{problem.prologue.name}" if problem.prologue.ops else "")
-            + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
-            + _DTYPE_TAGS[problem.dtype])
+    sh, sw = named.stride
+    name = (f"tpp_conv2d_{_images(named, batch)}x{named.c}x{named.h}x{named.w}_"
+            f"{named.k}x{named.r}x{named.s}_s{sh}x{sw}" + _geometry_tag(named)
+            + (f"_pre_{named.prologue.name}" if named.prologue.ops else "")
+            + (f"_{named.epilogue.name}" if named.epilogue.ops else "")
+            + _DTYPE_TAGS[named.dtype])
     gv = add_kernel(func, name)
-    packed = _pack_input(x, problem, pad_value, batch)
+    if packed is None:
+        packed = _pack_input(x, problem, pad_value, batch)
     if one_row:
         packed = relax.op.reshape(packed, kernel_problem.input_shape)
     args = [packed, relax.const(pack_weight(weight, config.bk, kernel_problem)), *operands]

@@ -44,7 +44,7 @@ KIND_NAMES = {"tpp": "TPP kernel", "layout": "layout conversion", "tvm": "TVM fa
 LAYOUT_WORDS = frozenset({
     "transpose", "reshape", "pad", "layout", "transform", "astype", "cast", "strided", "slice",
     "concatenate", "concat", "squeeze", "unsqueeze", "expand", "dims", "flatten", "split",
-    "permute", "copy", "broadcast", "to", "tile", "repeat",
+    "permute", "copy", "broadcast", "to", "tile", "repeat", "stack", "rows",
 })
 
 
