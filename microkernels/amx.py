@@ -11,8 +11,10 @@ in tiles across the entire batch-reduce (output-stationary, [TPP] Fig. 2):
 * K (``batch * k``: the batch blocks are contiguous along K in the vnni layouts) is walked in
   steps of ``kt`` elements, the largest multiple of the VNNI factor that divides K and fits a
   64-byte tile row (64 for int8, 32 for bf16); AMX runs at full rate when ``kt`` is 64/32.
-* Per call: ``ldtilecfg`` once, ``tileloadd`` of the C tiles, then per K step the A and B tile
-  loads and ``rm*cn`` tile multiplies, then ``tilestored`` of C and ``tilerelease``.
+* Per call: ``ldtilecfg`` once, ``tileloadd`` of the C tiles (``tilezero`` for a ``beta=0``
+  kernel, which overwrites C: no zeroing pass before it, no C read), then per K step the A
+  and B tile loads and ``rm*cn`` tile multiplies, then ``tilestored`` of C and
+  ``tilerelease``.
 
 Operands are those of the ``vnni4`` (u8/s8 A, s8 B, int32 C) and ``vnni2`` (bf16 A and B, fp32 C)
 layouts of :mod:`microkernels.brgemm`; B's ``[n, alpha]`` rows must be dense (they are, in any
@@ -75,7 +77,7 @@ OPS_PER_CYCLE: dict[str, int] = {"uint8": 2048, "int8": 2048, "bfloat16": 1024}
 #: Functions an AMX emulator must export for :func:`impl_func` with ``emulate=True``.
 EMULATOR_SYMBOLS = tuple(
     f"tpp_amx_emu_{op}"
-    for op in ("ldtilecfg", "tileloadd64", "tilestored64", "tilerelease")
+    for op in ("ldtilecfg", "tileloadd64", "tilestored64", "tilerelease", "tilezero")
     + tuple(op for _, op in _OPS.values())
 )
 
@@ -215,6 +217,7 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
         return tir.call_llvm_intrin("void", f"llvm.x86.{op}", *conv)
 
     bf16 = ta == "bfloat16"
+    zeroing = shape.beta == 0
 
     @T.macro
     def program(A, B, C, sa, sb, sc):
@@ -230,8 +233,11 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
         T.evaluate(amx("ldtilecfg", config.access_ptr("r")))
         for i in T.unroll(nr):
             for j in T.unroll(nc):
-                T.evaluate(amx("tileloadd64", i * nc + j, T.address_of(C[i * 16, j * 16]),
-                               T.Cast("int64", sc * 4), tiles=1))
+                if zeroing:
+                    T.evaluate(amx("tilezero", i * nc + j, tiles=1))
+                else:
+                    T.evaluate(amx("tileloadd64", i * nc + j, T.address_of(C[i * 16, j * 16]),
+                                   T.Cast("int64", sc * 4), tiles=1))
         for s in T.serial(steps):
             for i in T.unroll(nr):
                 T.evaluate(amx("tileloadd64", num_c + i, T.address_of(A[i * 16, s * kt]),
@@ -274,17 +280,17 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
     return impl
 
 
-@register_impl("amx", "uint8", "vnni4")
+@register_impl("amx", "uint8", "vnni4", zeroing=True)
 def _u8(shape: BrgemmShape) -> PrimFunc:
     return impl_func(shape)
 
 
-@register_impl("amx", "int8", "vnni4")
+@register_impl("amx", "int8", "vnni4", zeroing=True)
 def _s8(shape: BrgemmShape) -> PrimFunc:
     return impl_func(shape)
 
 
-@register_impl("amx", "bfloat16", "vnni2")
+@register_impl("amx", "bfloat16", "vnni2", zeroing=True)
 def _bf16(shape: BrgemmShape) -> PrimFunc:
     return impl_func(shape)
 

@@ -292,7 +292,9 @@ def zeroing(shape: BrgemmShape) -> BrgemmShape | None:
 
     >>> zeroing(BrgemmShape(m=28, n=64, k=64, isa="avx2")).name
     'tpp_brgemm_avx2_float32_flat_28x64x64x1_beta0'
-    >>> zeroing(BrgemmShape(m=32, n=32, k=64, dtype_a="bfloat16", layout="vnni2", isa="amx"))
+    >>> zeroing(BrgemmShape(m=32, n=32, k=64, dtype_a="bfloat16", layout="vnni2", isa="amx")).name
+    'tpp_brgemm_amx_bfloat16_vnni2_32x32x64x1_beta0'
+    >>> zeroing(BrgemmShape(m=4, n=16, k=8, isa="neon"))  # NEON kernels always read C
     """
     zeroed = dataclasses.replace(shape, beta=0)
     try:

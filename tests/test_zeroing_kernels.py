@@ -12,12 +12,12 @@ import functools
 import numpy as np
 import pytest
 import tvm
-from conftest import isa_target, needs_isa, pixel_rows
+from conftest import isa_target, needs_isa, pixel_rows, runs_here
 from test_brgemm_x86 import LAYOUT, _operands
 from tvm import s_tir
 from tvm.script import tirx as T
 
-from microkernels import brgemm
+from microkernels import amx, brgemm
 from microkernels.brgemm import BrgemmShape, desc_func, dispatch, find_impl, reference, zeroing
 from microkernels.epilogue import Epilogue, EpilogueOp
 from schedules import nest
@@ -40,11 +40,11 @@ def _zeroed(m, n, k, batch, isa, dtype="float32", layout=None):
     return shape
 
 
-def _run_on_garbage(shape, intrin=None):
+def _run_on_garbage(shape, intrin=None, target=None):
     """The kernel tensorized into its semantics, run on C full of garbage: A @ B expected."""
     sch = s_tir.Schedule(desc_func(shape, as_workload=True))
     sch.tensorize(sch.get_loops(sch.get_sblock("brgemm"))[0], intrin or dispatch(shape))
-    kernel = tvm.compile(sch.mod, target=isa_target(shape.isa))
+    kernel = tvm.compile(sch.mod, target=target or isa_target(shape.isa))
     a, b, c, ra, rb = _operands(shape, np.random.default_rng(3))
     garbage = np.full_like(c, np.nan if c.dtype.kind == "f" else np.iinfo(c.dtype).max)
     out = tvm.runtime.tensor(garbage)
@@ -70,6 +70,21 @@ def test_avx512_kernels_overwrite_c(isa, dtype):
     _run_on_garbage(_zeroed(7, 37, 8, 3, isa, dtype))
 
 
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "bfloat16"])
+def test_amx_kernels_zero_their_tiles(amx_emulator, dtype):
+    """AMX's beta=0 kernels start from ``tilezero`` instead of loading C: under the emulator
+    on any host (partial row and column tiles, batch 3), natively where the CPU has AMX."""
+    shape = _zeroed(20, 9, 12, 3, "amx", dtype)
+    name = f"{shape.name}_emulated"
+    if s_tir.TensorIntrin.get(name, allow_missing=True) is None:
+        s_tir.TensorIntrin.register(name, desc_func(shape), amx.impl_func(shape, emulate=True))
+    amx_emulator.tpp_amx_emu_reset()
+    _run_on_garbage(shape, name, target=AVX2)
+    assert amx_emulator.tpp_amx_emu_faults() == 0
+    if runs_here("amx"):
+        _run_on_garbage(shape)
+
+
 def test_generic_kernel_zeroes_first():
     shape = BrgemmShape(5, 9, 3, 2, isa="avx2", beta=0)
     name = f"{shape.name}_generic"
@@ -80,12 +95,12 @@ def test_generic_kernel_zeroes_first():
 
 def test_zeroing_keeps_the_implementation():
     """A beta=0 kernel is offered only by the implementation that runs the beta=1 shape:
-    AMX's tile kernels and the MMLA layout have none, and never fall back to another."""
+    the MMLA layout has none, and never falls back to another."""
     avx2 = BrgemmShape(28, 64, 64, isa="avx2")
     assert zeroing(avx2).name == avx2.name + "_beta0"
     assert find_impl(zeroing(avx2))[0] == find_impl(avx2)[0] == "avx2"
     tiles = BrgemmShape(32, 32, 64, 1, "bfloat16", "float32", "vnni2", "amx")
-    assert find_impl(tiles)[0] == "amx" and zeroing(tiles) is None
+    assert find_impl(tiles)[0] == find_impl(zeroing(tiles))[0] == "amx"
     mmla = BrgemmShape(4, 8, 8, 1, "int8", "int32", "mmla", "neon_i8mm")
     assert zeroing(mmla) is None
     with pytest.raises(ValueError, match="beta=0 variant"):

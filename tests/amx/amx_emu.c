@@ -3,7 +3,7 @@
  * microkernels.amx.impl_func(shape, emulate=True) calls tpp_amx_emu_<instruction> instead of
  * the instruction, with the same tile numbers, pointers, strides and configuration bytes, so
  * a host without AMX runs the very same tile program.  Semantics follow the Intel SDM
- * pseudo-code (TILELOADD, TILESTORED, TDPBUSD, TDPBSSD, TDPBF16PS, LDTILECFG, TILERELEASE);
+ * pseudo-code (TILELOADD, TILESTORED, TILEZERO, TDPBUSD, TDPBSSD, TDPBF16PS, LDTILECFG, TILERELEASE);
  * every #GP/#UD condition they list for these operands is counted in `faults` instead.
  */
 #include <stdint.h>
@@ -66,6 +66,12 @@ int32_t tpp_amx_emu_tileloadd64(int32_t t, const uint8_t* base, int64_t stride) 
   if (!usable(t)) return 0;
   memset(tiles[t], 0, sizeof(tiles[t]));
   for (int r = 0; r < rows_of[t]; ++r) memcpy(tiles[t][r], base + r * stride, colsb_of[t]);
+  return 0;
+}
+
+int32_t tpp_amx_emu_tilezero(int32_t t) {
+  if (!usable(t)) return 0;
+  memset(tiles[t], 0, sizeof(tiles[t]));
   return 0;
 }
 
