@@ -13,7 +13,9 @@ kind            input dtypes           result
 ==============  =====================  ==============================================
 bias            float32, int32         ``x + b``; b is ``[N]`` (``broadcast="row"``,
                                        one value per output column) or ``[M]`` ("col")
-residual        float32, int32         ``x + r``; r is a full ``[M, N]`` tensor
+residual        float32, int32         ``x + r``; r is a full ``[M, N]`` tensor, of the
+                                       chain's dtype or (``dtype="bfloat16"``, to a
+                                       float32 chain) bf16, widened exactly
 relu            float32, int32         ``max(x, 0)``
 clamp           float32, int32         ``min(max(x, lo), hi)``
 gelu            float32                ``"erf"``: ``x/2 (1 + erf(x/sqrt 2))``; ``"tanh"``:
@@ -88,7 +90,7 @@ _FLOAT, _ANY = frozenset({"float32"}), frozenset({"float32", "int32"})
 #: kind -> (accepted input dtypes, fields the kind may set besides ``kind``).
 KINDS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "bias": (_ANY, frozenset({"broadcast", "name"})),
-    "residual": (_ANY, frozenset({"name"})),
+    "residual": (_ANY, frozenset({"name", "dtype"})),
     "relu": (_ANY, frozenset()),
     "clamp": (_ANY, frozenset({"lo", "hi"})),
     "gelu": (_FLOAT, frozenset({"variant"})),
@@ -156,7 +158,7 @@ class EpilogueOp:
         residual_dq: subtracted before scaling.
     dtype
         convert: ``"bfloat16"``; requantize and residual_dq (the residual's): ``"uint8"`` or
-        ``"int8"``.
+        ``"int8"``; residual: ``"bfloat16"`` for a bf16 residual (default: the chain's dtype).
 
     Examples
     --------
@@ -231,6 +233,11 @@ class EpilogueOp:
         if self.dtype not in _QUANT_RANGE:
             raise ValueError(f"residual_dq dtype must be 'uint8' or 'int8', got {self.dtype!r}")
 
+    def _check_residual(self) -> None:
+        if self.dtype not in ("", "bfloat16"):
+            raise ValueError(f"a residual is of the chain's dtype or 'bfloat16', got "
+                             f"{self.dtype!r}")
+
     def _check_convert(self) -> None:
         if self.dtype != "bfloat16":
             raise ValueError(f"convert supports dtype 'bfloat16' only, got {self.dtype!r}")
@@ -254,7 +261,7 @@ class EpilogueOp:
         if self.kind == "bias":
             return Operand(self.name or "bias", self.broadcast or "row", dtype)
         if self.kind == "residual":
-            return Operand(self.name or "residual", "full", dtype)
+            return Operand(self.name or "residual", "full", self.dtype or dtype)
         if self.kind == "residual_dq":
             return Operand(self.name or "residual", "full", self.dtype)
         if self.kind in ("scale", "requantize") and self.value is None:
@@ -276,6 +283,8 @@ class EpilogueOp:
             raise ValueError(
                 f"clamp of int32 needs integral bounds within int32, got {self.lo}, {self.hi}"
             )
+        if self.kind == "residual" and self.dtype and dtype != "float32":
+            raise ValueError(f"a {self.dtype} residual adds to float32, got {dtype}")
         if self.kind == "dequantize":
             return "float32"
         return self.dtype if self.kind in _CONVERTING else dtype
@@ -287,7 +296,7 @@ class EpilogueOp:
             return f"gelu_{self.variant}"
         if self.kind in _CONVERTING:
             return f"{self.kind}_{_SHORT[self.dtype]}"
-        if self.kind == "residual_dq":
+        if self.kind in ("residual_dq", "residual") and self.dtype:
             return f"residual_{_SHORT[self.dtype]}"
         if self.kind == "bias" and self.broadcast == "col":
             return "bias_col"
@@ -419,6 +428,11 @@ def _like(x: PrimExpr, v: float) -> PrimExpr:
 @register_expr("bias")
 @register_expr("residual")
 def _add(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+    if op.dtype == "bfloat16":  # widened on the bits: a bf16 is a float32's upper half
+        from tvm import tirx
+
+        bits = tirx.reinterpret("uint16", arg).astype("uint32") << tirx.const(16, "uint32")
+        return x + tirx.reinterpret("float32", bits)
     return x + arg
 
 
@@ -605,6 +619,21 @@ def _np_bf16_bits(x: np.ndarray) -> np.ndarray:
     return out.astype(np.uint16)
 
 
+def _np_operand(value: np.ndarray, dtype: str) -> np.ndarray:
+    """An operand in ``dtype``; a bf16 one (``ml_dtypes.bfloat16`` values, or their uint16
+    bits as :func:`reference` returns them) widened to float32."""
+    import numpy as np
+
+    value = np.asarray(value)
+    if dtype != "bfloat16":
+        return value.astype(dtype)
+    if value.dtype != np.uint16:
+        import ml_dtypes
+
+        value = value.astype(ml_dtypes.bfloat16).view(np.uint16)
+    return (value.astype(np.uint32) << 16).view(np.float32)
+
+
 def _np_float(op: EpilogueOp, x: np.ndarray, arg: np.ndarray | None) -> np.ndarray:
     """A float32-only op in float64."""
     import numpy as np
@@ -680,7 +709,7 @@ def reference(
         if operand is not None:
             if operand.name not in extra:
                 raise ValueError(f"reference needs extra tensor {operand.name!r}")
-            arg = np.asarray(extra[operand.name]).astype(operand.dtype)
+            arg = _np_operand(extra[operand.name], operand.dtype)
             if arg.shape != operand.shape(m, n):
                 raise ValueError(
                     f"extra tensor {operand.name!r} must have shape {operand.shape(m, n)}, "

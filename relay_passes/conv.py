@@ -223,11 +223,21 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         if bias is None:
             return orig
         operands.append(relax.const(bias))
+    epilogue = pattern.epilogue(matches)
     if pattern.residual is not None:
         if not pattern.residual_fits(matches, tuple(call.ty.shape), bound):
             return orig
-        operands.append(to_matrix(matches[pattern.residual]))
-    problem = conv_problem(call, dtype, pattern.epilogue(matches))
+        residual = matches[pattern.residual]
+        shape = residual.ty.shape
+        value = bound.get(residual) if isinstance(residual, relax.Var) else residual
+        if dtype == "bfloat16" and _read_by_convs_only(value, read_by, bound):
+            # A bf16 residual stream: its producer hands it over in bf16 (as it does to bf16
+            # convs), so no float32 copy is written and cast for the convs that read it.
+            residual = relax.op.astype(residual, dtype)
+            epilogue = Epilogue(tuple(replace(op, dtype=dtype) if op.kind == "residual"
+                                      else op for op in epilogue.ops))
+        operands.append(to_matrix(residual, shape))
+    problem = conv_problem(call, dtype, epilogue)
     x = call.args[0]
     found = _preactivation(x, problem, bound, read_by, target)
     if found is not None:  # computed inside the kernel, per pixel tile
@@ -237,7 +247,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     # A bf16 conv read only by bf16 convs writes bf16 itself (its epilogue converts): they
     # read it through a float32 view that simplify_layouts cancels against their own cast.
     handoff = (dtype == "bfloat16" and isinstance(problem, ConvProblem)
-               and _read_by_convs_only(orig, read_by))
+               and _read_by_convs_only(orig, read_by, bound))
     if handoff:
         problem = replace(problem, epilogue=Epilogue(
             (*problem.epilogue.ops, EpilogueOp("convert", dtype="bfloat16"))))
@@ -299,20 +309,41 @@ def _prologue_pays(problem: ConvProblem, machine: Machine) -> bool:
     return even and filters <= machine.caches.l2 // 2
 
 
-def _read_by_convs_only(value: relax.Expr,
-                        read_by: Callable[[relax.Expr], list[relax.Expr] | None]) -> bool:
-    """Whether every reader of ``value`` is a conv this pass routes (reading it as its data)
-    or one it has routed in bf16 already (reading it only through ``astype(., bfloat16)``,
-    or a cast to bfloat16 on its own)."""
-    found = read_by(value)
-    return bool(found) and all(_reads_as_bf16_conv(r) for r in found)
+def _read_by_convs_only(value: relax.Expr | None,
+                        read_by: Callable[[relax.Expr], list[relax.Expr] | None],
+                        bound: Mapping[relax.Var, relax.Expr]) -> bool:
+    """Whether every reader of ``value`` is a conv this pass routes in bf16: reading it as
+    its data, or as the residual its epilogue adds (ResNet's shortcut), or one it has routed
+    in bf16 already (reading it only through ``astype(., bfloat16)``, or a cast to bfloat16
+    on its own)."""
+    found = None if value is None else read_by(value)
+    return bool(found) and all(_reads_as_bf16_conv(r, value, bound) for r in found)
 
 
-def _reads_as_bf16_conv(reader: relax.Expr) -> bool:
+def _reads_as_bf16_conv(reader: relax.Expr, value: relax.Expr,
+                        bound: Mapping[relax.Var, relax.Expr]) -> bool:
     if is_call_to(reader, "relax.nn.conv2d"):
-        return (isinstance(reader.args[0], relax.Var) and _unsupported(reader) is None
-                and unsupported_geometry(reader, "bfloat16") is None)
+        return isinstance(reader.args[0], relax.Var) and _routes_in_bf16(reader)
+    if is_call_to(reader, "relax.add"):  # a residual add: the other side a conv (+ bias)
+        others = [a for a in reader.args if not bound.get(a, a).same_as(value)]
+        return len(others) == 1 and _is_conv_chain(others[0], bound)
     return reads_through_bf16_cast(reader)
+
+
+def _routes_in_bf16(conv: relax.Call) -> bool:
+    return _unsupported(conv) is None and unsupported_geometry(conv, "bfloat16") is None
+
+
+def _is_conv_chain(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr]) -> bool:
+    """Whether ``expr`` is ``conv2d(x, W)`` or ``conv2d(x, W) + b``, b constant, a conv this
+    pass routes in bf16: a residual add over it is that conv's epilogue."""
+    value = bound.get(expr, expr)
+    if is_call_to(value, "relax.add"):
+        constants = [isinstance(a, tvm.ir.expr.Constant) for a in value.args]
+        if sorted(constants) != [False, True]:
+            return False
+        value = bound.get(value.args[constants.index(False)], value.args[constants.index(False)])
+    return is_call_to(value, "relax.nn.conv2d") and _routes_in_bf16(value)
 
 
 def offload(op: str, problem: ConvProblem | DepthwiseProblem, kernel: str,
@@ -346,9 +377,10 @@ def conv_problem(call: relax.Call, dtype: str, epilogue: Epilogue, narrow_weight
                        groups=int(attrs.groups), narrow_weights=narrow_weights, **geometry)
 
 
-def to_matrix(y: relax.Expr) -> relax.Expr:
-    """An NCHW tensor as the kernels' ``[N*H*W, C]`` output matrix (a residual operand)."""
-    n, c, h, w = y.ty.shape
+def to_matrix(y: relax.Expr, shape: Sequence[tvm.ir.PrimExpr] | None = None) -> relax.Expr:
+    """An NCHW tensor as the kernels' ``[N*H*W, C]`` output matrix (a residual operand);
+    ``shape``: ``y``'s, where ``y`` is an expression not typed yet."""
+    n, c, h, w = y.ty.shape if shape is None else shape
     return relax.op.reshape(relax.op.permute_dims(y, TO_NHWC), (n * h * w, c))
 
 

@@ -1,9 +1,10 @@
 """bf16 layers hand bf16 to bf16 layers: the producer's epilogue converts (relay_passes.conv,
 relay_passes.dense).
 
-A bf16 conv whose every reader is a conv routed in bf16 writes bfloat16 itself, read through a
-float32 view that ``simplify_layouts`` cancels against the reader's own cast; a conv read by
-anything else (an add, the graph's output) keeps float32.  Checked on the rewritten IR, on the
+A bf16 conv whose every reader is a conv routed in bf16 (as its input, or as the residual its
+epilogue adds: a ResNet's stream) writes bfloat16 itself, read through a float32 view that
+``simplify_layouts`` cancels against the reader's own cast; a conv read by anything else (an
+add of no conv, the graph's output) keeps float32.  Checked on the rewritten IR, on the
 layout rule alone (Before/Expected), and numerically against ONNX Runtime float32.
 """
 
@@ -20,7 +21,7 @@ from relay_passes.layouts import simplify_layouts
 from relay_passes.pipeline import tpp_rewrites
 from relay_passes.scaffold import is_call_to
 from tvm_tpp.compiler import import_model
-from tvm_tpp.reference import max_errors, run_onnxruntime
+from tvm_tpp.reference import TOLERANCES, max_errors, run_onnxruntime
 from tvm_tpp.tpp_target import target as tpp_target
 
 
@@ -76,6 +77,54 @@ def test_handoff_matches_onnxruntime_float32(residual):
     x = np.random.default_rng(1).standard_normal((1, 8, 9, 9)).astype("float32")
     got = tvm_tpp.compile(model, target="tpp", precision="bf16-strict").run(x=x)
     assert max_errors(got, run_onnxruntime(model, {"x": x}))[1] <= 1e-2
+
+
+def _residual_blocks():
+    """``s0 = relu(conv0(x))``, then two blocks ``s = relu(conv(relu(conv(s))) + s)``: a
+    residual stream between convs, the last block's output the graph's."""
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array((rng.standard_normal((8, 8, 3, 3)) * 0.15)
+                                     .astype("float32"), f"w{i}") for i in range(5)]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1] * 4),
+             helper.make_node("Relu", ["c0"], ["s0"])]
+    for block, (first, second) in enumerate(((1, 2), (3, 4))):
+        stream, out = f"s{block}", "y" if block else "s1"
+        nodes += [helper.make_node("Conv", [stream, f"w{first}"], [f"c{first}"], pads=[1] * 4),
+                  helper.make_node("Relu", [f"c{first}"], [f"r{first}"]),
+                  helper.make_node("Conv", [f"r{first}", f"w{second}"], [f"c{second}"],
+                                   pads=[1] * 4),
+                  helper.make_node("Add", [f"c{second}", stream], [f"a{second}"]),
+                  helper.make_node("Relu", [f"a{second}"], [out])]
+    graph = helper.make_graph(
+        nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 9, 9])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 9, 9])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_residual_stream_between_bf16_convs_stays_bf16():
+    """Every conv writes bf16 but the last, the graph's output; the blocks' convs add their
+    shortcut in bf16, and nothing casts between them."""
+    mod, _ = import_model(_residual_blocks())
+    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
+    kernels, casts = [], []
+
+    def visit(e):
+        if is_call_to(e, "relax.call_tir") and e.args[0].name_hint.startswith("tpp_"):
+            kernels.append((e.args[0].name_hint, str(e.ty.dtype)))
+        elif is_call_to(e, "relax.astype"):
+            casts.append(str(e.ty.dtype))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    assert [dtype for _, dtype in kernels] == ["bfloat16"] * 4 + ["float32"]
+    assert ["residual_bf16" in name for name, _ in kernels] == [False, False, True, False, True]
+    assert casts == ["bfloat16"]  # the graph's input, once
+
+
+def test_a_bf16_residual_stream_matches_onnxruntime_float32():
+    model = _residual_blocks()
+    x = np.random.default_rng(3).standard_normal((1, 8, 9, 9)).astype("float32")
+    got = tvm_tpp.compile(model, target="tpp", precision="bf16").run(x=x)
+    assert max_errors(got, run_onnxruntime(model, {"x": x}))[1] <= TOLERANCES["bf16"]
 
 
 def _casts(first: str, second: str) -> tvm.IRModule:

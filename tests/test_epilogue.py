@@ -57,6 +57,7 @@ def _bits(*words: int) -> np.ndarray:
         ({"kind": "sigmoid", "variant": "tanh"}, "takes no 'variant'"),
         ({"kind": "softmax"}, "unknown epilogue op"),
         ({"kind": "bias", "name": "my bias"}, "identifier"),
+        ({"kind": "residual", "dtype": "float16"}, "chain's dtype or 'bfloat16'"),
     ],
 )
 def test_invalid_op_raises(kwargs, message):
@@ -79,6 +80,7 @@ def test_invalid_op_raises(kwargs, message):
         ([EpilogueOp("dequantize", value=0.5)], "int32", "takes int8 or uint8"),
         ([EpilogueOp("clamp", lo=0.5, hi=6.0)], "int32", "integral bounds"),
         ([EpilogueOp("clamp", lo=0, hi=2**31)], "int32", "within int32"),
+        ([EpilogueOp("residual", dtype="bfloat16")], "int32", "bfloat16 residual adds to float32"),
     ],
 )
 def test_invalid_chain_raises(ops, acc, message):
@@ -359,6 +361,10 @@ def _operand_data(rng, o: Operand, m, n):
         return rng.uniform(1 / 1600, 1 / 400, shape).astype(np.float32)
     if o.name == "scale":
         return rng.uniform(-2, 2, shape).astype(np.float32)
+    if o.dtype == "bfloat16":
+        import ml_dtypes
+
+        return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
     return rng.standard_normal(shape).astype(np.float32)
 
 
@@ -422,6 +428,7 @@ SINGLE_OPS = {
     "sigmoid": (EpilogueOp("sigmoid"), "float32"),
     "silu": (EpilogueOp("silu"), "float32"),
     "residual": (EpilogueOp("residual"), "float32"),
+    "residual_bf16": (EpilogueOp("residual", dtype="bfloat16"), "float32"),
     "scale_const": (EpilogueOp("scale", value=-0.37), "float32"),
     "scale_per_column": (EpilogueOp("scale", broadcast="row"), "float32"),
     "scale_per_row": (EpilogueOp("scale", broadcast="col"), "float32"),
@@ -453,6 +460,9 @@ CHAINS = {
     "bias_col_requantize_s8": ([EpilogueOp("bias", broadcast="col"), RQ_S8_COL], "int32"),
     "bias_convert_bf16": ([EpilogueOp("bias"), EpilogueOp("convert", dtype="bfloat16")],
                           "float32"),
+    "bias_residual_bf16_relu_convert_bf16": (  # a bf16 residual stream (ResNet in bf16)
+        [EpilogueOp("bias"), EpilogueOp("residual", dtype="bfloat16"), EpilogueOp("relu"),
+         EpilogueOp("convert", dtype="bfloat16")], "float32"),
     "scale_bias_sigmoid": ([EpilogueOp("scale", broadcast="row"), EpilogueOp("bias"),
                             EpilogueOp("sigmoid")], "float32"),
 }

@@ -512,7 +512,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _kernel_bench_options(p: argparse.ArgumentParser, example: str) -> None:
     """The options ``bench-conv`` and ``bench-dense`` share (:mod:`tvm_tpp.bench.configs`)."""
     p.add_argument("--epilogue", default="", help="comma-separated ops without parameters, "
-                   "GELU as gelu_erf or gelu_tanh, e.g. bias,residual,relu")
+                   "GELU as gelu_erf or gelu_tanh, bf16 as convert_bf16 (the output) and "
+                   "residual_bf16, e.g. bias,residual,relu")
     p.add_argument("--vs", action="append", metavar="FIELD=VALUE,...",
                    help=f"a row with these fields of the default changed, e.g. {example} "
                    "(repeatable)")

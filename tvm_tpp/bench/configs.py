@@ -69,19 +69,26 @@ class ConfigRow:
 
 
 def epilogue_of(text: str) -> Epilogue:
-    """The epilogue ``--epilogue`` names: kinds that take no parameter, and GELU by its
-    variant as kernel names spell it (``gelu_erf``, ``gelu_tanh``), comma-separated.
+    """The epilogue ``--epilogue`` names: kinds that take no parameter, GELU by its variant
+    and bf16 as kernel names spell them (``gelu_erf``, ``gelu_tanh``; ``convert_bf16`` the
+    output, ``residual_bf16`` a bf16 residual), comma-separated.
 
     >>> epilogue_of("bias,residual,relu").name
     'bias_residual_relu'
     >>> epilogue_of("bias,gelu_erf").name
     'bias_gelu_erf'
+    >>> epilogue_of("bias,residual_bf16,relu,convert_bf16").name
+    'bias_residual_bf16_relu_convert_bf16'
     >>> epilogue_of("")
     Epilogue(ops=())
     """
     def op(name: str) -> EpilogueOp:
         kind, _, variant = name.partition("_")
-        return EpilogueOp(kind, variant=variant) if kind == "gelu" else EpilogueOp(name)
+        if kind == "gelu":
+            return EpilogueOp(kind, variant=variant)
+        if kind in ("convert", "residual") and variant == "bf16":
+            return EpilogueOp(kind, dtype="bfloat16")
+        return EpilogueOp(name)
 
     try:
         return Epilogue(tuple(op(name.strip()) for name in text.split(",") if name.strip()))
