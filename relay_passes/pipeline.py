@@ -21,9 +21,10 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.target import Target
 
 from microkernels.fast_math import fast_math
-from microkernels.machine import is_tpp
+from microkernels.machine import is_tpp, machine_of
 from schedules.fallback import fallback_schedules
 from schedules.register_epilogue import register_epilogues
+from schedules.tile_config import configure_tiles_once_pass
 from schedules.tuner import TaskCollector, Tuner
 
 from .batch_matmul import rewrite_batch_matmul
@@ -112,7 +113,8 @@ def tpp_pipeline(
                 + [fallback_schedules(), fast_math()]
                 + _dataflow_lower_passes(target)
                 # After the in-place pass, which reads each epilogue as a block of its own.
-                + [register_epilogues()]
+                + [register_epilogues(),
+                   configure_tiles_once_pass(machine_of(target).threads)]
                 + cpu.finalize_passes(target),
                 name="TppLower",
             )(mod)

@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from microkernels.machine import machine_of
+
 from .ops import Config, Problem, op_of
 from .register_epilogue import epilogue_in_registers
+from .tile_config import configure_tiles_once
 
 if TYPE_CHECKING:
     from tvm.target import Target
@@ -63,14 +66,18 @@ def _error(err: Exception) -> str:
     return f"{type(err).__name__}: {err}"[:200]
 
 
-def _scheduled(problem: Problem, configs: list[Config], isa: str) -> list[PrimFunc | str]:
+def _scheduled(problem: Problem, configs: list[Config], target: Target, isa: str
+               ) -> list[PrimFunc | str]:
     """Per config its scheduled PrimFunc as a model runs it (the epilogue in registers where
-    it can be: :mod:`.register_epilogue`), named ``candidate<i>``, or why it has none."""
+    it can be: :mod:`.register_epilogue`; AMX tiles configured once per thread's chunk:
+    :mod:`.tile_config`), named ``candidate<i>``, or why it has none."""
     schedule = op_of(problem).schedule
+    threads = machine_of(target).threads
     out: list[PrimFunc | str] = []
     for i, config in enumerate(configs):
         try:
-            out.append(epilogue_in_registers(schedule(problem, config, isa).mod["main"])
+            func = epilogue_in_registers(schedule(problem, config, isa).mod["main"])
+            out.append(configure_tiles_once(func, threads)
                        .with_attr("global_symbol", f"candidate{i}"))
         except Exception as err:  # a candidate that cannot be scheduled is recorded, skipped
             out.append(_error(err))
@@ -113,7 +120,7 @@ def build(problem: Problem, configs: list[Config], target: Target, isa: str
           ) -> list[Callable[..., object] | str]:
     """Schedule ``configs`` and compile them as one module: per config its function, or the
     error that kept it from being built."""
-    return [_function(c) for c in _compile(_scheduled(problem, configs, isa), target)]
+    return [_function(c) for c in _compile(_scheduled(problem, configs, target, isa), target)]
 
 
 def _arguments(funcs: list[PrimFunc]) -> list[list[object]]:
@@ -213,7 +220,7 @@ def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
     the candidates' input, as the layer before does in a network."""
     built = {} if built is None else built
     new = [c for c in dict.fromkeys(configs) if c not in built]
-    scheduled = _scheduled(problem, new, isa)
+    scheduled = _scheduled(problem, new, target, isa)
     compiled = [_function(c) for c in _compile(scheduled, target)]
     errors = {new[i]: f for i, f in enumerate(compiled) if isinstance(f, str)}
     ok = [i for i, f in enumerate(compiled) if not isinstance(f, str)]
@@ -276,7 +283,7 @@ def export(problem: Problem, configs: list[Config], target: Target, isa: str,
     [Artifact(library=PosixPath('work/candidates0.so'), name='candidate0', params=...)]
     """
     fcompile = linker(str(target.attrs.get("mtriple", "")))
-    scheduled = _scheduled(problem, configs, isa)
+    scheduled = _scheduled(problem, configs, target, isa)
     out: list[Artifact | str] = []
     libraries: dict[int, Path] = {}
     for func, compiled in zip(scheduled, _compile(scheduled, target), strict=True):
