@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from microkernels.machine import machine_of
+from microkernels.machine import is_tpp, machine_of
 
 from .ops import Config, Problem, op_of
 from .register_epilogue import epilogue_in_registers
@@ -72,13 +72,14 @@ def _scheduled(problem: Problem, configs: list[Config], target: Target, isa: str
     it can be: :mod:`.register_epilogue`; AMX tiles configured once per thread's chunk:
     :mod:`.tile_config`), named ``candidate<i>``, or why it has none."""
     schedule = op_of(problem).schedule
-    threads = machine_of(target).threads
+    threads = machine_of(target).threads if is_tpp(target) else None
     out: list[PrimFunc | str] = []
     for i, config in enumerate(configs):
         try:
             func = epilogue_in_registers(schedule(problem, config, isa).mod["main"])
-            out.append(configure_tiles_once(func, threads)
-                       .with_attr("global_symbol", f"candidate{i}"))
+            if threads is not None:  # the tpp pipeline's rewrite; other targets run as built
+                func = configure_tiles_once(func, threads)
+            out.append(func.with_attr("global_symbol", f"candidate{i}"))
         except Exception as err:  # a candidate that cannot be scheduled is recorded, skipped
             out.append(_error(err))
     return out
