@@ -342,7 +342,8 @@ def _is_conv_chain(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr]) -> b
         constants = [isinstance(a, tvm.ir.expr.Constant) for a in value.args]
         if sorted(constants) != [False, True]:
             return False
-        value = bound.get(value.args[constants.index(False)], value.args[constants.index(False)])
+        conv = value.args[constants.index(False)]
+        value = bound.get(conv, conv)
     return is_call_to(value, "relax.nn.conv2d") and _routes_in_bf16(value)
 
 
