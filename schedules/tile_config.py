@@ -37,7 +37,7 @@ __all__ = ["configure_tiles_once", "configure_tiles_once_pass", "tile_configurat
 
 
 @functools.cache
-def _LLVM_INTRIN():  # noqa: N802 - the Op, looked up once
+def _llvm_intrin_op():  # looked up once
     import tvm
 
     return tvm.ir.Op.get("tirx.call_llvm_intrin")
@@ -56,7 +56,7 @@ def _is_call(stmt: object, name: str) -> bool:
     from tvm import tirx
 
     call = stmt.value if isinstance(stmt, tirx.Evaluate) else None
-    return (isinstance(call, tvm.ir.expr.Call) and call.op.same_as(_LLVM_INTRIN())
+    return (isinstance(call, tvm.ir.expr.Call) and call.op.same_as(_llvm_intrin_op())
             and int(call.args[0]) == _intrinsic(name))
 
 
