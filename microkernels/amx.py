@@ -14,7 +14,8 @@ in tiles across the entire batch-reduce (output-stationary, [TPP] Fig. 2):
 * Per call: ``ldtilecfg`` once, ``tileloadd`` of the C tiles (``tilezero`` for a ``beta=0``
   kernel, which overwrites C: no zeroing pass before it, no C read), then per K step the A
   and B tile loads and ``rm*cn`` tile multiplies, then ``tilestored`` of C and
-  ``tilerelease``.
+  ``tilerelease``.  A scheduled kernel whose calls all share one configuration loads it once
+  per thread instead (:mod:`schedules.tile_config` drops the calls' own).
 
 Operands are those of the ``vnni4`` (u8/s8 A, s8 B, int32 C) and ``vnni2`` (bf16 A and B, fp32 C)
 layouts of :mod:`microkernels.brgemm`; B's ``[n, alpha]`` rows must be dense (they are, in any
