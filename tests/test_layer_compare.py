@@ -1,4 +1,5 @@
-"""``tvm-tpp profile --against onnxruntime``: the build's layers matched to ONNX Runtime's."""
+"""``tvm-tpp profile --against onnxruntime|openvino|openvino-f32``: the build's layers matched
+to the other runtime's."""
 
 import json
 
@@ -9,7 +10,8 @@ from tvm import relax
 import tvm_tpp
 from tvm_tpp import models
 from tvm_tpp.cli import main
-from tvm_tpp.layer_compare import compare_layers, layer_key, ort_layer_key
+from tvm_tpp.layer_compare import (AGAINST, compare_layers, layer_key, openvino_layer_key,
+                                   ort_layer_key)
 from tvm_tpp.reference import random_inputs
 
 
@@ -31,11 +33,11 @@ def test_every_kernel_meets_its_onnxruntime_node(name, options):
     assert any(" g" in layer.key for layer in layers) == (name == "mobilenet_v2")
     assert any(" s2" in layer.key for layer in layers) and any("dense" in x.key for x in layers)
     for layer in layers:
-        assert layer.tpp_calls == layer.ort_calls > 0, layer
-        assert layer.tpp_seconds > 0 and layer.ort_seconds > 0 and layer.ratio > 0
+        assert layer.tpp_calls == layer.their_calls > 0, layer
+        assert layer.tpp_seconds > 0 and layer.their_seconds > 0 and layer.ratio > 0
     assert sum(layer.tpp_calls for layer in layers) == sum(
         name.startswith("tpp_") for name in _kernel_calls(compiled))
-    assert cmp.tpp_run_seconds > 0 and cmp.ort_run_seconds > 0
+    assert cmp.tpp_run_seconds > 0 and cmp.their_run_seconds > 0
 
 
 def test_attention_matmuls_meet_onnxruntime_matmuls():
@@ -47,7 +49,7 @@ def test_attention_matmuls_meet_onnxruntime_matmuls():
     cmp = compare_layers(relax.VirtualMachine(compiled.executable, tvm.cpu()),
                          compiled._arguments(inputs), model, inputs, threads=1, rounds=1,
                          repeat=1, warmup_seconds=0.0)
-    keyed = {layer.key: (layer.tpp_calls, layer.ort_calls) for layer in cmp.layers
+    keyed = {layer.key: (layer.tpp_calls, layer.their_calls) for layer in cmp.layers
              if not layer.key.startswith("other")}
     assert keyed == {"batch matmul 4x16x16x24": (1, 1), "batch matmul 4x16x24x16": (1, 1),
                      "dense 16x96x96": (4, 4), "dense 16x128x96": (1, 1),
@@ -103,7 +105,7 @@ def test_cli_prints_and_writes_both_sides(tmp_path, capsys):
     assert "layers against ONNX Runtime" in capsys.readouterr().out
     layers = json.loads(out.read_text())["against_onnxruntime"]["layers"]
     dense = [layer for layer in layers if layer["key"].startswith("dense")]
-    assert dense and all(x["tpp_seconds"] and x["ort_seconds"] for x in dense)
+    assert dense and all(x["tpp_seconds"] and x["their_seconds"] for x in dense)
 
 
 def test_convs_onnxruntime_padded_keep_the_models_key():
@@ -127,3 +129,46 @@ def test_convs_onnxruntime_padded_keep_the_models_key():
                             "conv 8x16x16 -> 8 3x3 s1 g8"]
     (padded,) = _ort_rounds(events * 2, rounds=1, repeat=1)  # without the model's convs
     assert "conv 16x16x16 -> 16 3x3 s1 g16" in padded
+
+
+@pytest.mark.parametrize("against", ["openvino", "openvino-f32"])
+def test_every_kernel_meets_its_openvino_node(against):
+    """OpenVINO's executed graph keys its convolutions (strided, pointwise, depthwise: a
+    grouped filter) and fully connected layer as tpp's kernels are, one node per layer."""
+    pytest.importorskip("openvino", reason="the openvino extra is not installed")
+    model = models.load("mobilenet_v2", image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)),
+                        head=32)
+    compiled = tvm_tpp.compile(model, target="tpp")
+    inputs = random_inputs(compiled.inputs)
+    cmp = compiled.compare_layers(model, inputs, rounds=2, repeat=2, warmup_seconds=0.0,
+                                  against=against)
+    assert cmp.against == {"openvino": "OpenVINO", "openvino-f32": "OpenVINO f32"}[against]
+    layers = [layer for layer in cmp.layers if not layer.key.startswith("other")]
+    assert any(" g" in x.key for x in layers) and any("dense" in x.key for x in layers)
+    for layer in layers:
+        assert layer.tpp_calls == layer.their_calls > 0, layer
+        assert layer.tpp_seconds > 0 and layer.their_seconds > 0 and layer.ratio > 0
+    assert sum(layer.tpp_calls for layer in layers) == sum(
+        name.startswith("tpp_") for name in _kernel_calls(compiled))
+
+
+@pytest.mark.parametrize("layer_type, inputs, outputs, key", [
+    ("Convolution", [[2, 12, 9, 9], [3, 2, 4, 3, 3]], [[2, 6, 5, 5]], "conv 12x9x9 -> 6 3x3 s2 g3"),
+    ("GroupConvolution", [[1, 8, 7, 7], [8, 1, 1, 3, 3]], [[1, 8, 7, 7]],
+     "conv 8x7x7 -> 8 3x3 s1 g8"),
+    ("FullyConnected", [[2, 128, 768], [3072, 768]], [[2, 128, 3072]], "dense 256x3072x768"),
+    ("MatMul", [[2, 12, 128, 64], [2, 12, 64, 128]], [[2, 12, 128, 128]],
+     "batch matmul 24x128x128x64"),
+    ("Convolution", [[1, 8, 7, 7], []], [[1, 8, 7, 7]], None),  # a dynamic filter shape
+    ("Subgraph", [[1, 8]], [[1, 8]], None),
+])
+def test_openvino_nodes_keyed_by_their_shapes(layer_type, inputs, outputs, key):
+    assert openvino_layer_key(layer_type, inputs, outputs) == key
+
+
+def test_cli_names_the_runtimes_compare_layers_takes():
+    from tvm_tpp.cli import _parser
+
+    (commands,) = [a for a in _parser()._actions if a.dest == "command"]
+    (against,) = [a for a in commands.choices["profile"]._actions if a.dest == "against"]
+    assert tuple(against.choices) == AGAINST

@@ -15,6 +15,7 @@ $ tvm-tpp run mlp --check onnxruntime   # built with the configs tuned in ./tvm_
 $ tvm-tpp run resnet50 --work-dir resnet_work --report
 $ tvm-tpp profile mobilenet_v2          # time per operator: TPP kernels, layouts, fallback
 $ tvm-tpp profile resnet50 --against onnxruntime   # each conv/dense layer on both sides
+$ tvm-tpp profile vgg19 --batch 8 --precision bf16 --against openvino
 $ tvm-tpp run bert --precision bf16 --check onnxruntime   # dense layers in bf16
 $ tvm-tpp compile model.onnx --target "tpp -isa=amx" --emit asm -o model.s
 $ tvm-tpp bench mlp bert --impls tpp,tvm-default,onnxruntime --json bench.json
@@ -315,35 +316,40 @@ def cmd_profile(args: argparse.Namespace) -> int:
                   f"Python); unprofiled: {prof.latency_seconds * ms:.3f} ms", highlight=False)
     report = prof.to_json()
     if args.against:
-        report["against_onnxruntime"] = _print_against_onnxruntime(console, compiled, model,
-                                                                    inputs, args)
+        report[f"against_{args.against}"] = _print_against(console, compiled, model, inputs,
+                                                           args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 
 
-def _print_against_onnxruntime(console, compiled: CompiledModel, model, inputs,
-                               args: argparse.Namespace) -> dict:
-    """``profile --against onnxruntime``: the table of :mod:`tvm_tpp.layer_compare`."""
+def _print_against(console, compiled: CompiledModel, model, inputs,
+                   args: argparse.Namespace) -> dict:
+    """``profile --against RUNTIME``: the table of :mod:`tvm_tpp.layer_compare`."""
     from rich.table import Table
 
-    cmp = compiled.compare_layers(model, inputs, rounds=args.rounds, repeat=args.repeat,
-                                  warmup_seconds=args.warmup)
-    table = Table(title=f"layers against ONNX Runtime ({cmp.threads} threads each, one process, "
+    try:
+        cmp = compiled.compare_layers(model, inputs, rounds=args.rounds, repeat=args.repeat,
+                                      warmup_seconds=args.warmup, against=args.against)
+    except ImportError as err:  # openvino is an optional extra
+        raise UsageError(f"--against {args.against}: {err.name} is not installed (pip install "
+                         "'tvm-tpp[openvino]')") from None
+    them = cmp.against
+    table = Table(title=f"layers against {them} ({cmp.threads} threads each, one process, "
                   f"{args.rounds} alternating rounds of {args.repeat} runs; medians of the rounds)")
-    for name in ("layer", "count tpp/ORT", "tpp ms", "ORT ms", "ORT / tpp"):
+    for name in ("layer", "count tpp/them", "tpp ms", f"{them} ms", f"{them} / tpp"):
         table.add_column(name, justify="left" if name == "layer" else "right")
     ms = 1e3
     for layer in cmp.layers[:args.top] + tuple(
             x for x in cmp.layers[args.top:] if x.key.startswith("other")):
-        table.add_row(layer.key, f"{layer.tpp_calls}/{layer.ort_calls}",
+        table.add_row(layer.key, f"{layer.tpp_calls}/{layer.their_calls}",
                       "-" if layer.tpp_seconds is None else f"{layer.tpp_seconds * ms:.3f}",
-                      "-" if layer.ort_seconds is None else f"{layer.ort_seconds * ms:.3f}",
+                      "-" if layer.their_seconds is None else f"{layer.their_seconds * ms:.3f}",
                       "-" if layer.ratio is None else f"{layer.ratio:.2f}x")
     table.add_section()
     table.add_row("a run (unprofiled, median)", "", f"{cmp.tpp_run_seconds * ms:.3f}",
-                  f"{cmp.ort_run_seconds * ms:.3f}",
+                  f"{cmp.their_run_seconds * ms:.3f}",
                   f"{cmp.run_ratio:.2f}x")
     console.print(table)
     return cmp.to_json()
@@ -597,9 +603,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="slowest operators listed (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", help="write every operator's time and the totals as JSON")
-    p.add_argument("--against", choices=("onnxruntime",),
-                   help="also time ONNX Runtime per node on the same file, in this process, and "
-                   "list each conv, dense layer and attention batch matmul's time on both sides")
+    # layer_compare.AGAINST, spelt out: importing it (ONNX) would slow every command down.
+    p.add_argument("--against", choices=("onnxruntime", "openvino", "openvino-f32"),
+                   help="also time ONNX Runtime or OpenVINO (its defaults: bf16 on AMX hosts; "
+                   "or openvino-f32) per node on the same file, in this process, and list "
+                   "each conv, dense layer and attention batch matmul's time on both sides")
     p.add_argument("--rounds", type=_at_least(1, int), default=3,
                    help="alternating rounds of --repeat runs each for --against (default 3)")
     p.add_argument("--warmup", type=_at_least(0, float), default=3.0,

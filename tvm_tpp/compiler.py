@@ -255,9 +255,11 @@ class CompiledModel:
 
     def compare_layers(self, model: onnx.ModelProto | str, inputs: Mapping[str, np.ndarray]
                        | None = None, rounds: int = 3, repeat: int = 10,
-                       warmup_seconds: float = 3.0) -> LayerComparison:
-        """Each conv, dense layer and attention batch matmul's time next to ONNX Runtime's
-        node of the same shape on ``model`` (the ONNX file this was compiled from, or its
+                       warmup_seconds: float = 3.0, against: str = "onnxruntime"
+                       ) -> LayerComparison:
+        """Each conv, dense layer and attention batch matmul's time next to the node of the
+        same shape that ONNX Runtime (or OpenVINO, ``against="openvino"`` or
+        ``"openvino-f32"``) runs on ``model`` (the ONNX file this was compiled from, or its
         path), timed in this process in alternating rounds with TVM's thread count, after
         ``warmup_seconds`` of both (:mod:`tvm_tpp.layer_compare`).
 
@@ -281,7 +283,7 @@ class CompiledModel:
         threads = tvm_ffi.get_global_func("runtime.NumThreads")()
         return compare_layers(relax.VirtualMachine(self.executable, tvm.cpu()),
                               self._arguments(inputs), proto, inputs, threads, rounds, repeat,
-                              warmup_seconds)
+                              warmup_seconds, against)
 
     def source(self, kind: str = "asm") -> str:
         """The generated code of a model compiled in this process: ``"asm"`` or ``"llvm"`` IR.

@@ -53,13 +53,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .bench.timing import PAUSE_SECONDS
 from .profiling import KIND_NAMES, profile_vm
-from .reference import onnxruntime_session
+from .reference import onnxruntime_session, openvino_compiled, openvino_request
 
 if TYPE_CHECKING:
     import numpy as np
     import onnx
 
-__all__ = ["Layer", "LayerComparison", "compare_layers", "layer_key", "ort_layer_key"]
+__all__ = ["AGAINST", "Layer", "LayerComparison", "compare_layers", "layer_key",
+           "openvino_layer_key", "ort_layer_key"]
 
 _CONV = re.compile(r"tpp_(dw)?conv2d_\w+?x(\d+)x(\d+)x(\d+)_(?:(\d+)x)?(\d+)x(\d+)_s(\d+)x\d+"
                    r"(?:_d\d+x\d+)?(?:_g(\d+))?")
@@ -151,15 +152,15 @@ def ort_layer_key(op: str, inputs: Sequence[Sequence[int]], outputs: Sequence[Se
 @dataclass(frozen=True)
 class Layer:
     """One key's seconds per run on each side (None: that side has no such layer), how many
-    layers of that key a run has on each, and ``ratio``: ONNX Runtime's time over tpp's (> 1:
-    tpp is faster), the median of the rounds' ratios (a round's two halves run a few
+    layers of that key a run has on each, and ``ratio``: the other runtime's time over tpp's
+    (> 1: tpp is faster), the median of the rounds' ratios (a round's two halves run a few
     seconds apart, so drift of the host's load cancels in them)."""
 
     key: str
     tpp_seconds: float | None
-    ort_seconds: float | None
+    their_seconds: float | None
     tpp_calls: int
-    ort_calls: int
+    their_calls: int
     ratio: float | None
 
 
@@ -167,20 +168,21 @@ class Layer:
 class LayerComparison:
     """Matched layers (slowest on either side first), the unmatched rest per kind, each
     side's median wall time of an unprofiled run and the median of the rounds' ratios of
-    those (ONNX Runtime's over tpp's)."""
+    those (the other runtime's over tpp's); ``against`` names that runtime (:data:`AGAINST`)."""
 
+    against: str
     layers: tuple[Layer, ...]
     tpp_run_seconds: float
-    ort_run_seconds: float
+    their_run_seconds: float
     run_ratio: float
     threads: int
     rounds: int
     repeat: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"layers": [vars(layer) for layer in self.layers],
-                "tpp_run_seconds": self.tpp_run_seconds, "ort_run_seconds": self.ort_run_seconds,
-                "run_ratio": self.run_ratio,
+        return {"against": self.against, "layers": [vars(layer) for layer in self.layers],
+                "tpp_run_seconds": self.tpp_run_seconds,
+                "their_run_seconds": self.their_run_seconds, "run_ratio": self.run_ratio,
                 "threads": self.threads, "rounds": self.rounds, "repeat": self.repeat}
 
 
@@ -243,25 +245,137 @@ def _ort_rounds(events: list[dict], rounds: int, repeat: int,
     return per_round
 
 
+def openvino_layer_key(layer_type: str, inputs: Sequence[Sequence[int]],
+                       outputs: Sequence[Sequence[int]]) -> str | None:
+    """The layer a node of OpenVINO's executed graph computes, from its layer type and its
+    inputs' and outputs' shapes, or None: its convolutions and fully connected layers
+    (float or int8) keyed as ONNX Runtime's ``Conv`` and ``Gemm``, a grouped filter
+    ``[G, K/G, C/G, R, S]`` as ONNX's ``[K, C/G, R, S]``.
+
+    >>> openvino_layer_key("Convolution", [[8, 3, 224, 224], [64, 3, 3, 3], [64]],
+    ...                    [[8, 64, 224, 224]])
+    'conv 3x224x224 -> 64 3x3 s1'
+    >>> openvino_layer_key("Convolution", [[1, 32, 56, 56], [32, 1, 1, 3, 3]], [[1, 32, 28, 28]])
+    'conv 32x56x56 -> 32 3x3 s2 g32'
+    >>> openvino_layer_key("FullyConnectedQuantizedLegacy", [[8, 25088], [4096, 25088]],
+    ...                    [[8, 4096]])
+    'dense 8x4096x25088'
+    >>> openvino_layer_key("Reorder", [[1, 8]], [[1, 8]]) is None
+    True
+    """
+    op = _OPENVINO_TYPES.get(layer_type)
+    if op is None:
+        return None
+    inputs = [list(shape) for shape in inputs]
+    if op == "Conv" and len(inputs) > 1 and len(inputs[1]) == 5:
+        groups, per_group, *rest = inputs[1]
+        inputs[1] = [groups * per_group, *rest]
+    return ort_layer_key(op, inputs, outputs)
+
+
+#: OpenVINO's layer types (its executed graph's ``layerType``) by the ONNX operator whose
+#: shapes they have.
+_OPENVINO_TYPES = {"Convolution": "Conv", "GroupConvolution": "Conv", "FullyConnected": "Gemm",
+                   "FullyConnectedQuantized": "Gemm", "FullyConnectedQuantizedLegacy": "Gemm",
+                   "MatMul": "MatMul"}
+
+
+class _OnnxRuntime:
+    """ONNX Runtime's session with its profiler on; its per-node times come from the profile
+    it writes at the end (:func:`_ort_rounds`)."""
+
+    name = "ONNX Runtime"
+
+    def __init__(self, model: onnx.ModelProto, inputs: Mapping[str, np.ndarray], threads: int,
+                 profile_dir: str) -> None:
+        self.model, self.feeds = model, dict(inputs)
+        self.session = onnxruntime_session(model, threads,
+                                           profile_prefix=os.path.join(profile_dir, "ort"))
+
+    def run(self) -> None:
+        self.session.run(None, self.feeds)
+
+    def start_round(self) -> None:
+        """Nothing to mark: the profile keeps every call (the rounds are its last ones)."""
+
+    def recorded(self) -> None:
+        """Nothing to read after a run (as above)."""
+
+    def per_round(self, rounds: int, repeat: int) -> list[dict[str, tuple[float, int]]]:
+        with open(self.session.end_profiling()) as f:
+            events = json.load(f)
+        return _ort_rounds(events, rounds, repeat, _model_convs(self.model))
+
+
+class _OpenVino:
+    """OpenVINO's CPU plugin (:func:`tvm_tpp.reference.openvino_compiled`) with its per-node
+    counters on, read after each timed run and keyed by its executed graph's shapes."""
+
+    def __init__(self, model: onnx.ModelProto, inputs: Mapping[str, np.ndarray], threads: int,
+                 f32: bool) -> None:
+        compiled = openvino_compiled(model, {k: v.shape for k, v in inputs.items()}, threads,
+                                     f32=f32, profile=True)
+        self.name = "OpenVINO f32" if f32 else "OpenVINO"
+        self.request = openvino_request(compiled, inputs)
+        self.keys: dict[str, str] = {}
+        for op in compiled.get_runtime_model().get_ordered_ops():
+            info = op.get_rt_info()
+            kind = str(info["layerType"].astype(str))
+            shapes = [[[d.get_length() for d in port.get_partial_shape()]
+                       if port.get_partial_shape().is_static else [] for port in ports]
+                      for ports in (op.inputs(), op.outputs())]
+            self.keys[op.get_friendly_name()] = (openvino_layer_key(kind, *shapes)
+                                                 or f"other: {self.name} {kind}")
+        self.rounds: list[dict[str, tuple[float, frozenset[str]]]] = []
+
+    def run(self) -> None:
+        self.request.infer()
+
+    def start_round(self) -> None:
+        self.rounds.append({})
+
+    def recorded(self) -> None:
+        """Adds the last run's per-node times to the current round."""
+        current = self.rounds[-1]
+        for node in self.request.profiling_info:
+            seconds = node.real_time.total_seconds()
+            if seconds > 0:
+                key = self.keys.get(node.node_name, f"other: {self.name} {node.node_type}")
+                total, names = current.get(key, (0.0, frozenset()))
+                current[key] = (total + seconds, names | {node.node_name})
+
+    def per_round(self, rounds: int, repeat: int) -> list[dict[str, tuple[float, int]]]:
+        return [{key: (seconds / repeat, len(names)) for key, (seconds, names) in r.items()}
+                for r in self.rounds]
+
+
+#: What :func:`compare_layers` times against, by ``tvm-tpp profile --against`` name.
+AGAINST = ("onnxruntime", "openvino", "openvino-f32")
+
+
 def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
                    inputs: Mapping[str, np.ndarray], threads: int, rounds: int = 3,
-                   repeat: int = 10, warmup_seconds: float = 3.0) -> LayerComparison:
-    """Time ``vm["main"](*args)`` per call and ONNX Runtime per node on ``model`` fed
+                   repeat: int = 10, warmup_seconds: float = 3.0,
+                   against: str = "onnxruntime") -> LayerComparison:
+    """Time ``vm["main"](*args)`` per call and another runtime per node on ``model`` fed
     ``inputs`` (the same values), in ``rounds`` alternating rounds of ``repeat`` runs each
-    (after ``warmup_seconds`` of both), matched by :func:`layer_key`.  ``threads``: ONNX
-    Runtime's intra-op threads (TVM's pool is this process's).  ``vm`` gets an instrument:
-    give it a VM of its own (:meth:`tvm_tpp.compiler.CompiledModel.compare_layers` does)."""
+    (after ``warmup_seconds`` of both), matched by :func:`layer_key`.  ``against``: ONNX
+    Runtime, OpenVINO with its defaults (bf16 on AMX or AVX512-BF16 hosts) or OpenVINO in
+    float32 (:data:`AGAINST`), with ``threads`` threads (TVM's pool is this process's).
+    ``vm`` gets an instrument: give it a VM of its own
+    (:meth:`tvm_tpp.compiler.CompiledModel.compare_layers` does)."""
     if rounds < 1 or repeat < 1:
         raise ValueError(f"rounds and repeat must be >= 1, got {rounds} and {repeat}")
-    feeds = dict(inputs)
+    if against not in AGAINST:
+        raise ValueError(f"against must be one of {', '.join(AGAINST)}, got {against!r}")
     with tempfile.TemporaryDirectory() as profile_dir:
-        session = onnxruntime_session(model, threads,
-                                      profile_prefix=os.path.join(profile_dir, "ort"))
+        them = (_OnnxRuntime(model, inputs, threads, profile_dir) if against == "onnxruntime"
+                else _OpenVino(model, inputs, threads, f32=against == "openvino-f32"))
         end = time.perf_counter() + warmup_seconds
         while time.perf_counter() < end:
             vm["main"](*args)
-            session.run(None, feeds)
-        tpp_rounds, tpp_runs, ort_runs = [], [], []
+            them.run()
+        tpp_rounds, tpp_runs, their_runs = [], [], []
         for _ in range(rounds):
             # Quiet first: the other runtime's threads spin on after its runs (ONNX Runtime's
             # took a 0.1 ms MLP to 12 ms), then one untimed run wakes this one's.
@@ -275,16 +389,16 @@ def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
                 per_key[key] = (seconds + op.seconds, calls + op.calls)
             tpp_rounds.append(per_key)
             time.sleep(PAUSE_SECONDS)
-            session.run(None, feeds)  # the round's warm-up run, left out of its profile below
+            them.run()  # the round's warm-up run, left out of its profile
+            them.start_round()
             seconds = []
             for _ in range(repeat):  # each run timed: a median, as profile_vm's latency is
                 start = time.perf_counter()
-                session.run(None, feeds)
+                them.run()
                 seconds.append(time.perf_counter() - start)
-            ort_runs.append(statistics.median(seconds))
-        with open(session.end_profiling()) as f:
-            events = json.load(f)
-    ort_rounds = _ort_rounds(events, rounds, repeat, _model_convs(model))
+                them.recorded()
+            their_runs.append(statistics.median(seconds))
+        their_rounds = them.per_round(rounds, repeat)
 
     def median(per_round: list[dict[str, tuple[float, int]]], key: str
                ) -> tuple[float | None, int]:
@@ -294,18 +408,18 @@ def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
                 max(r.get(key, (0.0, 0))[1] for r in per_round))
 
     def ratio(key: str) -> float | None:
-        pairs = [(t[key][0], o[key][0]) for t, o in zip(tpp_rounds, ort_rounds, strict=True)
+        pairs = [(t[key][0], o[key][0]) for t, o in zip(tpp_rounds, their_rounds, strict=True)
                  if key in t and key in o and t[key][0] > 0]
         return statistics.median(o / t for t, o in pairs) if pairs else None
 
     layers = []
-    for key in {k for r in (*tpp_rounds, *ort_rounds) for k in r}:
-        (tpp, tpp_calls), (ort, ort_calls) = median(tpp_rounds, key), median(ort_rounds, key)
-        layers.append(Layer(key, tpp, ort, tpp_calls, ort_calls, ratio(key)))
+    for key in {k for r in (*tpp_rounds, *their_rounds) for k in r}:
+        (tpp, tpp_calls), (their, their_calls) = median(tpp_rounds, key), median(their_rounds, key)
+        layers.append(Layer(key, tpp, their, tpp_calls, their_calls, ratio(key)))
     layers.sort(key=lambda layer: (layer.key.startswith("other"),
-                                   -max(layer.tpp_seconds or 0.0, layer.ort_seconds or 0.0)))
-    return LayerComparison(tuple(layers), statistics.median(tpp_runs),
-                           statistics.median(ort_runs),
-                           statistics.median(o / t for t, o in zip(tpp_runs, ort_runs,
+                                   -max(layer.tpp_seconds or 0.0, layer.their_seconds or 0.0)))
+    return LayerComparison(them.name, tuple(layers), statistics.median(tpp_runs),
+                           statistics.median(their_runs),
+                           statistics.median(o / t for t, o in zip(tpp_runs, their_runs,
                                                                    strict=True)),
                            threads, rounds, repeat)

@@ -20,7 +20,8 @@ import onnx
 
 from .onnx_import import TensorSpec
 
-__all__ = ["random_inputs", "onnxruntime_session", "run_onnxruntime", "max_errors"]
+__all__ = ["random_inputs", "onnxruntime_session", "openvino_compiled", "openvino_request",
+           "run_onnxruntime", "max_errors"]
 
 
 def random_inputs(specs: Sequence[TensorSpec], seed: int = 0, batch: int = 1
@@ -65,6 +66,45 @@ def onnxruntime_session(proto: onnx.ModelProto, threads: int | None = None,
         options.profile_file_prefix = profile_prefix
     return ort.InferenceSession(proto.SerializeToString(), options,
                                 providers=["CPUExecutionProvider"])
+
+
+def openvino_compiled(proto: onnx.ModelProto, shapes: Mapping[str, Sequence[int]],
+                      threads: int, f32: bool = False, profile: bool = False):
+    """OpenVINO's CPU plugin on ``proto`` with its inputs reshaped to ``shapes`` and
+    ``INFERENCE_NUM_THREADS`` = ``threads``; otherwise its defaults (bf16 where the CPU has
+    AVX512-BF16 or AMX: what a user gets) or, with ``f32``, ``INFERENCE_PRECISION_HINT`` f32;
+    ``profile`` turns its per-node counters on (``PERF_COUNT``).
+
+    Raises
+    ------
+    ImportError
+        ``openvino`` is not installed (the ``openvino`` extra).
+    """
+    import openvino as ov
+    import openvino.properties as props
+    import openvino.properties.hint as hints
+
+    core = ov.Core()
+    model = core.read_model(proto.SerializeToString())
+    model.reshape({name: list(shape) for name, shape in shapes.items()})
+    config: dict = {props.inference_num_threads: threads}
+    if f32:
+        config[hints.inference_precision] = ov.Type.f32
+    if profile:
+        config[props.enable_profiling] = True
+    return core.compile_model(model, "CPU", config)
+
+
+def openvino_request(compiled, inputs: Mapping[str, np.ndarray]):
+    """An infer request of an :func:`openvino_compiled` model with ``inputs`` bound once, by
+    name: ``request.infer()`` runs it on them."""
+    import openvino as ov
+
+    request = compiled.create_infer_request()
+    for index, port in enumerate(compiled.inputs):
+        # A copy the tensor owns: a shared one would not keep the array alive.
+        request.set_input_tensor(index, ov.Tensor(inputs[port.get_any_name()]))
+    return request
 
 
 def run_onnxruntime(

@@ -399,20 +399,14 @@ def _model_openvino(job: Job, workload: ModelWorkload, say: Say) -> Built:
     import openvino.properties as props
     import openvino.properties.hint as hints
 
+    from ..reference import openvino_compiled, openvino_request
+
     proto, specs, inputs = workload.load()
     start = time.perf_counter()
-    core = ov.Core()
-    model = core.read_model(proto.SerializeToString())
-    model.reshape({spec.name: list(spec.shape) for spec in specs})
-    config: dict[Any, Any] = {props.inference_num_threads: job.threads}
-    if job.impl == "openvino-f32":
-        config[hints.inference_precision] = ov.Type.f32
-    compiled = core.compile_model(model, "CPU", config)
-    request = compiled.create_infer_request()
-    by_name = {spec.name: array for spec, array in zip(specs, inputs, strict=True)}
-    for index, port in enumerate(compiled.inputs):
-        # A copy the tensor owns: a shared one would not keep the array alive.
-        request.set_input_tensor(index, ov.Tensor(by_name[port.get_any_name()]))
+    compiled = openvino_compiled(proto, {spec.name: spec.shape for spec in specs}, job.threads,
+                                 f32=job.impl == "openvino-f32")
+    request = openvino_request(compiled, {spec.name: array for spec, array
+                                          in zip(specs, inputs, strict=True)})
     seconds = time.perf_counter() - start
     hint = compiled.get_property(hints.inference_precision).get_type_name()
     ran = _OPENVINO_PRECISIONS.get(hint, hint)
