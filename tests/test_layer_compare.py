@@ -10,8 +10,13 @@ from tvm import relax
 import tvm_tpp
 from tvm_tpp import models
 from tvm_tpp.cli import main
-from tvm_tpp.layer_compare import (AGAINST, compare_layers, layer_key, openvino_layer_key,
-                                   ort_layer_key)
+from tvm_tpp.layer_compare import (
+    AGAINST,
+    compare_layers,
+    layer_key,
+    openvino_layer_key,
+    ort_layer_key,
+)
 from tvm_tpp.reference import random_inputs
 
 
