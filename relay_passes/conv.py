@@ -74,6 +74,7 @@ from schedules.operands import OPERANDS
 from schedules.stacked_rows import stacked_rows_kernel
 from schedules.tuner import TaskCollector, Tuner, config_for
 
+from .bf16_pools import max_pool_in_bf16
 from .dense import PRECISIONS
 from .layouts import TO_NCHW, TO_NHWC, simplify_layouts
 from .prepare import sum_to_add
@@ -315,15 +316,19 @@ def _read_by_convs_only(value: relax.Expr | None,
     """Whether every reader of ``value`` is a conv this pass routes in bf16: reading it as
     its data, or as the residual its epilogue adds (ResNet's shortcut), or one it has routed
     in bf16 already (reading it only through ``astype(., bfloat16)``, or a cast to bfloat16
-    on its own)."""
+    on its own), or a max pool only such convs read (VGG's, ResNet's stem)."""
     found = None if value is None else read_by(value)
-    return bool(found) and all(_reads_as_bf16_conv(r, value, bound) for r in found)
+    return bool(found) and all(_reads_as_bf16_conv(r, value, read_by, bound) for r in found)
 
 
 def _reads_as_bf16_conv(reader: relax.Expr, value: relax.Expr,
+                        read_by: Callable[[relax.Expr], list[relax.Expr] | None],
                         bound: Mapping[relax.Var, relax.Expr]) -> bool:
     if is_call_to(reader, "relax.nn.conv2d"):
         return isinstance(reader.args[0], relax.Var) and _routes_in_bf16(reader)
+    if is_call_to(reader, "relax.nn.max_pool2d"):  # a max commutes with the widening cast
+        # relay_passes.bf16_pools then pools the bf16 tensor itself.
+        return max_pool_in_bf16(reader) and _read_by_convs_only(reader, read_by, bound)
     if is_call_to(reader, "relax.add"):  # a residual add: the other side a conv (+ bias)
         others = [a for a in reader.args if not bound.get(a, a).same_as(value)]
         return len(others) == 1 and _is_conv_chain(others[0], bound)

@@ -28,6 +28,7 @@ from schedules.tile_config import configure_tiles_once_pass
 from schedules.tuner import TaskCollector, Tuner
 
 from .batch_matmul import rewrite_batch_matmul
+from .bf16_pools import max_pools_in_bf16
 from .concat_chain import write_concat_chains
 from .conv import rewrite_conv
 from .dense import rewrite_dense
@@ -74,6 +75,8 @@ def tpp_rewrites(
         mod = prepare()(mod)
         mod = rewrite_dense(mod, target, found, tuner, precision)
         mod = rewrite_conv(mod, target, found, tuner, precision)
+        # Max pools between bf16 convs pool the bf16 tensors the convs hand over.
+        mod = max_pools_in_bf16(mod)
         # What dense left: matmuls whose operands both vary.
         mod = rewrite_batch_matmul(mod, target, found, tuner, precision)
         # Elementwise chains between int8 tensors (DenseNet's quantized pre-activations).
