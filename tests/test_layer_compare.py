@@ -34,15 +34,22 @@ def test_every_kernel_meets_its_onnxruntime_node(name, options):
     cmp = compare_layers(relax.VirtualMachine(compiled.executable, tvm.cpu()),
                          compiled._arguments(inputs), model, inputs, threads=1, rounds=2,
                          repeat=1, warmup_seconds=0.0)
-    layers = [layer for layer in cmp.layers if not layer.key.startswith("other")]
+    layers = _matched_one_to_one(cmp, compiled)
     assert any(" g" in layer.key for layer in layers) == (name == "mobilenet_v2")
     assert any(" s2" in layer.key for layer in layers) and any("dense" in x.key for x in layers)
+
+
+def _matched_one_to_one(cmp, compiled) -> list:
+    """The keyed layers of ``cmp``, after checking each has as many layers on both sides,
+    positive times, and that together they are every kernel call of ``compiled``."""
+    layers = [layer for layer in cmp.layers if not layer.key.startswith("other")]
     for layer in layers:
         assert layer.tpp_calls == layer.their_calls > 0, layer
         assert layer.tpp_seconds > 0 and layer.their_seconds > 0 and layer.ratio > 0
     assert sum(layer.tpp_calls for layer in layers) == sum(
         name.startswith("tpp_") for name in _kernel_calls(compiled))
     assert cmp.tpp_run_seconds > 0 and cmp.their_run_seconds > 0
+    return layers
 
 
 def test_attention_matmuls_meet_onnxruntime_matmuls():
@@ -148,13 +155,8 @@ def test_every_kernel_meets_its_openvino_node(against):
     cmp = compiled.compare_layers(model, inputs, rounds=2, repeat=2, warmup_seconds=0.0,
                                   against=against)
     assert cmp.against == {"openvino": "OpenVINO", "openvino-f32": "OpenVINO f32"}[against]
-    layers = [layer for layer in cmp.layers if not layer.key.startswith("other")]
+    layers = _matched_one_to_one(cmp, compiled)
     assert any(" g" in x.key for x in layers) and any("dense" in x.key for x in layers)
-    for layer in layers:
-        assert layer.tpp_calls == layer.their_calls > 0, layer
-        assert layer.tpp_seconds > 0 and layer.their_seconds > 0 and layer.ratio > 0
-    assert sum(layer.tpp_calls for layer in layers) == sum(
-        name.startswith("tpp_") for name in _kernel_calls(compiled))
 
 
 @pytest.mark.parametrize("layer_type, inputs, outputs, key", [
