@@ -245,6 +245,13 @@ def _ort_rounds(events: list[dict], rounds: int, repeat: int,
     return per_round
 
 
+#: OpenVINO's layer types (its executed graph's ``layerType``) by the ONNX operator whose
+#: shapes they have.
+_OPENVINO_TYPES = {"Convolution": "Conv", "GroupConvolution": "Conv", "FullyConnected": "Gemm",
+                   "FullyConnectedQuantized": "Gemm", "FullyConnectedQuantizedLegacy": "Gemm",
+                   "MatMul": "MatMul"}
+
+
 def openvino_layer_key(layer_type: str, inputs: Sequence[Sequence[int]],
                        outputs: Sequence[Sequence[int]]) -> str | None:
     """The layer a node of OpenVINO's executed graph computes, from its layer type and its
@@ -271,13 +278,6 @@ def openvino_layer_key(layer_type: str, inputs: Sequence[Sequence[int]],
         groups, per_group, *rest = inputs[1]
         inputs[1] = [groups * per_group, *rest]
     return ort_layer_key(op, inputs, outputs)
-
-
-#: OpenVINO's layer types (its executed graph's ``layerType``) by the ONNX operator whose
-#: shapes they have.
-_OPENVINO_TYPES = {"Convolution": "Conv", "GroupConvolution": "Conv", "FullyConnected": "Gemm",
-                   "FullyConnectedQuantized": "Gemm", "FullyConnectedQuantizedLegacy": "Gemm",
-                   "MatMul": "MatMul"}
 
 
 class _OnnxRuntime:
