@@ -52,6 +52,8 @@ def max_pools_in_bf16(mod: tvm.IRModule) -> tvm.IRModule:
     for gv, func in list(mod.functions.items()):
         if isinstance(func, relax.Function):
             mutator.builder_.update_func(gv, mutator.visit_expr(func))
+    if not mutator.kernels:  # no pool rewritten (a float32 or int8 model): nothing to cancel
+        return mod
     mod = simplify_layouts(mutator.builder_.get())
     return relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(mod))
 

@@ -991,16 +991,11 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
         spec = "ACbfgde"
     else:
         spec = "ACDebfg"
-    if (tiles is not None and problem.dtype == "bfloat16" and spec in _ONE_ROW_TILE_SPECS
-            and bq > _amx.TILE_ROWS):
+    if tiles is not None and problem.dtype == "bfloat16" and spec == "ACbfgde" \
+            and bq > _amx.TILE_ROWS:  # one row tile (see above)
         bq = max(d for d in divisors(problem.q) if d <= _amx.TILE_ROWS)
     config = ConvConfig(bq=bq, bc=bc, bk=bk, spec=spec, c_step=c_step)
     return replace(config, fold_taps=can_fold_taps(problem, config))
-
-
-#: Orders whose bf16 AMX convs take one row tile of output columns (``bq <= 16``; see
-#: :func:`default_config`).
-_ONE_ROW_TILE_SPECS = ("ACbfgde",)
 
 
 def _column_block(k: int, target: _isa.Isa) -> int:
