@@ -12,7 +12,8 @@ in tiles across the entire batch-reduce (output-stationary, [TPP] Fig. 2):
   steps of ``kt`` elements, the largest multiple of the VNNI factor that divides K and fits a
   64-byte tile row (64 for int8, 32 for bf16); AMX runs at full rate when ``kt`` is 64/32.
 * Per call: ``ldtilecfg`` once, ``tileloadd`` of the C tiles (``tilezero`` for a ``beta=0``
-  kernel, which overwrites C: no zeroing pass before it, no C read), then per K step the A
+  kernel, which overwrites C: no zeroing pass before it, no C read; a ``first_call_zeroes``
+  kernel branches between the two on :func:`~microkernels.brgemm.first_call`), then per K step the A
   and B tile loads and ``rm*cn`` tile multiplies, then ``tilestored`` of C and
   ``tilerelease``.  A scheduled kernel whose calls all share one configuration loads it once
   per thread instead (:mod:`schedules.tile_config` drops the calls' own).
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import isa as _isa
-from .brgemm import BrgemmShape, register_impl
+from .brgemm import BrgemmShape, first_call, register_impl
 from .script_source import pin_source
 
 if TYPE_CHECKING:
@@ -198,6 +199,7 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
         This lets a host without AMX execute the very same tile program against an emulator,
         which is how the tests check this kernel's numerics.
     """
+    import tvm.s_tir
     import tvm.tirx as tir
     from tvm.script import tirx as T
 
@@ -219,6 +221,17 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
 
     bf16 = ta == "bfloat16"
     zeroing = shape.beta == 0
+    first = first_call() if shape.first_call_zeroes else None
+
+    @T.macro
+    def load_c(C, sc, zero):
+        for i in T.unroll(nr):
+            for j in T.unroll(nc):
+                if zero:
+                    T.evaluate(amx("tilezero", i * nc + j, tiles=1))
+                else:
+                    T.evaluate(amx("tileloadd64", i * nc + j, T.address_of(C[i * 16, j * 16]),
+                                   T.Cast("int64", sc * 4), tiles=1))
 
     @T.macro
     def program(A, B, C, sa, sb, sc):
@@ -232,13 +245,13 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
         config[6] = T.int64(words[6])
         config[7] = T.int64(words[7])
         T.evaluate(amx("ldtilecfg", config.access_ptr("r")))
-        for i in T.unroll(nr):
-            for j in T.unroll(nc):
-                if zeroing:
-                    T.evaluate(amx("tilezero", i * nc + j, tiles=1))
-                else:
-                    T.evaluate(amx("tileloadd64", i * nc + j, T.address_of(C[i * 16, j * 16]),
-                                   T.Cast("int64", sc * 4), tiles=1))
+        if first is not None:
+            if first:
+                load_c(C, sc, True)
+            else:
+                load_c(C, sc, False)
+        else:
+            load_c(C, sc, zeroing)
         for s in T.serial(steps):
             for i in T.unroll(nr):
                 T.evaluate(amx("tileloadd64", num_c + i, T.address_of(A[i * 16, s * kt]),
@@ -256,7 +269,8 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
                                T.Cast("int64", sc * 4), tiles=1))
         T.evaluate(amx("tilerelease"))
 
-    @T.prim_func(s_tir=True)
+    # Checked below: the first-call flag is free until the schedule binds it.
+    @T.prim_func(s_tir=True, check_well_formed=False)
     def impl(a: T.handle, b: T.handle, c: T.handle):
         sa0 = T.int32()
         sb0 = T.int32()
@@ -278,6 +292,8 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
             else:
                 program(A, B, C, sa0, sb0, sc)
 
+    if first is None:
+        tvm.s_tir.analysis.verify_well_formed(impl)
     return impl
 
 

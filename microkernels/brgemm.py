@@ -8,7 +8,10 @@ at the first K step, exactly where PARLOOPER calls its zero TPP.  Where one call
 whole reduction of its C block, a kernel with ``beta=0`` (:func:`zeroing`) starts its
 accumulators at zero instead of loading C, and the schedule drops the zeroing pass: a 1x1
 convolution over 64 channels otherwise stores its C block three times (zeros, the sums, the
-epilogue's result) for 64 FMAs per element.
+epilogue's result) for 64 FMAs per element.  Where the reduction takes several calls, a
+kernel with ``first_call_zeroes`` does so on the call where :func:`first_call` (a flag the
+schedule binds to "every reduction index at its first block") holds and adds to C on the
+others: oneDNN's BRGEMM ``do_init``, with no zeroing pass either.
 
 A :class:`BrgemmShape` names one kernel.  :func:`dispatch` turns it into a registered
 ``tvm.s_tir.TensorIntrin`` (created on first use and cached, like LIBXSMM's
@@ -58,6 +61,7 @@ from . import isa as _isa
 
 if TYPE_CHECKING:
     import numpy as np
+    from tvm import tirx
     from tvm.tirx import PrimFunc
 
 __all__ = [
@@ -72,6 +76,8 @@ __all__ = [
     "reference",
     "B_RANGES",
     "check_operands",
+    "first_call",
+    "zeroing",
 ]
 
 #: (dtype of A, dtype of the accumulator) -> dtype of B.
@@ -116,6 +122,11 @@ class BrgemmShape:
         never read).  The TIR semantics (:func:`desc_func`) are the same for both: a
         schedule uses a ``beta=0`` kernel only for a call whose C block it zeroed and that
         is the only call of the reduction, and drops the zeroing (``schedules.nest``).
+    first_call_zeroes
+        The call where :func:`first_call` holds overwrites C, the others add to it (with
+        ``beta=1``): one kernel for every call of a reduction that takes several, the
+        schedule binding the flag to the first (``schedules.nest.bind_first_call``) and
+        dropping the zeroing.  The TIR semantics are again those of ``beta=1``.
     """
 
     m: int
@@ -127,6 +138,7 @@ class BrgemmShape:
     layout: str = "flat"
     isa: str = "avx2"
     beta: int = 1
+    first_call_zeroes: bool = False
 
     def __post_init__(self) -> None:
         for dim in ("m", "n", "k", "batch"):
@@ -150,6 +162,8 @@ class BrgemmShape:
             raise ValueError(f"layout {self.layout!r} needs k divisible by {alpha}, got {self.k}")
         if self.beta not in (0, 1) or isinstance(self.beta, bool):
             raise ValueError(f"BrgemmShape.beta must be 0 or 1, got {self.beta!r}")
+        if self.first_call_zeroes and self.beta != 1:
+            raise ValueError("first_call_zeroes needs beta=1: the calls after the first add")
         _isa.from_name(self.isa)
 
     @property
@@ -170,7 +184,8 @@ class BrgemmShape:
         """Name of the registered ``TensorIntrin`` for this shape."""
         return (
             f"tpp_brgemm_{self.isa}_{self.dtype_a}_{self.layout}_"
-            f"{self.m}x{self.n}x{self.k}x{self.batch}" + ("_beta0" if self.beta == 0 else "")
+            f"{self.m}x{self.n}x{self.k}x{self.batch}"
+            + ("_beta0" if self.beta == 0 else "_beta0first" if self.first_call_zeroes else "")
         )
 
     def a_shape(self) -> tuple[int, ...]:
@@ -198,7 +213,7 @@ DescFactory = Callable[[BrgemmShape, bool], "PrimFunc"]
 # (isa, dtype_a, layout) -> impl factory.  Implementation modules register here when imported;
 # they are imported lazily by dispatch() so importing this module parses no TVMScript.
 _IMPLS: dict[tuple[str, str, str], ImplFactory] = {}
-# The keys of _IMPLS whose factories also make beta=0 kernels.
+# The keys of _IMPLS whose factories also make beta=0 and first_call_zeroes kernels.
 _ZEROING: set[tuple[str, str, str]] = set()
 _DESCS: dict[str, DescFactory] = {}
 # layout -> (operand shapes function, numpy reference) for layouts registered by modules.
@@ -213,7 +228,8 @@ def register_impl(isas: str | tuple[str, ...], dtype_a: str, layout: str, *,
 
     The impl must read and write the same buffers (shapes, strides, scopes) as
     :func:`desc_func` declares for the shape, and compute the same values; with
-    ``zeroing``, the factory also makes ``beta=0`` kernels (:class:`BrgemmShape`).
+    ``zeroing``, the factory also makes ``beta=0`` and ``first_call_zeroes`` kernels
+    (:class:`BrgemmShape`).
     """
     names = (isas,) if isinstance(isas, str) else isas
 
@@ -267,36 +283,53 @@ def find_impl(shape: BrgemmShape) -> tuple[str, PrimFunc]:
 
     The richest ISA along the shape's lineage whose factory accepts the shape wins; a factory
     refuses a shape it cannot do (an AMX tile budget, a NEON register tile) with ValueError,
-    and the next one is tried, down to the generic loops.  A ``beta=0`` shape takes only
-    factories registered with ``zeroing``.
+    and the next one is tried, down to the generic loops.  A ``beta=0`` or
+    ``first_call_zeroes`` shape takes only factories registered with ``zeroing``.
     """
     _load_implementations()
+    zeroes = shape.beta == 0 or shape.first_call_zeroes
     for name in _isa.from_name(shape.isa).lineage() + ("generic",):
         key = (name, shape.dtype_a, shape.layout)
         factory = _IMPLS.get(key)
-        if factory is None or (shape.beta == 0 and key not in _ZEROING):
+        if factory is None or (zeroes and key not in _ZEROING):
             continue
         try:
             return name, factory(shape)
         except ValueError:
             continue
-    if shape.beta == 0:
-        raise ValueError(f"no BRGEMM implementation has a beta=0 variant for {shape}")
+    if zeroes:
+        raise ValueError(f"no BRGEMM implementation has a zeroing variant for {shape}")
     raise AssertionError(f"no generic BRGEMM registered for {shape}")
 
 
 @functools.cache
-def zeroing(shape: BrgemmShape) -> BrgemmShape | None:
-    """``shape`` with ``beta=0`` if the implementation that runs ``shape`` has a zeroing
-    variant (never a slower fallback of another ISA), else None.
+def first_call() -> tirx.Var:
+    """The flag a ``first_call_zeroes`` kernel reads: true on the first call of a reduction.
+
+    A free boolean variable of the kernel's impl; the schedule replaces it with its own
+    condition once the call is tensorized (``schedules.nest.bind_first_call``).
+    """
+    from tvm import tirx
+
+    return tirx.Var("tpp_first_call", "bool")
+
+
+@functools.cache
+def zeroing(shape: BrgemmShape, first_call_only: bool = False) -> BrgemmShape | None:
+    """``shape`` with ``beta=0`` (with ``first_call_only``: ``first_call_zeroes``) if the
+    implementation that runs ``shape`` has a zeroing variant (never a slower fallback of
+    another ISA), else None.
 
     >>> zeroing(BrgemmShape(m=28, n=64, k=64, isa="avx2")).name
     'tpp_brgemm_avx2_float32_flat_28x64x64x1_beta0'
     >>> zeroing(BrgemmShape(m=32, n=32, k=64, dtype_a="bfloat16", layout="vnni2", isa="amx")).name
     'tpp_brgemm_amx_bfloat16_vnni2_32x32x64x1_beta0'
     >>> zeroing(BrgemmShape(m=4, n=16, k=8, isa="neon"))  # NEON kernels always read C
+    >>> zeroing(BrgemmShape(m=28, n=64, k=64, isa="avx2"), first_call_only=True).name
+    'tpp_brgemm_avx2_float32_flat_28x64x64x1_beta0first'
     """
-    zeroed = dataclasses.replace(shape, beta=0)
+    zeroed = dataclasses.replace(shape, **({"first_call_zeroes": True} if first_call_only
+                                           else {"beta": 0}))
     try:
         return zeroed if find_impl(zeroed)[0] == find_impl(shape)[0] else None
     except ValueError:
@@ -314,7 +347,8 @@ def desc_func(shape: BrgemmShape, as_workload: bool = False) -> PrimFunc:
     return _strided_desc(shape, as_workload)
 
 
-def _strided_desc(shape: BrgemmShape, as_workload: bool, zero_first: bool = False) -> PrimFunc:
+def _strided_desc(shape: BrgemmShape, as_workload: bool, zero_first: bool = False,
+                  first: tirx.PrimExpr | None = None) -> PrimFunc:
     import contextlib
 
     from tvm import tirx
@@ -362,9 +396,13 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool, zero_first: bool = Fals
                 T.reads(C[0:m, 0:n], A[tuple(slice(0, s) for s in a_shape)],
                         B[tuple(slice(0, s) for s in b_shape)])
                 T.writes(C[0:m, 0:n])
-                if zero_first:  # a beta=0 impl: the sums overwrite C
-                    with T.grid(m, n) as (zi, zj):
-                        T.buffer_store(C, tirx.const(0, tc), [zi, zj])
+                if zero_first:  # a zeroing impl: the sums overwrite C (on the first call)
+                    with contextlib.ExitStack() as when:
+                        if first is not None:
+                            when.enter_context(T.If(first))
+                            when.enter_context(T.Then())
+                        with T.grid(m, n) as (zi, zj):
+                            T.buffer_store(C, tirx.const(0, tc), [zi, zj])
                 with contextlib.ExitStack() as loops:
                     if axes:
                         loop_vars = loops.enter_context(T.grid(*(e for _, e in axes)))
@@ -387,11 +425,13 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool, zero_first: bool = Fals
 
 def _generic_impl(shape: BrgemmShape) -> PrimFunc:
     """Portable fallback: the semantics themselves, left to LLVM's vectorizer (with
-    ``beta=0``, after zeroing C; the layouts of :func:`register_layout` have no such variant)."""
-    if shape.beta == 0:
+    ``beta=0``, after zeroing C, with ``first_call_zeroes`` on the first call; the layouts of
+    :func:`register_layout` have no such variants)."""
+    if shape.beta == 0 or shape.first_call_zeroes:
         if shape.layout in _DESCS:
-            raise ValueError(f"no generic beta=0 kernel for the {shape.layout} layout")
-        return _strided_desc(shape, False, zero_first=True)
+            raise ValueError(f"no generic zeroing kernel for the {shape.layout} layout")
+        return _strided_desc(shape, False, zero_first=True,
+                             first=first_call() if shape.first_call_zeroes else None)
     return desc_func(shape)
 
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import isa as _isa
-from .brgemm import BrgemmShape, register_impl
+from .brgemm import BrgemmShape, first_call, register_impl
 
 if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
@@ -312,10 +312,20 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
             for kq in range(kq_extent - kq_extent % steps_per_iter, kq_extent):
                 emit(0, kq)
 
-        for r in range(rows):
-            for off, w in vectors:
-                _store(acc, [r, _vec(off, w)], _bcast(tirx.const(0, tc), w) if shape.beta == 0
-                       else C[row0 + r, _vec(col0 + off, w)])
+        def start(zero: bool) -> None:
+            for r in range(rows):
+                for off, w in vectors:
+                    _store(acc, [r, _vec(off, w)], _bcast(tirx.const(0, tc), w) if zero
+                           else C[row0 + r, _vec(col0 + off, w)])
+
+        if shape.first_call_zeroes:
+            with T.If(first_call()):
+                with T.Then():
+                    start(True)
+                with T.Else():
+                    start(False)
+        else:
+            start(shape.beta == 0)
         if nvec:
             k_loop(lambda kb, kq: step(A, B, acc, row0, rows, col0, 0, nvec, lanes, kb, kq),
                    unroll)

@@ -214,7 +214,8 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
     names what the template really dispatched (it may pick another ISA's kernel for a block,
     e.g. AVX-512 for a copied bf16 A on AMX).  The intrinsic's name is
     :attr:`BrgemmShape.name`, ``tpp_brgemm_<isa>_<dtype of A>_<layout>_<m>x<n>x<k>x<batch>``
-    (``_beta0`` after it for a kernel that overwrites C).
+    (``_beta0`` after it for a kernel that overwrites C, ``_beta0first`` for one that does
+    on its first call).
 
     Examples
     --------
@@ -229,13 +230,16 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
     if not names:
         return None
     name = names[-1]
-    beta = 0 if name.endswith("_beta0") else 1
-    head, _, dims = name.removesuffix("_beta0").removeprefix(_BRGEMM_PREFIX).rpartition("_")
+    variant = {"beta0": {"beta": 0}, "beta0first": {"first_call_zeroes": True}}
+    head, _, dims = name.removeprefix(_BRGEMM_PREFIX).rpartition("_")
+    zeroes = variant.get(dims, {})
+    if zeroes:
+        head, _, dims = head.rpartition("_")
     for dtype_a, dtype_acc in DTYPES:
         isa, found, layout = head.partition(f"_{dtype_a}_")
         if found:
             m, n, k, batch = (int(d) for d in dims.split("x"))
-            shape = BrgemmShape(m, n, k, batch, dtype_a, dtype_acc, layout, isa, beta)
+            shape = BrgemmShape(m, n, k, batch, dtype_a, dtype_acc, layout, isa, **zeroes)
             if shape.name == name:
                 return shape
     raise ValueError(f"{name!r} is not the name of a BRGEMM intrinsic")

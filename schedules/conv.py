@@ -32,9 +32,13 @@ consume any other conv's output, whatever their blocks.
 * output ``Y[N*P*Q][K]``: NHWC viewed as a matrix; residual operands have this shape too,
   bias and per-channel scale operands are ``[K]`` (``broadcast="row"``).
 
-The accumulator is zeroed before the first reduction loop (``decompose_reduction``), and the
-epilogue (:func:`microkernels.epilogue.apply_te`) runs under the deepest spatial loop above
-it, on the finished tile, as :mod:`schedules.gemm` does.
+The accumulator is zeroed before the first reduction loop (``decompose_reduction``), or, as
+:mod:`schedules.gemm` does, by the kernel's first call of each tile where the kernel has
+zeroing variants: where the calls over filter rows in the zero border are skipped
+(:func:`schedule`), the first call is the one over the first real filter row, and where some
+output row has none (a border deeper than the filter) the zeroing pass stays.  The epilogue
+(:func:`microkernels.epilogue.apply_te`) runs under the deepest spatial loop above the
+reduction, on the finished tile, as :mod:`schedules.gemm` does.
 
 A prologue (``ConvProblem.prologue``: per-channel scale, shift and ReLU, DenseNet's
 BatchNorm and ReLU before each 1x1 conv) is computed inside the conv, once per pixel tile,
@@ -109,6 +113,7 @@ from .gemm import _k_block, _tile_blocks, _tile_rows, _tile_width, _weight_value
 from .kernel_buffers import redirect
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
 from .nest import (
+    bind_first_call,
     block_realize,
     check_exact,
     check_run_time_loop,
@@ -121,6 +126,7 @@ from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
     from tvm import s_tir, te, tirx
+    from tvm.s_tir import SBlockRV
     from tvm.tirx import PrimFunc
 
 __all__ = [
@@ -789,11 +795,15 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     shape = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
                         layout=problem.brgemm_layout(isa_name), isa=isa_name)
-    if single_call:
-        shape = zeroing_kernel(sch, init, shape)
-    sch.tensorize(inner[0][0], dispatch(shape))
-    if problem.zero_border:
-        _skip_border_rows(sch, problem)
+    skips = problem.zero_border and _border_rows(problem)
+    if single_call or not skips or _every_row_real(problem):
+        shape = zeroing_kernel(sch, init, shape, whole=single_call)
+    call = sch.blockize(inner[0][0])
+    sch.tensorize(call, dispatch(shape))
+    if skips:
+        _skip_border_rows(sch, call, problem)
+    if shape.first_call_zeroes:
+        bind_first_call(sch, call, _first_real_call(problem) if skips else None)
     return sch
 
 
@@ -861,24 +871,61 @@ def _prologue_per_pixel_tile(sch: s_tir.Schedule, target: _isa.Isa) -> None:
         sch.vectorize(sch.split(channels, [None, lanes])[1])
 
 
-def _skip_border_rows(sch: s_tir.Schedule, problem: ConvProblem) -> None:
-    """Predicate each BRGEMM call on its filter row reading real input rows: a call whose
-    row lies in the zero border adds nothing.  DeepLab's rate-12 3x3 conv on a 16x16 map
-    then makes 24 of its 48 row calls, a 3x3 conv on a 7x7 map 19 of 21."""
+def _border_rows(problem: ConvProblem) -> bool:
+    """Whether some filter row of some output row lies in the (top or bottom) border."""
+    top, _, bottom, _ = problem.padding
+    return problem.r > 1 and (top > 0 or bottom > 0)
+
+
+def _input_row(problem: ConvProblem, out_row: tirx.PrimExpr, tap: tirx.PrimExpr
+               ) -> tirx.PrimExpr:
+    """The row of the padded input that filter row ``tap`` of output row ``out_row`` reads."""
+    return out_row * problem.stride[0] + tap * problem.dilation[0]
+
+
+def _real(problem: ConvProblem, row: tirx.PrimExpr) -> tirx.PrimExpr:
     from tvm import tirx
 
-    top, _, bottom, _ = problem.padding
-    if problem.r == 1 or top == bottom == 0:
-        return
+    top = problem.padding[0]
+    return tirx.all(row >= top, row < top + problem.h)
 
-    def real_rows(realize):
-        # The block's iterators are the conv's (n, i, j, o, r, s, c): i the output row, r
-        # the tap.
-        out_row, tap = realize.iter_values[1], realize.iter_values[4]
-        row = out_row * problem.stride[0] + tap * problem.dilation[0]  # in the padded input
-        return tirx.all(row >= top, row < top + problem.h)
 
-    guard(sch, sch.get_sblock("conv_update_o"), real_rows)  # the BRGEMM call's block
+def _skip_border_rows(sch: s_tir.Schedule, call: SBlockRV, problem: ConvProblem) -> None:
+    """Predicate each BRGEMM ``call`` on its filter row reading real input rows: a call whose
+    row lies in the zero border adds nothing.  DeepLab's rate-12 3x3 conv on a 16x16 map
+    then makes 24 of its 48 row calls, a 3x3 conv on a 7x7 map 19 of 21."""
+    # The block's iterators are the conv's (n, i, j, o, r, s, c): i the output row, r the tap.
+    guard(sch, call, lambda realize: _real(problem, _input_row(
+        problem, realize.iter_values[1], realize.iter_values[4])))
+
+
+def _every_row_real(problem: ConvProblem) -> bool:
+    """Whether every output row has a filter row over real input rows: where the calls over
+    the border are skipped, a call then starts each C block's reduction.
+
+    >>> _every_row_real(ConvProblem(1, 8, 4, 4, 8, 3, 3, padding=1))
+    True
+    >>> _every_row_real(ConvProblem(1, 8, 4, 4, 8, 3, 3, padding=(5, 1, 5, 1)))
+    False
+    """
+    top = problem.padding[0]
+    return all(any(top <= _input_row(problem, p, r) < top + problem.h for r in range(problem.r))
+               for p in range(problem.p))
+
+
+def _first_real_call(problem: ConvProblem) -> Callable[[s_tir.SBlock], tirx.PrimExpr]:
+    """The first call of a C block where the border's calls are skipped: every reduction
+    index at its first value but the filter row's, at the first real one (the row before
+    it is in the border)."""
+    from tvm import tirx
+
+    def first(block: s_tir.SBlock) -> tirx.PrimExpr:
+        out_row, tap, *channels = (block.iter_vars[i].var for i in (1, 4, 5, 6))
+        before = _input_row(problem, out_row, tap - 1)
+        return tirx.all(*(c == 0 for c in channels),
+                        tirx.any(tap == 0, tirx.Not(_real(problem, before))))
+
+    return first
 
 
 def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:

@@ -11,10 +11,13 @@ operand).  Three logical loops, declared as in PARLOOPER's GEMM:
 
 Below them the ``bm x bn x (k_step * bk)`` body is tensorized with the BRGEMM intrinsic of
 the target's ISA (:func:`microkernels.brgemm.dispatch`).  C is zeroed right above the first
-``a`` loop (PARLOOPER's ``if (ik == 0) zero_tpp``; TVM's ``decompose_reduction``), and the
-epilogue runs on each output tile under the deepest spatial loop that encloses every ``a`` loop,
-i.e. right after the tile's last K step; when an ``a`` loop is outermost it runs as a separate
-parallel pass.
+``a`` loop (PARLOOPER's ``if (ik == 0) zero_tpp``; TVM's ``decompose_reduction``) unless the
+kernel does it: where it has zeroing variants, the call over the first K block starts from
+zero instead (``beta=0`` where one call is the whole K, ``first_call_zeroes`` where K takes
+several: :func:`schedules.nest.zeroing_kernel`) and the zeroing pass is dropped.  The
+epilogue runs on each output tile under the deepest spatial loop that encloses every ``a``
+loop, i.e. right after the tile's last K step; when an ``a`` loop is outermost it runs as a
+separate parallel pass.
 
 Parallel loops: consecutive capitals are fused into one parallel loop where they stand (TVM's
 pool forks and joins around it, like ``omp for collapse(k)`` inside the serial outer loops);
@@ -122,7 +125,14 @@ from microkernels.pack import Packing, mmla_k_block, pack_mmla, padded
 from .blocking import divisors, pick_divisor
 from .cost_model import predict
 from .loop_spec import LoopSpec, LoopSpecError, parse
-from .nest import check_exact, check_run_time_loop, finish_nest, nest_loops, zeroing_kernel
+from .nest import (
+    bind_first_call,
+    check_exact,
+    check_run_time_loop,
+    finish_nest,
+    nest_loops,
+    zeroing_kernel,
+)
 from .operands import OPERANDS, TypedProblem
 from .space import BlockedGemm, Candidate, generate, heuristic
 
@@ -602,13 +612,15 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     shape = BrgemmShape(m=config.bm, n=config.bn, k=config.bk, batch=config.k_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
                         layout=problem.brgemm_layout(isa_name), isa=isa_name)
-    if single_call:
-        shape = zeroing_kernel(sch, init, shape)
+    shape = zeroing_kernel(sch, init, shape, whole=single_call)
     # Unit loops vanish from the matched block (see the BRGEMM desc): start below them.
     extents = (config.bm, config.bn, config.k_step * config.bk)
     body = next((loop for loop, e in zip((i_body, j_body, k_body), extents, strict=True)
                  if e > 1), k_body)
-    sch.tensorize(body, dispatch(shape))
+    call = sch.blockize(body)
+    sch.tensorize(call, dispatch(shape))
+    if shape.first_call_zeroes:
+        bind_first_call(sch, call)
     return sch
 
 

@@ -25,6 +25,9 @@ The design spaces replay into the schedule MetaSchedule passes in the trace of
 instruction finds its block and loops).  The traces name this project's BRGEMM intrinsics, so
 they must be registered (:func:`register_intrinsics`) in any process that replays a stored
 record — before opening a ``JSONDatabase`` that holds some (it parses the traces on load).
+A trace does not bind the first-call flag of a kernel that zeroes C on the first of several
+calls (the binding is no schedule instruction): every replay is followed by
+:func:`schedules.nest.bind_first_calls`.
 
 Examples
 --------
@@ -46,6 +49,7 @@ from microkernels.brgemm import BrgemmShape, dispatch, zeroing
 from microkernels.machine import Machine, machine_of
 
 from .gemm import GemmConfig, GemmProblem, default_config, ranked_configs, schedule, workload
+from .nest import bind_first_calls
 from .space import Candidate
 
 if TYPE_CHECKING:
@@ -116,8 +120,8 @@ def _as_configs(problem: GemmProblem, machine: Machine,
 
 def register_intrinsics(configs: Sequence[GemmConfig], isa: str) -> None:
     """Register the BRGEMM intrinsics the configs' traces name (needed to replay them): each
-    config's kernel and, where its implementation has one, the ``beta=0`` variant a schedule
-    whose call is the whole K uses.
+    config's kernel and, where its implementation has them, its zeroing variants (``beta=0``
+    where the call is the whole K, ``first_call_zeroes`` where K takes several calls).
 
     Examples
     --------
@@ -125,7 +129,7 @@ def register_intrinsics(configs: Sequence[GemmConfig], isa: str) -> None:
     """
     for c in configs:
         shape = BrgemmShape(m=c.bm, n=c.bn, k=c.bk, batch=c.k_step, layout="flat", isa=isa)
-        for kernel in (shape, zeroing(shape)):
+        for kernel in (shape, zeroing(shape), zeroing(shape, first_call_only=True)):
             if kernel is not None:
                 dispatch(kernel)
 
@@ -163,6 +167,7 @@ def gemm_space(problem: GemmProblem, target: Target,
         for trace in traces:
             space = sch.copy()
             trace.apply_to_schedule(space, remove_postproc=False)
+            bind_first_calls(space)
             spaces.append(space)
         return spaces
 
@@ -328,4 +333,5 @@ def tune_gemm_ms(problem: GemmProblem, target: Target, work_dir: str | os.PathLi
     if best is None:
         raise RuntimeError(f"MetaSchedule measured no valid candidate for {problem}; "
                            f"see the logs in {work_dir}/logs")
+    bind_first_calls(best)
     return best, database

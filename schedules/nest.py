@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from microkernels.brgemm import BrgemmShape
 
 __all__ = ["check_exact", "check_run_time_loop", "nest_loops", "finish_nest", "guard",
-           "drop_zeroing", "zeroing_kernel"]
+           "drop_zeroing", "zeroing_kernel", "bind_first_call", "bind_first_calls"]
 
 
 def check_exact(spec: LoopSpec) -> None:
@@ -156,20 +156,22 @@ def _in_loop(sch: s_tir.Schedule, block: SBlockRV) -> tuple[list[tirx.Stmt], int
     return stmts, at
 
 
-def zeroing_kernel(sch: s_tir.Schedule, init: SBlockRV, shape: BrgemmShape) -> BrgemmShape:
-    """The kernel for a call that is the whole reduction of its C block: the ``beta=0``
-    variant of ``shape``, with ``init`` dropped, where the implementation has one and
-    ``init`` stores zeros; else ``shape``, nothing changed."""
+def zeroing_kernel(sch: s_tir.Schedule, init: SBlockRV, shape: BrgemmShape,
+                   whole: bool = True) -> BrgemmShape:
+    """The kernel that starts C's reduction instead of ``init``, with ``init`` dropped:
+    where each call is the ``whole`` reduction of its C block, the ``beta=0`` variant of
+    ``shape``, else its ``first_call_zeroes`` variant (:func:`bind_first_call` then binds its
+    flag); ``shape``, nothing changed, where the implementation has no such variant or
+    ``init`` stores something else than zeros (a zero point's fold the sums start from)."""
     from microkernels.brgemm import zeroing
 
-    zeroed = zeroing(shape)
+    zeroed = zeroing(shape, first_call_only=not whole)
     return zeroed if zeroed is not None and drop_zeroing(sch, init) else shape
 
 
 def drop_zeroing(sch: s_tir.Schedule, init: SBlockRV) -> bool:
-    """Never run ``init`` if it zeroes the accumulator (a ``beta=0`` kernel that makes the
-    only call of the reduction writes every element instead); False, and nothing changed,
-    if it stores anything else (a zero point's fold the sums start from)."""
+    """Never run ``init`` if it zeroes the accumulator (a zeroing kernel writes every element
+    instead); False, and nothing changed, if it stores anything else."""
     from tvm import tirx
 
     store = sch.get(init).body
@@ -179,3 +181,61 @@ def drop_zeroing(sch: s_tir.Schedule, init: SBlockRV) -> bool:
         return False
     guard(sch, init, lambda realize: tirx.const(False))
     return True
+
+
+def bind_first_calls(sch: s_tir.Schedule) -> None:
+    """:func:`bind_first_call` (the default condition) for every call of ``sch`` whose
+    kernel's flag is free: a schedule replayed from its trace (MetaSchedule's design spaces
+    and records) has them so, because the binding is no schedule instruction."""
+    import tvm_ffi
+    from tvm import ir, s_tir
+
+    from microkernels.brgemm import first_call
+
+    flag = first_call().name
+
+    def flagged(stmt: object) -> bool:
+        found = []
+        tvm_ffi.structural_walk(stmt, (ir.expr.Var, lambda v: found.append(v)
+                                       if v.name == flag else None))
+        return bool(found)
+
+    def nested(block: s_tir.SBlock) -> list[s_tir.SBlock]:
+        inner = []
+        tvm_ffi.structural_walk(block.body, (s_tir.SBlock, inner.append))
+        return inner
+
+    for gv, func in sch.mod.functions.items():
+        blocks = []
+        tvm_ffi.structural_walk(func.body, (s_tir.SBlock, blocks.append))
+        # The calls: blocks that read the flag and hold no block that does.
+        calls = [b.name_hint for b in blocks
+                 if flagged(b.body) and not any(flagged(i.body) for i in nested(b))]
+        for name in calls:
+            bind_first_call(sch, sch.get_sblock(name, gv.name_hint))
+
+
+def bind_first_call(sch: s_tir.Schedule, call: SBlockRV,
+                    first: Callable[[s_tir.SBlock], tirx.PrimExpr] | None = None) -> None:
+    """Bind the flag of the ``first_call_zeroes`` kernel tensorized in block ``call``
+    (:func:`microkernels.brgemm.first_call`) to ``first(block)``, by default "every
+    reduction index of the call at its first value": the call that starts its C block's
+    reduction where every call runs."""
+    import tvm_ffi
+    from tvm import ir, s_tir, tirx
+
+    from microkernels.brgemm import first_call
+
+    block = sch.get(call)
+    flag = first_call().name  # by name: registering the intrinsic copies its variables
+    if first is None:
+        condition = tirx.all(*(tirx.EQ(iv.var, iv.dom.min) for iv in block.iter_vars
+                               if iv.iter_type == tirx.IterVar.CommReduce))
+    else:
+        condition = first(block)
+    body = tvm_ffi.structural_map(block.body, [(ir.expr.Var,
+                                                lambda v: condition if v.name == flag else v)])
+    bound = s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body,
+                         block.init, block.alloc_buffers, block.match_buffers,
+                         block.annotations)
+    sch.state.replace(sch.get_sref(call), bound, {block: bound})

@@ -55,6 +55,16 @@ def test_one_design_space_per_candidate_each_correct(target):
     assert len({str(s.trace) for s in spaces}) == len(spaces)
 
 
+def test_replayed_k_splits_bind_their_first_call(target):
+    """A config whose K takes several calls zeroes C on the first (a flag its schedule binds
+    outside the trace): the replayed design space binds it again and computes right."""
+    split = GemmConfig.of("BCa", 42, 16, 12, k_step=1)
+    space = gemm_space(PROBLEM, target, [split])
+    (sch,) = space.generate_design_space(tvm.IRModule({"main": workload(PROBLEM, split.bn)}))
+    assert "_beta0first" in str(sch.trace) and "tpp_first_call" not in sch.mod.script()
+    _check(sch, split.bn, target)
+
+
 @pytest.mark.parametrize("caches, packed", [(L2_1MIB, True), (L2_2MIB, False)],
                          ids=["l2-1MiB", "l2-2MiB"])
 def test_long_k_space_is_the_tuners_ranking(caches, packed):
