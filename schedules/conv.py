@@ -920,9 +920,10 @@ def _first_real_call(problem: ConvProblem) -> Callable[[s_tir.SBlock], tirx.Prim
     from tvm import tirx
 
     def first(block: s_tir.SBlock) -> tirx.PrimExpr:
-        out_row, tap, *channels = (block.iter_vars[i].var for i in (1, 4, 5, 6))
+        # The block's iterators are the conv's (n, i, j, o, r, s, c), each from 0.
+        out_row, tap, column, channel = (block.iter_vars[i].var for i in (1, 4, 5, 6))
         before = _input_row(problem, out_row, tap - 1)
-        return tirx.all(*(c == 0 for c in channels),
+        return tirx.all(column == 0, channel == 0,
                         tirx.any(tap == 0, tirx.Not(_real(problem, before))))
 
     return first
