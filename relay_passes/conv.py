@@ -316,7 +316,8 @@ def _read_by_convs_only(value: relax.Expr | None,
     """Whether every reader of ``value`` is a conv this pass routes in bf16: reading it as
     its data, or as the residual its epilogue adds (ResNet's shortcut), or one it has routed
     in bf16 already (reading it only through ``astype(., bfloat16)``, or a cast to bfloat16
-    on its own), or a max pool only such convs read (VGG's, ResNet's stem)."""
+    on its own), or a max pool only such convs read (VGG's, ResNet's stem), or a reshape or
+    permute of the channels only such convs read (ShuffleNet's channel shuffle)."""
     found = None if value is None else read_by(value)
     return bool(found) and all(_reads_as_bf16_conv(r, value, read_by, bound) for r in found)
 
@@ -329,6 +330,9 @@ def _reads_as_bf16_conv(reader: relax.Expr, value: relax.Expr,
     if is_call_to(reader, "relax.nn.max_pool2d"):  # a max commutes with the widening cast
         # relay_passes.bf16_pools then pools the bf16 tensor itself.
         return max_pool_in_bf16(reader) and _read_by_convs_only(reader, read_by, bound)
+    if is_call_to(reader, "relax.reshape") or is_call_to(reader, "relax.permute_dims"):
+        # Data movement commutes with the cast: simplify_layouts moves it onto the bf16 data.
+        return _read_by_convs_only(reader, read_by, bound)
     if is_call_to(reader, "relax.add"):  # a residual add: the other side a conv (+ bias)
         others = [a for a in reader.args if not bound.get(a, a).same_as(value)]
         return len(others) == 1 and _is_conv_chain(others[0], bound)

@@ -75,7 +75,7 @@ class _Layouts(relax.PyExprMutator):
       concatenated along their last axis; ShuffleNet's channel shuffle of one shuffles the
       NHWC channels;
     * ``astype(astype(x, float32), bfloat16)`` of a bf16 ``x`` is ``x`` (a bf16 producer's
-      output handed to a bf16 consumer).
+      output handed to a bf16 consumer), also with reshapes and permutes between the casts.
     """
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -244,11 +244,15 @@ _WIDENINGS = {("bfloat16", "float32")}
 def _undo_widening(inner: relax.Expr, dtype: str,
                    bound: Callable[[relax.Expr], relax.Expr]) -> relax.Expr | None:
     """``x`` for ``astype(astype(x, wide), dtype)`` when ``x`` is ``dtype`` and the inner
-    cast only widened it (exact both ways), else None; through a reshape between them,
-    ``reshape(x)`` (``bound`` resolves variables to their values)."""
+    cast only widened it (exact both ways), else None; through reshapes and permutes between
+    them (ShuffleNet's channel shuffle), the same data movement of ``x`` (``bound`` resolves
+    variables to their values)."""
     if is_call_to(inner, "relax.reshape"):
         source = _undo_widening(bound(inner.args[0]), dtype, bound)
         return None if source is None else relax.op.reshape(source, inner.args[1])
+    if is_call_to(inner, "relax.permute_dims"):
+        source = _undo_widening(bound(inner.args[0]), dtype, bound)
+        return None if source is None else relax.op.permute_dims(source, _axes(inner))
     if not is_call_to(inner, "relax.astype"):
         return None
     source = inner.args[0]

@@ -2,7 +2,8 @@
 relay_passes.dense).
 
 A bf16 conv whose every reader is a conv routed in bf16 (as its input, or as the residual its
-epilogue adds: a ResNet's stream) writes bfloat16 itself, read through a float32 view that
+epilogue adds: a ResNet's stream; also through reshapes and permutes: ShuffleNet's channel
+shuffle) writes bfloat16 itself, read through a float32 view that
 ``simplify_layouts`` cancels against the reader's own cast; a conv read by anything else (an
 add of no conv, the graph's output) keeps float32.  Checked on the rewritten IR, on the
 layout rule alone (Before/Expected), and numerically against ONNX Runtime float32.
@@ -154,6 +155,77 @@ def test_a_widening_round_trip_cancels():
 def test_a_narrowing_round_trip_stays():
     before = _casts("bfloat16", "float32")  # float32 -> bf16 -> float32 rounds: not identity
     tvm.ir.assert_structural_equal(simplify_layouts(before), before)
+
+
+def _shuffle_unit():
+    """ShuffleNet's ``relu(group conv)``, channel shuffle (reshape, transpose, reshape), then
+    a depthwise 3x3 conv and a 1x1 conv."""
+    rng = np.random.default_rng(4)
+
+    def weight(name, shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype("float32"),
+                                       name)
+
+    inits = [weight("wg", (8, 4, 1, 1)), weight("wd", (8, 1, 3, 3)), weight("wp", (8, 8, 1, 1)),
+             numpy_helper.from_array(np.array([1, 2, 4, 6, 5], "int64"), "split"),
+             numpy_helper.from_array(np.array([1, 8, 6, 5], "int64"), "merged")]
+    nodes = [helper.make_node("Conv", ["x", "wg"], ["g"], group=2),
+             helper.make_node("Relu", ["g"], ["r"]),
+             helper.make_node("Reshape", ["r", "split"], ["s"]),
+             helper.make_node("Transpose", ["s"], ["t"], perm=[0, 2, 1, 3, 4]),
+             helper.make_node("Reshape", ["t", "merged"], ["m"]),
+             helper.make_node("Conv", ["m", "wd"], ["d"], group=8, pads=[1] * 4),
+             helper.make_node("Conv", ["d", "wp"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "shuffle", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 6, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 6, 5])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_channel_shuffle_between_bf16_convs_moves_bf16():
+    """The group conv writes bf16 and the shuffle moves those bf16 values: no cast between
+    it and the depthwise conv (which writes float32, cast for the 1x1 conv)."""
+    mod, _ = import_model(_shuffle_unit())
+    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
+    kernels, moves, casts = [], [], []
+
+    def visit(e):
+        if is_call_to(e, "relax.call_tir") and e.args[0].name_hint.startswith("tpp_"):
+            kernels.append(str(e.ty.dtype))
+        elif is_call_to(e, "relax.permute_dims") and e.ty.ndim == 5:  # the shuffle's
+            moves.append(str(e.ty.dtype))
+        elif is_call_to(e, "relax.astype"):
+            casts.append(str(e.ty.dtype))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    assert kernels == ["bfloat16", "float32", "float32"]
+    assert moves == ["bfloat16"]
+    assert casts == ["bfloat16", "bfloat16"]  # the graph's input, the depthwise conv's output
+
+
+def test_a_bf16_channel_shuffle_matches_onnxruntime_float32():
+    model = _shuffle_unit()
+    x = np.random.default_rng(5).standard_normal((1, 8, 6, 5)).astype("float32")
+    got = tvm_tpp.compile(model, target="tpp", precision="bf16").run(x=x)
+    assert max_errors(got, run_onnxruntime(model, {"x": x}))[1] <= TOLERANCES["bf16"]
+
+
+def test_a_widening_round_trip_cancels_through_a_permute():
+    x = relax.Var("x", relax.TensorType((2, 3, 4), "bfloat16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            wide = bb.emit(relax.op.astype(x, "float32"))
+            moved = bb.emit(relax.op.permute_dims(wide, [0, 2, 1]))
+            y = bb.emit_output(relax.op.astype(moved, "bfloat16"))
+        bb.emit_func_output(y)
+    bb2 = relax.BlockBuilder()
+    with bb2.function("main", [x]):
+        with bb2.dataflow():
+            y = bb2.emit_output(relax.op.permute_dims(x, [0, 2, 1]))
+        bb2.emit_func_output(y)
+    after = relax.transform.DeadCodeElimination()(simplify_layouts(bb.get()))
+    tvm.ir.assert_structural_equal(after, bb2.get())
 
 
 def test_dense_layers_hand_bf16_to_dense_layers():

@@ -220,7 +220,8 @@ def test_bf16_network_multiplies_whole_vnni_groups_in_bf16_and_the_rest_in_float
     w.CopyFrom(numpy_helper.from_array(np.ones((16, 4, 3, 3), "float32") * 0.1, "y.w"))
     compiled = tvm_tpp.compile(model, target="tpp", precision="bf16-strict")
     dtypes = {r.kernel.split()[0]: r.dtypes for r in compiled.report if r.kernel}
-    assert dtypes["tpp_conv2d_1x24x9x9_48x1x1_s1x1_g3_bias_relu_bf16"] == \
+    # It hands its output to the dilated bf16 conv through the channel shuffle in bf16.
+    assert dtypes["tpp_conv2d_1x24x9x9_48x1x1_s1x1_g3_bias_relu_convert_bf16_bf16"] == \
         "bfloat16*bfloat16->float32"
     assert dtypes["tpp_conv2d_1x32x9x9_16x3x3_s1x1_g8_bias_bf16"] == \
         "bfloat16*bfloat16->float32"
