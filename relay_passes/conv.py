@@ -245,10 +245,10 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         x, prologue, prologue_operands = found
         problem = replace(problem, prologue=prologue)
         operands = [*prologue_operands, *operands]
-    # A bf16 conv read only by bf16 convs writes bf16 itself (its epilogue converts): they
-    # read it through a float32 view that simplify_layouts cancels against their own cast.
-    handoff = (dtype == "bfloat16" and isinstance(problem, ConvProblem)
-               and _read_by_convs_only(orig, read_by, bound))
+    # A bf16 conv, depthwise too, read only by bf16 convs writes bf16 itself (its epilogue
+    # converts): they read it through a float32 view that simplify_layouts cancels against
+    # their own cast.
+    handoff = dtype == "bfloat16" and _read_by_convs_only(orig, read_by, bound)
     if handoff:
         problem = replace(problem, epilogue=Epilogue(
             (*problem.epilogue.ops, EpilogueOp("convert", dtype="bfloat16"))))
