@@ -76,7 +76,7 @@ from schedules.tuner import TaskCollector, Tuner, config_for
 
 from .bf16_pools import max_pool_in_bf16
 from .dense import PRECISIONS
-from .layouts import TO_NCHW, TO_NHWC, simplify_layouts
+from .layouts import TO_NCHW, TO_NHWC, moves_data, simplify_layouts
 from .prepare import sum_to_add
 from .scaffold import (
     Offload,
@@ -330,8 +330,7 @@ def _reads_as_bf16_conv(reader: relax.Expr, value: relax.Expr,
     if is_call_to(reader, "relax.nn.max_pool2d"):  # a max commutes with the widening cast
         # relay_passes.bf16_pools then pools the bf16 tensor itself.
         return max_pool_in_bf16(reader) and _read_by_convs_only(reader, read_by, bound)
-    if is_call_to(reader, "relax.reshape") or is_call_to(reader, "relax.permute_dims"):
-        # Data movement commutes with the cast: simplify_layouts moves it onto the bf16 data.
+    if moves_data(reader):  # simplify_layouts moves it onto the bf16 data
         return _read_by_convs_only(reader, read_by, bound)
     if is_call_to(reader, "relax.add"):  # a residual add: the other side a conv (+ bias)
         others = [a for a in reader.args if not bound.get(a, a).same_as(value)]

@@ -32,7 +32,7 @@ from tvm import relax
 
 from .scaffold import is_call_to, map_functions, static_shape
 
-__all__ = ["TO_NCHW", "TO_NHWC", "simplify_layouts"]
+__all__ = ["TO_NCHW", "TO_NHWC", "moves_data", "simplify_layouts"]
 
 #: ``permute_dims`` axes from NCHW to NHWC, and back.
 TO_NHWC = (0, 2, 3, 1)
@@ -236,6 +236,12 @@ def _broadcast_operand_nhwc(operand: relax.Expr) -> relax.Expr | None:
     return None
 
 
+def moves_data(expr: relax.Expr) -> bool:
+    """Whether ``expr`` only moves its input's values (a reshape or a permute): a cast
+    commutes with it, so a widening round trip around it cancels (:func:`_undo_widening`)."""
+    return is_call_to(expr, "relax.reshape") or is_call_to(expr, "relax.permute_dims")
+
+
 #: Casts whose round trip is exact: (narrow, wide) -- a bf16 producer handing its output to
 #: a bf16 consumer through a float32 view of it (:mod:`relay_passes.conv`).
 _WIDENINGS = {("bfloat16", "float32")}
@@ -247,12 +253,13 @@ def _undo_widening(inner: relax.Expr, dtype: str,
     cast only widened it (exact both ways), else None; through reshapes and permutes between
     them (ShuffleNet's channel shuffle), the same data movement of ``x`` (``bound`` resolves
     variables to their values)."""
-    if is_call_to(inner, "relax.reshape"):
+    if moves_data(inner):
         source = _undo_widening(bound(inner.args[0]), dtype, bound)
-        return None if source is None else relax.op.reshape(source, inner.args[1])
-    if is_call_to(inner, "relax.permute_dims"):
-        source = _undo_widening(bound(inner.args[0]), dtype, bound)
-        return None if source is None else relax.op.permute_dims(source, _axes(inner))
+        if source is None:
+            return None
+        if is_call_to(inner, "relax.reshape"):
+            return relax.op.reshape(source, inner.args[1])
+        return relax.op.permute_dims(source, _axes(inner))
     if not is_call_to(inner, "relax.astype"):
         return None
     source = inner.args[0]
