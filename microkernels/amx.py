@@ -11,6 +11,11 @@ in tiles across the entire batch-reduce (output-stationary, [TPP] Fig. 2):
 * K (``batch * k``: the batch blocks are contiguous along K in the vnni layouts) is walked in
   steps of ``kt`` elements, the largest multiple of the VNNI factor that divides K and fits a
   64-byte tile row (64 for int8, 32 for bf16); AMX runs at full rate when ``kt`` is 64/32.
+  Where whole tile rows and one shorter last step take fewer steps (ShuffleNet's 68-channel
+  groups in bf16: 32 + 32 + 4, not 17 steps of 4), the last step's ``tail`` elements are
+  copied into zeroed tile-sized scratch operands, so every step keeps the one tile
+  configuration (a second ``ldtilecfg`` costs more than the steps saved) and never reads
+  past the operands.
 * Per call: ``ldtilecfg`` once, ``tileloadd`` of the C tiles (``tilezero`` for a ``beta=0``
   kernel, which overwrites C: no zeroing pass before it, no C read; a ``first_call_zeroes``
   kernel branches between the two on :func:`~microkernels.brgemm.first_call`), then per K step the A
@@ -107,6 +112,9 @@ class TilePlan:
         Bytes per A/B element and the VNNI factor (4 for int8, 2 for bf16).
     op
         Tile multiply instruction (``tdpbusd``, ``tdpbssd`` or ``tdpbf16ps``).
+    tail
+        K elements of one last step after the ``steps`` full ones, read through zero-padded
+        copies of the operands (0: none).
     """
 
     rows: tuple[int, ...]
@@ -116,6 +124,7 @@ class TilePlan:
     elem_bytes: int
     alpha: int
     op: str
+    tail: int = 0
 
     def __post_init__(self) -> None:
         sizes = self.rows + self.cols
@@ -125,6 +134,8 @@ class TilePlan:
             raise ValueError(f"{len(self.rows)}x{len(self.cols)} C tiles need more than 8 tiles")
         if self.kt % self.alpha or self.kt * self.elem_bytes > TILE_BYTES or self.steps < 1:
             raise ValueError(f"invalid K step {self.kt} for alpha={self.alpha}")
+        if self.tail % self.alpha or not 0 <= self.tail < self.kt:
+            raise ValueError(f"invalid K tail {self.tail} for kt={self.kt}, alpha={self.alpha}")
 
     @property
     def num_c(self) -> int:
@@ -183,8 +194,10 @@ def plan(shape: BrgemmShape) -> TilePlan:
             f"{len(rows)} A and {len(cols)} B tiles, more than the 8 tile registers; use "
             "m, n <= 32, or m <= 48 with n <= 16, or m <= 16 with n <= 48"
         )
-    total_k, alpha = shape.batch * shape.k, shape.alpha
-    kt = max(d for d in range(alpha, TILE_BYTES // elem_bytes + 1, alpha) if total_k % d == 0)
+    total_k, alpha, row = shape.batch * shape.k, shape.alpha, TILE_BYTES // elem_bytes
+    kt = max(d for d in range(alpha, row + 1, alpha) if total_k % d == 0)
+    if -(-total_k // row) < total_k // kt:  # whole rows and a tail step: fewer steps
+        return TilePlan(rows, cols, row, total_k // row, elem_bytes, alpha, op, total_k % row)
     return TilePlan(rows, cols, kt, total_k // kt, elem_bytes, alpha, op)
 
 
@@ -233,6 +246,34 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
                     T.evaluate(amx("tileloadd64", i * nc + j, T.address_of(C[i * 16, j * 16]),
                                    T.Cast("int64", sc * 4), tiles=1))
 
+    tail, at, bt = p.tail > 0, ("uint16" if bf16 else ta), ("uint16" if bf16 else tb)
+
+    @T.macro
+    def tail_step(A, B):
+        # Tile-sized copies of the last K elements, zero beyond them: the tail's products
+        # read no operand past K, and zeros on both sides add nothing (not even NaN).
+        a_pad = T.alloc_buffer((TILE_ROWS, kt), at, scope="local")
+        b_pad = T.alloc_buffer((kt // alpha, TILE_ROWS * alpha), bt, scope="local")
+        for r, e in T.grid(TILE_ROWS, kt):
+            a_pad[r, e] = T.Cast(at, 0)
+        for r, e in T.grid(kt // alpha, TILE_ROWS * alpha):
+            b_pad[r, e] = T.Cast(bt, 0)
+        for i in T.unroll(nr):
+            for r, e in T.grid(TILE_ROWS, p.tail):
+                if i * 16 + r < m:
+                    a_pad[r, e] = A[i * 16 + r, steps * kt + e]
+            T.evaluate(amx("tileloadd64", num_c + i, T.address_of(a_pad[0, 0]),
+                           T.int64(TILE_BYTES), tiles=1))
+        for j in T.unroll(nc):
+            for r, col, e in T.grid(p.tail // alpha, TILE_ROWS, alpha):
+                if j * 16 + col < n:
+                    b_pad[r, col * alpha + e] = B[steps * (kt // alpha) + r, j * 16 + col, e]
+            T.evaluate(amx("tileloadd64", num_c + nr + j, T.address_of(b_pad[0, 0]),
+                           T.int64(TILE_BYTES), tiles=1))
+        for i in T.unroll(nr):
+            for j in T.unroll(nc):
+                T.evaluate(amx(p.op, i * nc + j, num_c + i, num_c + nr + j, tiles=3))
+
     @T.macro
     def program(A, B, C, sa, sb, sc):
         config = T.alloc_buffer((8,), "int64", scope="local")
@@ -263,6 +304,8 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
             for i in T.unroll(nr):
                 for j in T.unroll(nc):
                     T.evaluate(amx(p.op, i * nc + j, num_c + i, num_c + nr + j, tiles=3))
+        if tail:
+            tail_step(A, B)
         for i in T.unroll(nr):
             for j in T.unroll(nc):
                 T.evaluate(amx("tilestored64", i * nc + j, T.address_of(C[i * 16, j * 16]),

@@ -60,6 +60,21 @@ def test_plan_partial_tiles():
     assert p.tiles()[p.b_tile(0)] == (15, 20)
 
 
+def test_plan_tail_step_where_it_saves_steps():
+    # ShuffleNet's 68-channel groups in bf16: 2 whole rows of 32 and a tail of 4, not 17 x 4.
+    p = amx.plan(_shape(14, 34, 68, 1, "bfloat16"))
+    assert (p.rows, p.cols, p.kt, p.steps, p.tail) == ((14,), (16, 16, 2), 32, 2, 4)
+    assert p.tiles()[p.a_tile(0)] == (14, 64) and p.tiles()[p.b_tile(2)] == (16, 8)
+    # int8 K = 160: 64 + 64 + 32 (3 steps) rather than 5 x 32.
+    p = amx.plan(_shape(16, 16, 160, 1, "uint8"))
+    assert (p.steps, p.tail) == (2, 32)
+    # As many steps either way: the divisor stays (K = 96 int8: 2 x 48).
+    p = amx.plan(_shape(16, 16, 96, 1, "uint8"))
+    assert (p.kt, p.steps, p.tail) == (48, 2, 0)
+    with pytest.raises(ValueError, match="K tail"):
+        amx.TilePlan((16,), (16,), 32, 2, 2, 2, "tdpbf16ps", tail=3)
+
+
 @pytest.mark.parametrize(
     "shape, match",
     [
@@ -134,6 +149,8 @@ KERNELS = [
     _shape(16, 48, 16, 8, "uint8"),  # 1x3 C tiles, K steps span batch blocks
     _shape(32, 32, 32, 3, "bfloat16"),  # the paper's 32x32x32 bf16 kernel
     _shape(48, 5, 6, 5, "bfloat16"),  # 3x1 C tiles, odd n, kt = 30
+    _shape(14, 34, 68, 1, "bfloat16"),  # a K tail of 4 after 2 x 32, a 2-column tile
+    _shape(20, 16, 40, 4, "uint8"),  # K = 160: a tail of 32 spanning batch blocks
 ]
 
 

@@ -26,6 +26,7 @@ from microkernels.brgemm import BrgemmShape, desc_func, dispatch, find_impl
 from microkernels.epilogue import Epilogue, EpilogueOp, reference
 from microkernels.machine import Machine
 from microkernels.pack import Packing
+from relay_passes.scaffold import dispatched_brgemm
 from schedules import conv, search
 from schedules.conv import (
     ConvConfig,
@@ -443,3 +444,30 @@ def test_amx_conv_emulated(amx_emulator, monkeypatch, dtype, epilogue):
     calls = (problem.q // config.bq) * (problem.k // config.bk) * rows
     assert amx_emulator.tpp_amx_emu_configs() == calls
     assert amx_emulator.tpp_amx_emu_releases() == calls
+
+
+#: Grouped convs whose groups' channels are no whole number of 64-byte tile rows: every call
+#: ends with a shorter K step read through zeroed copies (``TilePlan.tail``).
+K_TAILS = {
+    "bf16-34": ConvProblem(2, 136, 5, 7, 136, 1, 1, groups=4, dtype="bfloat16",
+                           epilogue=BIAS_RES_RELU),  # 32 + 2 (not 17 steps of 2)
+    "u8-160": ConvProblem(1, 320, 3, 5, 64, 1, 1, groups=2, dtype="uint8",
+                          epilogue=REQUANT),  # 64 + 64 + 32
+}
+
+
+@pytest.mark.parametrize("name", sorted(K_TAILS))
+def test_amx_conv_k_tail(amx_emulator, monkeypatch, name):
+    """Calls with a tail step against numpy: emulated everywhere, natively on AMX hosts."""
+    problem = K_TAILS[name]
+    config = default_config(problem, _machine("amx"))
+    kernel = dispatched_brgemm(schedule(problem, config, "amx"))
+    assert kernel.isa == "amx" and amx.plan(kernel).tail
+    pad = ZX if problem.dtype == "uint8" else 0
+    if runs_here("amx"):
+        _check(problem, config, "amx", pad_value=pad)
+    monkeypatch.setattr(conv, "dispatch", _emulated_dispatch)
+    monkeypatch.setitem(MCPU, "amx", "znver4" if runs_here("avx512_bf16") else "haswell")
+    amx_emulator.tpp_amx_emu_reset()
+    _check(problem, replace(config, spec=config.spec.lower()), "amx", pad_value=pad)
+    assert amx_emulator.tpp_amx_emu_faults() == 0
