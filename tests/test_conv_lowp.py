@@ -446,6 +446,20 @@ def test_amx_conv_emulated(amx_emulator, monkeypatch, dtype, epilogue):
     assert amx_emulator.tpp_amx_emu_releases() == calls
 
 
+def test_epilogue_vectorized_a_register_at_a_time():
+    """A 48-channel block's epilogue runs as 3 vectors of 16 lanes (LLVM builds a 48-lane
+    vector's bias and scales from scalars every row: MobileNet-V2's int8 16 -> 96 conv ran
+    4x slower), a 32-channel one stays one loop; both against numpy."""
+    problem = ConvProblem(2, 16, 6, 16, 96, 1, 1, dtype="uint8", epilogue=REQUANT)
+    for bk, lanes in ((48, [3, 16]), (32, [32])):
+        config = ConvConfig(bq=16, bc=16, bk=bk, spec="ADEcbfg")
+        sch = schedule(problem, config, "avx2")
+        loops = [sch.get(loop) for loop in sch.get_loops(sch.get_sblock("epilogue"))]
+        assert [int(loop.extent) for loop in loops[-len(lanes):]] == lanes
+        assert loops[-1].kind == tvm.tirx.ForKind.VECTORIZED
+        _check(problem, config, "avx2", pad_value=ZX)
+
+
 #: Grouped convs whose groups' channels are no whole number of 64-byte tile rows: every call
 #: ends with a shorter K step read through zeroed copies (``TilePlan.tail``).
 K_TAILS = {

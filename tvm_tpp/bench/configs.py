@@ -68,10 +68,15 @@ class ConfigRow:
     error: str = ""
 
 
+#: Kernel names' tags of requantization's output types.
+_QUANTIZED = {"u8": "uint8", "s8": "int8"}
+
+
 def epilogue_of(text: str) -> Epilogue:
-    """The epilogue ``--epilogue`` names: kinds that take no parameter, GELU by its variant
-    and bf16 as kernel names spell them (``gelu_erf``, ``gelu_tanh``; ``convert_bf16`` the
-    output, ``residual_bf16`` a bf16 residual), comma-separated.
+    """The epilogue ``--epilogue`` names: kinds that take no parameter, GELU by its variant,
+    bf16 and requantization as kernel names spell them (``gelu_erf``, ``gelu_tanh``;
+    ``convert_bf16`` the output, ``residual_bf16`` a bf16 residual; ``requantize_u8`` and
+    ``requantize_s8`` with per-channel scales, as quantized networks' convs), comma-separated.
 
     >>> epilogue_of("bias,residual,relu").name
     'bias_residual_relu'
@@ -79,6 +84,8 @@ def epilogue_of(text: str) -> Epilogue:
     'bias_gelu_erf'
     >>> epilogue_of("bias,residual_bf16,relu,convert_bf16").name
     'bias_residual_bf16_relu_convert_bf16'
+    >>> epilogue_of("bias,requantize_u8").name
+    'bias_requantize_u8'
     >>> epilogue_of("")
     Epilogue(ops=())
     """
@@ -88,6 +95,8 @@ def epilogue_of(text: str) -> Epilogue:
             return EpilogueOp(kind, variant=variant)
         if kind in ("convert", "residual") and variant == "bf16":
             return EpilogueOp(kind, dtype="bfloat16")
+        if kind == "requantize" and variant in _QUANTIZED:
+            return EpilogueOp(kind, broadcast="row", dtype=_QUANTIZED[variant])
         return EpilogueOp(name)
 
     try:
