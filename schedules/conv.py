@@ -645,10 +645,12 @@ def weight_shape(problem: ConvProblem, bk: int) -> tuple[int, ...]:
     return (k // bk, r, s, c // alpha, bk, alpha)
 
 
-def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None) -> PrimFunc:
+def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None,
+             isa: str = "generic") -> PrimFunc:
     """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc);
     with a run-time ``batch`` (a symbolic batch: the parameter before the output) it has
-    ``batch * problem.n`` images.
+    ``batch * problem.n`` images; the epilogue's expressions are ``isa``'s
+    (:func:`microkernels.epilogue.apply_te`).
 
     Products are taken in the accumulator's dtype; an epilogue starting in float32 from an
     int32 accumulator reads it converted (dequantization), in the ``view`` stage the
@@ -707,7 +709,7 @@ def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None) -> Pr
         return value if start == acc else value.astype(start)
 
     view = te.compute((rows, k), view_value, name="view")
-    y = apply_te(problem.epilogue, view, extra)
+    y = apply_te(problem.epilogue, view, extra, isa=isa)
     return te.create_prim_func([x, w, *pre_extra, *extra.values(), *scalars, y])
 
 
@@ -748,12 +750,14 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
 
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
     config.parse(problem)  # errors in the terms of the conv asked for
+    # ISA-specific epilogue code vectorizes by 16 lanes (microkernels.epilogue.vector_lanes).
+    epilogue_isa = isa_name if config.bk % 16 == 0 else "generic"
     if config.fold_taps:  # the same operands, read through views (module doc)
-        func = _folded_workload(problem, config.bk, batch)
+        func = _folded_workload(problem, config.bk, batch, epilogue_isa)
         problem = problem.taps_folded()
         config = replace(config, c_step=problem.c // config.bc, fold_taps=False)
     else:
-        func = workload(problem, config.bk, batch)
+        func = workload(problem, config.bk, batch, epilogue_isa)
     spec = config.parse(problem)
     if batch is not None:
         check_run_time_loop(spec, "a")
@@ -821,12 +825,13 @@ def can_fold_taps(problem: ConvProblem, config: ConvConfig) -> bool:
             and not {"b", "g"} & set(config.block_steps))
 
 
-def _folded_workload(problem: ConvProblem, bk: int, batch: tirx.Var | None) -> PrimFunc:
+def _folded_workload(problem: ConvProblem, bk: int, batch: tirx.Var | None, isa: str
+                     ) -> PrimFunc:
     """The workload of ``problem.taps_folded()`` on ``problem``'s own packed X and W: it
     reads them through views declared over their data (module doc)."""
     from tvm import tirx
 
-    func = workload(problem.taps_folded(), bk, batch)
+    func = workload(problem.taps_folded(), bk, batch, isa)
     x_taps, w_taps = func.params[:2]
     _, hp, wq, row = problem.input_shape
     x = tirx.decl_buffer((x_taps.ty.shape[0], hp, wq, row), problem.dtype, "X")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from microkernels.epilogue import vector_lanes
+
 from .loop_spec import LoopSpec, LoopSpecError
 
 if TYPE_CHECKING:
@@ -116,13 +118,22 @@ def _vectorize(sch: s_tir.Schedule, block: SBlockRV, parallel: bool) -> None:
     An extent that is a multiple of 16 but no power of two (48 output channels) is vectorized
     16 lanes at a time: LLVM builds a 48-lane vector's loop-invariant operands (the bias,
     the scales) from scalars on every row, and the AMX 16 -> 96 channel conv of MobileNet-V2
-    ran its int8 epilogue 4x slower for it."""
+    ran its int8 epilogue 4x slower for it.  A block whose code needs a number of lanes
+    (:func:`microkernels.epilogue.vector_lanes`) is vectorized by exactly that many."""
     *outer, inner = sch.get_loops(block)
     if parallel and outer:
         sch.parallel(sch.fuse(*outer) if len(outer) > 1 else outer[0])
     extent = getattr(sch.get(inner).extent, "value", None)  # None: a run-time extent
-    if extent and extent > _SPLIT_LANES and extent % _SPLIT_LANES == 0 and extent & (extent - 1):
-        inner = sch.split(inner, [None, _SPLIT_LANES])[1]
+    lanes = vector_lanes(sch.get(block).body)
+    if lanes is not None:  # an instruction of that many lanes (a bf16 conversion)
+        if extent is None or extent % lanes:
+            raise ValueError(f"block {sch.get(block).name_hint!r} runs {lanes}-lane "
+                             f"instructions: its innermost extent {extent} must be a multiple")
+    elif extent and extent > _SPLIT_LANES and extent % _SPLIT_LANES == 0 and \
+            extent & (extent - 1):
+        lanes = _SPLIT_LANES
+    if lanes is not None and extent > lanes:
+        inner = sch.split(inner, [None, lanes])[1]
     sch.vectorize(inner)
 
 
