@@ -473,11 +473,13 @@ def _weight_values(w: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def workload(problem: GemmProblem, config_or_bn: GemmConfig | int,
-             isa: str | _isa.Isa | None = None, batch: tirx.Var | None = None) -> PrimFunc:
+             isa: str | _isa.Isa | None = None, batch: tirx.Var | None = None,
+             epilogue_isa: str = "generic") -> PrimFunc:
     """The unscheduled PrimFunc ``(X, Wp, *epilogue operands, Y)``; ``Wp`` is packed with
     the config's ``bn`` as :func:`pack_weight` packs it (for ``isa``, binding an unbound
     problem).  With a run-time ``batch`` (a symbolic batch: the parameter before the output),
-    M is ``batch * problem.m``: ``problem.m`` rows per unit of the batch.
+    M is ``batch * problem.m``: ``problem.m`` rows per unit of the batch.  The epilogue's
+    expressions are ``epilogue_isa``'s (:func:`microkernels.epilogue.apply_te`).
 
     An MMLA problem reads X through a copy in MMLA blocks (``X_packed[M'/2, K'/kb, 2, kb]``,
     zero-padded), multiplies into a ``C[M', N']`` of whole row and column pairs and crops it
@@ -548,7 +550,8 @@ def workload(problem: GemmProblem, config_or_bn: GemmConfig | int,
         c = te.compute((m, n), lambda i, j: c[i, j].astype(start), name=name)
     extra = {op.name: te.placeholder(op.shape(m, n), op.dtype, name=op.name)
              for op in problem.epilogue.inputs(start)}
-    y = apply_te(problem.epilogue, c, extra, name=_EPILOGUE) if problem.epilogue.ops else c
+    y = (apply_te(problem.epilogue, c, extra, isa=epilogue_isa, name=_EPILOGUE)
+         if problem.epilogue.ops else c)
     return te.create_prim_func([x, wp, *extra.values(), *([batch] if batch is not None else []), y])
 
 
@@ -584,7 +587,9 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     spec = config.parse(problem)
     if batch is not None:
         check_run_time_loop(spec, "b")
-    sch = s_tir.Schedule(workload(problem, config.bn, batch=batch))
+    # ISA-specific epilogue code vectorizes by 16 lanes (microkernels.epilogue.vector_lanes).
+    sch = s_tir.Schedule(workload(problem, config.bn, batch=batch, epilogue_isa=isa_name
+                                  if config.bn % 16 == 0 else "generic"))
     cropped = (problem.padded_m, problem.padded_n) != (problem.m, problem.n)
     if problem.epilogue.ops and (problem.epilogue_dtype != problem.acc_dtype or cropped):
         sch.compute_inline(sch.get_sblock("dequantize"))

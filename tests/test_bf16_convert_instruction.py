@@ -17,6 +17,7 @@ from tvm import s_tir, te
 from microkernels import isa as isa_module
 from microkernels.epilogue import Epilogue, EpilogueOp, apply_te, reference, vector_lanes
 from microkernels.machine import Machine
+from schedules import gemm
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
@@ -26,6 +27,7 @@ from schedules.conv import (
     schedule,
 )
 from schedules.conv import reference as conv_reference
+from schedules.gemm import GemmProblem
 
 CONVERT = Epilogue((EpilogueOp("convert", dtype="bfloat16"),))
 BIAS_RELU_CONVERT = Epilogue((EpilogueOp("bias"), EpilogueOp("relu"),
@@ -124,3 +126,26 @@ def test_conv_with_the_instruction_matches_numpy(isa):
 
 def _machine(isa: str) -> Machine:
     return Machine(isa_module.from_name(isa), isa_module.DEFAULT_CACHES, 2)
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512_bf16"])
+def test_dense_epilogue_converts_in_16_lanes(isa):
+    """The GEMM template's epilogue too (BERT's FFN dense writes bf16 after its GELU); natively
+    against numpy where the CPU runs ``isa``."""
+    problem = GemmProblem(37, 96, 64, "bfloat16", BIAS_RELU_CONVERT).on(isa)
+    config = gemm.default_config(problem, _machine(isa))
+    assert config.bn % 16 == 0
+    func = tvm.compile(gemm.schedule(problem, config, isa).mod, target=isa_target(isa, SPR))
+    assert "vcvtneps2bf16" in func.mod.inspect_source("asm")
+    if not runs_here(isa):
+        return
+    rng = np.random.default_rng(5)
+    x, w = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in ((37, 64),
+                                                                                  (64, 96)))
+    bias = rng.standard_normal(96).astype(np.float32)
+    y = tvm.runtime.empty((37, 96), "bfloat16")
+    func(tvm.runtime.tensor(x), tvm.runtime.tensor(gemm.pack_weight(w, config.bn, problem)),
+         tvm.runtime.tensor(bias), y)
+    acc = x.astype(np.float64) @ w.astype(np.float64)
+    want = np.maximum(acc + bias, 0).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(y.numpy().astype(np.float32), want, rtol=2 ** -7, atol=1e-6)
