@@ -82,6 +82,7 @@ __all__ = [
     "EpilogueOp",
     "Epilogue",
     "apply_te",
+    "expression_isa",
     "vector_lanes",
     "reference",
     "register_expr",
@@ -515,6 +516,21 @@ def _to_bf16_instruction(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> P
     return tirx.reinterpret("bfloat16", tirx.call_llvm_pure_intrin("uint16", _CVTNEPS2BF16, x))
 
 
+#: Lanes of the ISA-specific expressions' instructions (``vcvtneps2bf16``'s 16 floats).
+_ISA_LANES = 16
+
+
+def expression_isa(isa: str, columns: int) -> str:
+    """The ISA whose expressions an epilogue over blocks of ``columns`` output columns uses:
+    ``isa``'s where whole vectors of their instructions' lanes tile the block, else the
+    generic ones (which vectorize to any width).
+
+    >>> expression_isa("amx", 48), expression_isa("amx", 34)
+    ('amx', 'generic')
+    """
+    return isa if columns % _ISA_LANES == 0 else "generic"
+
+
 def vector_lanes(stmt: tirx.Stmt) -> int | None:
     """The lanes the code under ``stmt`` must be vectorized by, if any: 16 where it converts
     to bf16 with ``vcvtneps2bf16`` (an intrinsic of exactly 16 lanes), else None.
@@ -534,7 +550,7 @@ def vector_lanes(stmt: tirx.Stmt) -> int | None:
     found: list[bool] = []
     tvm_ffi.structural_walk(stmt, (tvm.ir.expr.Call, lambda c: found.append(
         c.op.same_as(marker.op) and int(c.args[0]) == int(marker.args[0]))))
-    return 16 if any(found) else None
+    return _ISA_LANES if any(found) else None
 
 
 @register_expr("dequantize")

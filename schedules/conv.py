@@ -104,7 +104,7 @@ from microkernels import amx as _amx
 from microkernels import isa as _isa
 from microkernels import x86 as _x86
 from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
-from microkernels.epilogue import Epilogue
+from microkernels.epilogue import Epilogue, expression_isa
 from microkernels.machine import Machine
 from microkernels.pack import Packing, padded
 
@@ -750,8 +750,7 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
 
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
     config.parse(problem)  # errors in the terms of the conv asked for
-    # ISA-specific epilogue code vectorizes by 16 lanes (microkernels.epilogue.vector_lanes).
-    epilogue_isa = isa_name if config.bk % 16 == 0 else "generic"
+    epilogue_isa = expression_isa(isa_name, config.bk)
     if config.fold_taps:  # the same operands, read through views (module doc)
         func = _folded_workload(problem, config.bk, batch, epilogue_isa)
         problem = problem.taps_folded()

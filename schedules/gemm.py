@@ -118,7 +118,7 @@ from microkernels import arm as _arm
 from microkernels import isa as _isa
 from microkernels import x86 as _x86
 from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, implementations
-from microkernels.epilogue import Epilogue
+from microkernels.epilogue import Epilogue, expression_isa
 from microkernels.machine import Machine
 from microkernels.pack import Packing, mmla_k_block, pack_mmla, padded
 
@@ -587,9 +587,8 @@ def schedule(problem: GemmProblem, config: GemmConfig, isa: str | _isa.Isa = "av
     spec = config.parse(problem)
     if batch is not None:
         check_run_time_loop(spec, "b")
-    # ISA-specific epilogue code vectorizes by 16 lanes (microkernels.epilogue.vector_lanes).
-    sch = s_tir.Schedule(workload(problem, config.bn, batch=batch, epilogue_isa=isa_name
-                                  if config.bn % 16 == 0 else "generic"))
+    sch = s_tir.Schedule(workload(problem, config.bn, batch=batch,
+                                  epilogue_isa=expression_isa(isa_name, config.bn)))
     cropped = (problem.padded_m, problem.padded_n) != (problem.m, problem.n)
     if problem.epilogue.ops and (problem.epilogue_dtype != problem.acc_dtype or cropped):
         sch.compute_inline(sch.get_sblock("dequantize"))
