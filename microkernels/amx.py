@@ -29,9 +29,11 @@ VNNI-packed tensor).  The LLVM intrinsics are used in their tile-number form
 (``llvm.x86.tileloadd64(i8 tile, ptr, i64 stride)``): the ``.internal`` x86_amx-value form
 cannot be chained from TIR.  bf16 operands are read through ``uint16`` views of their
 buffers (as the x86 kernels do): TVM stores a bf16 buffer a function allocates (a packed or
-K-padded copy of A) as float32, and only a 16-bit view addresses its elements right; pointers
-are taken with ``T.address_of`` because ``access_ptr`` on a bfloat16 buffer trips TVM's bf16
-legalization.
+K-padded copy of A) as float32, and only a 16-bit view addresses its elements right.  The A
+and B tile pointers are the views' ``access_ptr`` (``T.address_of`` an element of a view
+fails in TVM's FlattenBuffer once the viewed buffer is compacted to one task's region, as
+the batch GEMM's packed panels are); ``access_ptr`` on a bfloat16 buffer itself trips
+TVM's bf16 legalization.
 
 Running AMX code on Linux needs per-process permission (without it the first tile instruction
 kills the process with SIGILL): every process that may execute AMX code calls
@@ -295,11 +297,12 @@ def impl_func(shape: BrgemmShape, emulate: bool = False) -> PrimFunc:
             load_c(C, sc, zeroing)
         for s in T.serial(steps):
             for i in T.unroll(nr):
-                T.evaluate(amx("tileloadd64", num_c + i, T.address_of(A[i * 16, s * kt]),
+                T.evaluate(amx("tileloadd64", num_c + i,
+                               A.access_ptr("r", offset=i * 16 * sa + s * kt),
                                T.Cast("int64", sa * eb), tiles=1))
             for j in T.unroll(nc):
                 T.evaluate(amx("tileloadd64", num_c + nr + j,
-                               T.address_of(B[s * (kt // alpha), j * 16, 0]),
+                               B.access_ptr("r", offset=s * (kt // alpha) * sb + j * 16 * alpha),
                                T.Cast("int64", sb * eb), tiles=1))
             for i in T.unroll(nr):
                 for j in T.unroll(nc):

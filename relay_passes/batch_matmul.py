@@ -18,8 +18,8 @@ N panel.  What does not fit stays with TVM and is reported with the reason.
 
 Precision.  With ``precision="bf16"`` (:data:`relay_passes.dense.PRECISIONS`) the float32
 matmuls multiply in bfloat16 accumulating in float32: the kernel rounds X and B to bf16 while
-it packs them; inputs, epilogue and output stay float32 (on an AMX host the float32 kernel
-runs: see :func:`rewrite_batch_matmul`).  Matmuls of two dequantized uint8
+it packs them (on AMX tiles where the host has them); inputs, epilogue and output stay
+float32.  Matmuls of two dequantized uint8
 tensors (ONNX Runtime's QDQ attention, ``matmul(dequantize(a_q, sa, za), dequantize(b_q, sb,
 zb))``, the permutes on the integers) multiply the integers in any precision: uint8 by B
 shifted to int8 (``vpdpbusd``), the zero points folded in the kernel, then the epilogue
@@ -147,11 +147,6 @@ def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     dtype = PRECISIONS[precision]
-    if dtype == "bfloat16" and machine_of(target).isa.has("amx_bf16"):
-        # The bf16 batch GEMM runs the AVX-512 BF16 kernel on AMX hosts (its tile path does
-        # not build yet), and Sapphire Rapids retires vdpbf16ps at about half its fp32 FMA
-        # rate (0.53x fp32, measured there): attention stays float32 on such a host.
-        dtype = "float32"
 
     def make_rewriter(add_kernel, pattern, func):
         bindings = _bindings(func)

@@ -52,11 +52,10 @@ row sums of X under each M block, the column sums of B per task (the panel's), b
 and computed in the PrimFunc; a term whose factor is 0 is left out.  The epilogue then starts
 from the exact int32 (or its float32 value, for a chain starting with ``scale``) and may end
 in ``requantize`` (uint8/int8 Y).  K is padded to whole VNNI groups (:attr:`padded_k`) with
-zeros in the packed B.  On ``amx`` uint8 tile-shaped blocks (the defaults choose them) run
-AMX tiles, others the AVX-512 kernel (:func:`microkernels.brgemm.find_impl`'s fallback); bf16
-runs the AVX-512 BF16 kernel, reading the bf16 buffers the function allocates (``Xc``,
-``Bp``, which TVM stores as float32) through uint16 views (the tile kernel's view of a panel
-compacted to one task's region does not build: see :func:`schedule`).
+zeros in the packed B.  On ``amx`` tile-shaped uint8 and bf16 blocks (the defaults choose
+them) run AMX tiles, others the AVX-512 kernel (:func:`microkernels.brgemm.find_impl`'s
+fallback); the bf16 kernels read the bf16 buffers the function allocates (``Xc``, ``Bp``,
+which TVM stores as float32) through uint16 views.
 
 Examples
 --------
@@ -84,6 +83,7 @@ from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 
 from .blocking import divisors, near_divisors
+from .nest import zeroing_kernel
 from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
@@ -305,7 +305,8 @@ def default_config(problem: BatchGemmProblem, machine: Machine) -> BatchGemmConf
     """Blocks following :func:`schedules.blocking.default_config`'s rules (tiles of at most
     64 x 64, one register tile of columns (x86) or two vectors wide where possible, K whole
     in blocks of at most 512; on AMX
-    uint8 blocks are tile-shaped, as :func:`schedules.gemm.whole_k_config` chooses them), and
+    uint8 and bf16 blocks are tile-shaped, as :func:`schedules.gemm.whole_k_config` chooses
+    them), and
     parallel M blocks when the (batch, panel) tasks number fewer than two per thread.
 
     Examples
@@ -318,9 +319,8 @@ def default_config(problem: BatchGemmProblem, machine: Machine) -> BatchGemmConf
     """
     lanes = machine.isa.lanes("float32")
     n = problem.n
-    if problem.dtype == "uint8" and machine.isa.has("amx_tile"):
-        # AMX: tile-shaped blocks and K blocks of whole tile rows, as the GEMM template's
-        # (bf16 runs the AVX-512 kernel on amx: see schedule).
+    if problem.dtype != "float32" and machine.isa.has("amx_tile"):
+        # AMX: tile-shaped blocks and K blocks of whole tile rows, as the GEMM template's.
         from .gemm import _k_block, _tile_blocks
 
         bm, bn = _tile_blocks(problem.m, n)
@@ -623,14 +623,10 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     sch.vectorize(sch.get_loops(init)[-1])
     if "zero_fold" in stages:  # the update reads no fold: the kernel's reads
         _set_reads(sch, sch.get_sblock("C_update"), keep=("C", "X", "Xc", "Bp"))
-    if p.dtype == "bfloat16" and isa_name == "amx":
-        # The tiles would read the packed panel through a uint16 view whose offset, once TVM
-        # compacts the panel to one task's, FlattenBuffer fails on (divide by zero, with more
-        # than one N panel per batch element): the AVX-512 BF16 kernel runs instead.
-        isa_name = _isa.from_name(isa_name).parent
     shape = BrgemmShape(m=bm, n=bn, k=config.bk, batch=p.padded_k // config.bk,
                         dtype_a=p.dtype, dtype_acc=p.acc_dtype, layout=p.b_layout,
                         isa=isa_name)
+    shape = zeroing_kernel(sch, init, shape)  # one call is the whole K
     # A unit row loop vanishes from the matched block (see the BRGEMM desc): start below it.
     sch.tensorize(ii if bm > 1 else ji, dispatch(shape))
     return sch

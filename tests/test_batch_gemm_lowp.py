@@ -23,7 +23,7 @@ from tvm import relax
 import tvm_tpp
 from microkernels import isa
 from microkernels.epilogue import Epilogue, EpilogueOp
-from microkernels.machine import Machine, machine_of
+from microkernels.machine import Machine
 from relay_passes.batch_matmul import rewrite_batch_matmul
 from schedules.batch_gemm import (
     BatchGemmConfig,
@@ -94,7 +94,8 @@ def _run(problem: BatchGemmProblem, isa_name: str, config: BatchGemmConfig | Non
 
 
 #: The richest ISA of each family this host may run, and the emulations that run anywhere.
-BF16_ISAS = [pytest.param("avx512_bf16", marks=needs_isa("avx512_bf16")),  # vdpbf16ps
+BF16_ISAS = [pytest.param("amx", marks=needs_isa("amx")),                  # tdpbf16ps
+             pytest.param("avx512_bf16", marks=needs_isa("avx512_bf16")),  # vdpbf16ps
              pytest.param("avx512", marks=needs_isa("avx512")), "avx2"]      # shifts + FMA
 U8_ISAS = [pytest.param("avx512_vnni", marks=needs_isa("avx512_vnni")),     # vpdpbusd
            pytest.param("avx512", marks=needs_isa("avx512")), "avx2"]       # exact vpmaddwd
@@ -229,14 +230,18 @@ def test_sapphirerapids_uint8_asm():
     assert "vpdpbusd" in vnni and "vpmaddwd" not in vnni
 
 
-@pytest.mark.parametrize("config", [BatchGemmConfig(32, 32, 64), BatchGemmConfig(64, 64, 64)])
-def test_sapphirerapids_bf16_asm(config):
-    """bf16 on ``amx`` runs the AVX-512 BF16 kernel (``vdpbf16ps``), tile-shaped blocks too:
-    the tiles' view of a panel compacted per task does not build (see schedule)."""
+def test_sapphirerapids_bf16_asm():
+    """On ``amx`` the default (tile-shaped) bf16 blocks multiply in AMX tiles (``tdpbf16ps``),
+    reading the panel the kernel packs per task; wider ones run ``vdpbf16ps``.  BERT's
+    scores, cross-compiled for Sapphire Rapids."""
     problem = BatchGemmProblem(12, 128, 128, 64, True, SCALE, heads=12, x_interleaved=True,
                                b_interleaved=True, dtype="bfloat16")
-    ops = _ops(problem, config, "amx")
-    assert "vdpbf16ps" in ops and "tdpbf16ps" not in ops and "ldtilecfg" not in ops
+    config = default_config(problem, _machine("amx"))
+    assert (config.bm, config.bn, config.bk) == (32, 32, 64)
+    tiles = _ops(problem, config, "amx")
+    assert "tdpbf16ps" in tiles and "ldtilecfg" in tiles and "tilezero" in tiles
+    wide = _ops(problem, BatchGemmConfig(64, 64, 64), "amx")
+    assert "vdpbf16ps" in wide and "tdpbf16ps" not in wide and "ldtilecfg" not in wide
 
 
 def _emulated_dispatch(shape):
@@ -254,15 +259,17 @@ def _emulated_dispatch(shape):
     return name
 
 
-@pytest.mark.parametrize("k, transposed", [(64, True), (66, False)])
-def test_amx_batch_gemm_emulated(amx_emulator, monkeypatch, k, transposed):
-    """The uint8 tile program runs under the AMX emulator on the panel the kernel packs (and
-    X's zero-padded copy when K is not whole VNNI groups), zero points folded, and matches
-    numpy.  One task (the emulator's tile state is global: no two threads may run tiles)."""
+@pytest.mark.parametrize("dtype, k, transposed", [("uint8", 64, True), ("uint8", 66, False),
+                                                   ("bfloat16", 64, True),
+                                                   ("bfloat16", 70, False)])
+def test_amx_batch_gemm_emulated(amx_emulator, monkeypatch, dtype, k, transposed):
+    """The tile program runs under the AMX emulator on the panel the kernel packs (and X's
+    converted or zero-padded copy), uint8 zero points folded, and matches numpy.  One task
+    (the emulator's tile state is global: no two threads may run tiles)."""
     from schedules import batch_gemm
 
-    problem = BatchGemmProblem(1, 32, 16, k, transposed, SCALE, dtype="uint8",
-                               zero_points=(7, 140))
+    problem = BatchGemmProblem(1, 32, 16, k, transposed, SCALE, dtype=dtype,
+                               zero_points=(7, 140) if dtype == "uint8" else (0, 0))
     config = default_config(problem, _machine("amx"))
     assert (config.bm, config.bn, config.parallel_rows) == (32, 16, False)
     monkeypatch.setattr(batch_gemm, "dispatch", _emulated_dispatch)
@@ -399,8 +406,7 @@ def test_bf16_precision_of_the_pass():
 @pytest.mark.slow  # a network end to end; smaller tests cover its kernels
 def test_bert_in_bf16_vs_onnxruntime():
     """BERT compiled with ``precision="bf16-strict"``: attention's batch GEMMs multiply in bf16
-    too (float32 on AMX hosts, where the pass keeps them so: no tile path for the bf16 batch
-    GEMM), within 1e-2 normwise of ONNX Runtime in float32."""
+    too (in AMX tiles on AMX hosts), within 1e-2 normwise of ONNX Runtime in float32."""
     model = models.load("bert")
     compiled = tvm_tpp.compile(model, target="tpp", precision="bf16-strict", untuned=True)
     inputs = random_inputs(compiled.inputs, seed=1)
@@ -409,8 +415,7 @@ def test_bert_in_bf16_vs_onnxruntime():
     assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-2
     batch = sorted((r.op, r.dtypes, r.layout) for r in compiled.report
                    if r.op.startswith("batch_matmul"))
-    amx = machine_of(tpp_target("tpp")).isa.has("amx_bf16")
-    kind = ("float32*float32->float32", "flat") if amx else ("bfloat16*bfloat16->float32", "vnni2")
+    kind = ("bfloat16*bfloat16->float32", "vnni2")
     assert batch == [("batch_matmul", *kind), ("batch_matmul+scale", *kind)]
 
 
