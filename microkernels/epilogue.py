@@ -566,15 +566,59 @@ def _residual_dq(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
 @register_expr("requantize")
 def _requantize(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
     # Saturate in float32 before the cast (an out-of-range float -> int cast is undefined).
-    # Exact: rint(.) is an integer, and adding zp only rounds beyond 2**24, far past saturation.
-    # tirx.round lowers to llvm.nearbyint (half to even); tirx.nearbyint would stop TVM
-    # vectorizing the loop.
+    return _requantized(op, x, arg).astype(op.dtype)
+
+
+def _requantized(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None, shift: int = 0,
+                 floor: int | None = None) -> PrimExpr:
+    """``requantize``'s value before the cast, as a float32, minus ``shift``; ``floor``
+    raises the lower bound of the saturation.  Exact: rint(.) is an integer, and adding zp
+    only rounds beyond 2**24, far past saturation.  tirx.round lowers to llvm.nearbyint
+    (half to even); tirx.nearbyint would stop TVM vectorizing the loop."""
     from tvm import tirx
 
     qmin, qmax = _QUANT_RANGE[op.dtype]
+    qmin = qmin if floor is None else max(qmin, floor)
     scale = _f32(op.value) if arg is None else arg
-    q = tirx.round(x.astype("float32") * scale) + _f32(op.zero_point)
-    return tirx.min(tirx.max(q, _f32(qmin)), _f32(qmax)).astype(op.dtype)
+    q = tirx.round(x.astype("float32") * scale)
+    if op.zero_point != shift:
+        q = q + _f32(op.zero_point - shift)
+    return tirx.min(tirx.max(q, _f32(qmin - shift)), _f32(qmax - shift))
+
+
+def _fused(ops: tuple[EpilogueOp, ...], k: int, isa: str) -> tuple[ExprBuilder, int] | None:
+    """An expression for ``ops[k]`` and the op after it together, exactly equal to the two
+    in turn but shorter, and how many ops it covers; None where there is none (or ``isa``
+    has expressions of its own for either).
+
+    * ``requantize`` then ``dequantize`` (a QDQ pair: the quantized output goes on in
+      float32): the integer is never materialized.  ``(sat(rint(x s) + zp) - zp') s'`` is
+      ``(sat'(rint(x s)) + zp - zp') s'`` with the bounds shifted by ``zp``: no cast to
+      int and back, no adding and subtracting the zero point (a zero may come out as -0.0).
+    * ``relu`` then ``requantize`` by a constant scale (positive, as validated): ``rint``
+      and the multiplication are monotonic, so ``max(x, 0)`` becomes a lower bound of the
+      saturation, ``zp``.
+    """
+    op, after = ops[k], ops[k + 1] if k + 1 < len(ops) else None
+    if after is None or any(_builder(o.kind, isa) is not _EXPRS[(o.kind, "generic")]
+                            for o in (op, after)):
+        return None
+    if op.kind == "requantize" and after.kind == "dequantize":
+        shift = op.zero_point
+
+        def pair(_op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+            q = _requantized(op, x, arg, shift=shift)
+            if shift != after.zero_point:
+                q = q + _f32(shift - after.zero_point)
+            return q * _f32(after.value)
+
+        return pair, 2
+    if op.kind == "relu" and after.kind == "requantize" and after.value is not None:
+        def floored(_op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+            return _requantized(after, x, None, floor=after.zero_point).astype(after.dtype)
+
+        return floored, 2
+    return None
 
 
 def _extent(e: Any) -> Any:
@@ -641,13 +685,19 @@ def apply_te(
             raise ValueError(f"extra tensor {o.name!r} must be {o.dtype}, got {t.dtype}")
     if not epilogue.ops:
         return C
-    builders = [_builder(op.kind, isa) for op in epilogue.ops]
+    # (builder, op, operand) per step; where two ops fuse, the pair's first op and operand
+    # (a fused pair reads at most the first op's operand).
+    steps, k = [], 0
+    while k < len(epilogue.ops):
+        builder, count = _fused(epilogue.ops, k, isa) or (_builder(epilogue.ops[k].kind, isa), 1)
+        steps.append((builder, epilogue.ops[k], operands[k]))
+        k += count
 
     def chain(x: PrimExpr, i: Any, j: Any, step: int) -> PrimExpr:
-        operand = operands[step]
+        builder, op, operand = steps[step]
         arg = None if operand is None else extra[operand.name](*operand.index(i, j))
-        y = builders[step](epilogue.ops[step], x, arg)
-        if step + 1 == len(builders):
+        y = builder(op, x, arg)
+        if step + 1 == len(steps):
             return y
         # Bind each intermediate once: builders use x several times (GELU four).
         v = tirx.Var(f"x{step}", str(y.ty))
