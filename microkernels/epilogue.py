@@ -564,26 +564,30 @@ def _residual_dq(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
 
 
 @register_expr("requantize")
-def _requantize(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
-    # Saturate in float32 before the cast (an out-of-range float -> int cast is undefined).
-    return _requantized(op, x, arg).astype(op.dtype)
+def _requantize(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None, floor: int | None = None
+                ) -> PrimExpr:
+    # Saturated in float32, then converted rounding half to even (llvm.lrint: one
+    # vcvtps2dq, or frintx + fcvtzs on AArch64): exact, since rounding and saturating to
+    # integer bounds commute; the saturation keeps the conversion in range.
+    from tvm import tirx
+
+    q = tirx.call_llvm_pure_intrin("int32", "llvm.lrint", _saturated(op, x, arg, floor))
+    if op.zero_point:
+        q = q + tirx.const(op.zero_point, "int32")
+    return q.astype(op.dtype)
 
 
-def _requantized(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None, shift: int = 0,
-                 floor: int | None = None) -> PrimExpr:
-    """``requantize``'s value before the cast, as a float32, minus ``shift``; ``floor``
-    raises the lower bound of the saturation.  Exact: rint(.) is an integer, and adding zp
-    only rounds beyond 2**24, far past saturation.  tirx.round lowers to llvm.nearbyint
-    (half to even); tirx.nearbyint would stop TVM vectorizing the loop."""
+def _saturated(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None, floor: int | None = None
+               ) -> PrimExpr:
+    """``requantize``'s ``x s`` in float32, saturated to the bounds of its dtype less its zero
+    point (unrounded); ``floor`` raises the lower bound."""
     from tvm import tirx
 
     qmin, qmax = _QUANT_RANGE[op.dtype]
     qmin = qmin if floor is None else max(qmin, floor)
     scale = _f32(op.value) if arg is None else arg
-    q = tirx.round(x.astype("float32") * scale)
-    if op.zero_point != shift:
-        q = q + _f32(op.zero_point - shift)
-    return tirx.min(tirx.max(q, _f32(qmin - shift)), _f32(qmax - shift))
+    y = x.astype("float32") * scale
+    return tirx.min(tirx.max(y, _f32(qmin - op.zero_point)), _f32(qmax - op.zero_point))
 
 
 def _fused(ops: tuple[EpilogueOp, ...], k: int, isa: str) -> tuple[ExprBuilder, int] | None:
@@ -593,8 +597,9 @@ def _fused(ops: tuple[EpilogueOp, ...], k: int, isa: str) -> tuple[ExprBuilder, 
 
     * ``requantize`` then ``dequantize`` (a QDQ pair: the quantized output goes on in
       float32): the integer is never materialized.  ``(sat(rint(x s) + zp) - zp') s'`` is
-      ``(sat'(rint(x s)) + zp - zp') s'`` with the bounds shifted by ``zp``: no cast to
-      int and back, no adding and subtracting the zero point (a zero may come out as -0.0).
+      ``(rint(sat'(x s)) + zp - zp') s'`` with the bounds shifted by ``zp``: no conversion
+      to int and back, no adding and subtracting the zero point (a zero may come out as
+      -0.0).
     * ``relu`` then ``requantize`` by a constant scale (positive, as validated): ``rint``
       and the multiplication are monotonic, so ``max(x, 0)`` becomes a lower bound of the
       saturation, ``zp``.
@@ -604,18 +609,20 @@ def _fused(ops: tuple[EpilogueOp, ...], k: int, isa: str) -> tuple[ExprBuilder, 
                             for o in (op, after)):
         return None
     if op.kind == "requantize" and after.kind == "dequantize":
-        shift = op.zero_point
-
         def pair(_op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
-            q = _requantized(op, x, arg, shift=shift)
-            if shift != after.zero_point:
-                q = q + _f32(shift - after.zero_point)
+            # tirx.round lowers to llvm.nearbyint (half to even); tirx.nearbyint would stop
+            # TVM vectorizing the loop.
+            from tvm import tirx
+
+            q = tirx.round(_saturated(op, x, arg))
+            if op.zero_point != after.zero_point:
+                q = q + _f32(op.zero_point - after.zero_point)
             return q * _f32(after.value)
 
         return pair, 2
     if op.kind == "relu" and after.kind == "requantize" and after.value is not None:
         def floored(_op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
-            return _requantized(after, x, None, floor=after.zero_point).astype(after.dtype)
+            return _requantize(after, x, None, floor=after.zero_point)
 
         return floored, 2
     return None

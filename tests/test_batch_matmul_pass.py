@@ -104,9 +104,8 @@ def test_results_match_numpy(case):
     np.testing.assert_allclose(got, reference(a.astype(np.float64), b), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_attention_stays_float32_on_amx_hosts():
-    # No tile path for the bf16 batch GEMM yet, and Sapphire Rapids' vdpbf16ps runs at about
-    # half its fp32 rate: the dense layers go to bf16 tiles, attention stays float32.
+def test_bf16_attention_runs_on_amx_tiles():
+    # On an AMX target the dense layers and attention's batch GEMMs both multiply bf16 tiles.
     import tvm_tpp
     from tvm_tpp import models
 
@@ -115,5 +114,5 @@ def test_bf16_attention_stays_float32_on_amx_hosts():
     attention = [r for r in report if r.op.startswith("batch_matmul")]
     dense = [r for r in report if r.op.startswith("matmul")]
     assert len(attention) == 2 and len(dense) == 6
-    assert all(r.dtypes == "float32*float32->float32" for r in attention), attention
-    assert all(r.dtypes == "bfloat16*bfloat16->float32" for r in dense), dense
+    assert all((r.dtypes, r.isa) == ("bfloat16*bfloat16->float32", "amx")
+               for r in attention + dense), attention + dense

@@ -16,7 +16,6 @@ from conftest import make_dense_model
 from tvm import relax
 
 import tvm_tpp
-from microkernels.machine import machine_of
 from relay_passes.pipeline import tpp_rewrites
 from tvm_tpp import models
 from tvm_tpp.cli import main
@@ -44,13 +43,10 @@ def test_bundled_models_in_bf16(name, dense_layers):
     for r in dense:
         assert (r.dtypes, r.layout) == (BF16, "vnni2"), r
         assert r.kernel.split()[0].endswith("_bf16"), r
-    # Attention's batch GEMMs multiply in bf16 too, but in float32 on an AMX host: there the
-    # bf16 batch GEMM has no tile path and AVX512-BF16 is slower than float32.
-    amx = machine_of(make_target("tpp")).isa.has("amx_bf16")
-    attention = "float32*float32->float32" if amx else BF16
+    # Attention's batch GEMMs multiply in bf16 too (in AMX tiles on an AMX host).
     others = [r for r in report if not r.op.startswith("matmul")]
     assert len(others) == (2 if name == "bert" else 0), others
-    assert all(r.dtypes == attention for r in others), others
+    assert all(r.dtypes == BF16 for r in others), others
 
 
 def test_odd_sizes():
