@@ -307,6 +307,20 @@ def test_compile_into_a_missing_directory(dense_file, tmp_path, capsys):
         tvm_tpp.compile(make_dense_model()).export("/nonexistent/dir/x.so")
 
 
+def test_a_library_named_so_it_could_never_be_loaded(dense_file, tmp_path, capsys):
+    """TVM picks a library's loader by its suffix: ``export("m.tpp")`` would write a file
+    that ``load`` cannot read, so it is refused, before any compiling in the CLI."""
+    out = tmp_path / "model.tpp"
+    line = _fails(["compile", str(dense_file), "-o", str(out)], capsys)
+    assert line == (f"tvm-tpp: error: cannot write {out}: a model is exported as a shared "
+                    "library (.so) or a .tar of object files; name it model.so")
+    with pytest.raises(UsageError, match="name it model.so"):
+        tvm_tpp.compile(make_dense_model()).export(tmp_path / "model")
+    assert not out.exists() and not (tmp_path / "model").exists()
+    assert tvm_tpp.load(tvm_tpp.compile(make_dense_model()).export(tmp_path / "m.so")).run(
+        x=np.ones((4, 24), np.float32))[0].shape == (4, 40)
+
+
 @pytest.mark.parametrize("command", [["tune"], ["run"], ["compile", "-o", "OUT"]])
 def test_a_work_dir_that_is_a_file(dense_file, tmp_path, capsys, command):
     work = tmp_path / "work"

@@ -218,6 +218,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from . import compiler
 
     output, report_file = _output(args.output), _report_file(args)
+    if args.emit == "so":
+        compiler.library_path(output)  # a wrong suffix fails now, not after compiling
     model, shapes = _model(args.model, args.batch), _shapes(args.shape)
     if args.emit == "tir":
         module = compiler.lower(model, args.target, shapes, work_dir=args.work_dir,

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = ["compile", "tune", "lower", "load", "import_model", "remote_pool", "target_spec",
            "CompiledModel", "Tuned", "PRECISION_CHOICES", "STRICT_BF16", "kernel_precision",
-           "precision_note",
+           "precision_note", "library_path", "LIBRARY_SUFFIXES",
            "WORK_DIR", "DATABASE", "ARTIFACT_FORMAT", "native_output"]
 
 #: The work directory :func:`tune` writes by default, and :func:`compile` reads if it exists.
@@ -315,7 +315,7 @@ class CompiledModel:
         NotRunnableError
             Foreign code and no cross compiler to link it.
         """
-        path = Path(path)
+        path = library_path(path)
         if path.is_dir() or not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
             raise UsageError(f"cannot write {path}: not a file in an existing, writable "
                              "directory")
@@ -458,6 +458,29 @@ def _sidecar(meta_path: Path) -> dict:
         except TypeError:
             raise bad(f"input {i['name']!r} has an unknown dtype {i['dtype']!r}") from None
     return meta
+
+
+#: The suffixes :meth:`CompiledModel.export` writes and :func:`load` reads (TVM picks a
+#: library's loader by its suffix: a library named otherwise could never be loaded again).
+LIBRARY_SUFFIXES = (".so", ".tar")
+
+
+def library_path(path: str | os.PathLike) -> Path:
+    """``path`` as a :meth:`CompiledModel.export` target; UsageError unless it ends in
+    ``.so`` (a shared library) or ``.tar`` (object files, for a cross-compile).
+
+    >>> library_path("model.so").name
+    'model.so'
+    >>> library_path("model.tpp")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    tvm_tpp.errors.UsageError: cannot write model.tpp: ... name it model.so
+    """
+    path = Path(path)
+    if path.suffix not in LIBRARY_SUFFIXES:
+        raise UsageError(f"cannot write {path}: a model is exported as a shared library (.so) "
+                         f"or a .tar of object files; name it {path.stem}.so")
+    return path
 
 
 def load(path: str | os.PathLike) -> CompiledModel:
