@@ -215,33 +215,26 @@ def _ops(problem: BatchGemmProblem, config: BatchGemmConfig, isa_name: str) -> l
     return [line.split()[0] for line in asm.splitlines() if line.startswith("\t") and line.split()]
 
 
-def test_sapphirerapids_uint8_asm():
-    """On ``amx`` the default (tile-shaped) uint8 blocks multiply in AMX tiles (``tdpbusd``),
-    wider ones with ``vpdpbusd``.  BERT's scores, cross-compiled for Sapphire Rapids."""
-    problem = BatchGemmProblem(12, 128, 128, 64, True, REQUANT, heads=12, x_interleaved=True,
-                               b_interleaved=True, dtype="uint8", zero_points=(125, 124))
+@pytest.mark.parametrize("dtype, tile_op, vector_op", [("uint8", "tdpbusd", "vpdpbusd"),
+                                                      ("bfloat16", "tdpbf16ps", "vdpbf16ps")])
+def test_sapphirerapids_asm(dtype, tile_op, vector_op):
+    """On ``amx`` the default (tile-shaped) blocks multiply in AMX tiles, reading the panel
+    the kernel packs per task; wider ones with the AVX-512 dot product.  BERT's scores,
+    cross-compiled for Sapphire Rapids."""
+    quantized = dtype == "uint8"
+    problem = BatchGemmProblem(12, 128, 128, 64, True, REQUANT if quantized else SCALE,
+                               heads=12, x_interleaved=True, b_interleaved=True, dtype=dtype,
+                               zero_points=(125, 124) if quantized else (0, 0))
     config = default_config(problem, _machine("amx"))
     assert (config.bm, config.bn, config.bk) == (32, 32, 64)
     tiles = _ops(problem, config, "amx")
-    assert "tdpbusd" in tiles and "ldtilecfg" in tiles and "tilerelease" in tiles
+    assert tile_op in tiles and "ldtilecfg" in tiles and "tilerelease" in tiles
+    assert ("tilezero" in tiles) is not quantized  # the zero points' fold starts uint8's C
     wide = _ops(problem, BatchGemmConfig(64, 64, 64), "amx")
-    assert "vpdpbusd" in wide and "tdpbusd" not in wide and "ldtilecfg" not in wide
-    vnni = _ops(problem, config, "avx512_vnni")
-    assert "vpdpbusd" in vnni and "vpmaddwd" not in vnni
-
-
-def test_sapphirerapids_bf16_asm():
-    """On ``amx`` the default (tile-shaped) bf16 blocks multiply in AMX tiles (``tdpbf16ps``),
-    reading the panel the kernel packs per task; wider ones run ``vdpbf16ps``.  BERT's
-    scores, cross-compiled for Sapphire Rapids."""
-    problem = BatchGemmProblem(12, 128, 128, 64, True, SCALE, heads=12, x_interleaved=True,
-                               b_interleaved=True, dtype="bfloat16")
-    config = default_config(problem, _machine("amx"))
-    assert (config.bm, config.bn, config.bk) == (32, 32, 64)
-    tiles = _ops(problem, config, "amx")
-    assert "tdpbf16ps" in tiles and "ldtilecfg" in tiles and "tilezero" in tiles
-    wide = _ops(problem, BatchGemmConfig(64, 64, 64), "amx")
-    assert "vdpbf16ps" in wide and "tdpbf16ps" not in wide and "ldtilecfg" not in wide
+    assert vector_op in wide and tile_op not in wide and "ldtilecfg" not in wide
+    if quantized:
+        vnni = _ops(problem, config, "avx512_vnni")
+        assert "vpdpbusd" in vnni and "vpmaddwd" not in vnni
 
 
 def _emulated_dispatch(shape):
