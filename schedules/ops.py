@@ -258,7 +258,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     _listed("batch_gemm", batch_gemm, BatchGemmProblem, BatchGemmConfig,
             key=lambda p: ((p.batch, p.m, p.n, p.k), p.layout, p.dtype),
             text=lambda c: (f"bm={c.bm} bn={c.bn} bk={c.bk}"
-                            + (" parallel rows" if c.parallel_rows else ""))),
+                            + (" parallel rows" if c.parallel_rows else "")
+                            + (" rows outer" if c.rows_outer else ""))),
 )}
 
 

@@ -88,6 +88,24 @@ def test_parallel_rows_when_few_tasks():
     _run(problem, BatchGemmConfig(8, 16, 8, parallel_rows=False))
 
 
+@pytest.mark.parametrize("transposed, x, b, y", [(True, True, True, False),
+                                                 (False, False, True, True)])
+def test_a_task_per_batch_element(transposed, x, b, y):
+    """``rows_outer``: each task one batch element, its M blocks outside its N panels (B
+    packed once for all panels; the epilogue still per output tile), interleaved layouts,
+    several M blocks and panels; low precision takes it by default where the batch elements
+    give every thread two tasks, float32 never."""
+    problem = BatchGemmProblem(6, 14, 24, 12, transposed, SCALE_BIAS, heads=3, x_interleaved=x,
+                               b_interleaved=b, y_interleaved=y)
+    _run(problem, BatchGemmConfig(bm=7, bn=8, bk=4, rows_outer=True))
+    assert not default_config(problem, _machine(2)).rows_outer
+    low = [BatchGemmProblem(6, 14, 24, 12, transposed, dtype="bfloat16"),
+           BatchGemmProblem(3, 14, 24, 12, transposed, dtype="bfloat16")]
+    assert [default_config(q, _machine(2)).rows_outer for q in low] == [True, False]
+    with pytest.raises(ValueError, match="choose one"):
+        BatchGemmConfig(7, 8, 4, parallel_rows=True, rows_outer=True)
+
+
 @pytest.mark.parametrize("problem", [
     BatchGemmProblem(2, 24, 40, 16, b_transposed=True, epilogue=SCALE),
     BatchGemmProblem(6, 16, 24, 12, False, SCALE_BIAS, heads=3, x_interleaved=True,
