@@ -93,7 +93,7 @@ def test_relu_becomes_the_saturations_lower_bound(monkeypatch, dtype, zp, acc_dt
     assert fused_nodes < apart_nodes
 
 
-def test_relu_before_a_vector_scale_is_kept(monkeypatch):
+def test_relu_before_a_vector_scale_is_kept():
     """A per-channel scale is only known at run time: no fusion (its sign is not checked)."""
     epi = Epilogue((EpilogueOp("relu"),
                     EpilogueOp("requantize", broadcast="row", dtype="uint8", zero_point=4)))
