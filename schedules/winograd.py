@@ -1,0 +1,360 @@
+"""Winograd convolution: a float32 3x3 conv as transforms around a batch of BRGEMMs.
+
+``Y = epilogue(conv2d(X, W))`` for a float32 3x3 conv of stride 1 padded by one pixel, by
+Lavin and Gray's minimal filtering ``F(m x m, 3 x 3)``: each ``m x m`` tile of output pixels
+is ``A^T [(G g G^T) . (B^T d B)] A`` for its ``a x a`` input tile ``d`` (``a = m + 2``), so the
+``9 m^2`` products per channel pair of a direct conv become ``a^2``: 2.25x fewer for ``m = 4``.
+Three stages, each a parallel loop of the one PrimFunc:
+
+1. input transform: ``V[xi][t, c] = (B^T d_t B)[xi]`` for every tile ``t`` of every image and
+   each of the ``a^2`` transform points ``xi`` (the constant ``B`` folded into adds: the
+   point loops are unrolled);
+2. ``a^2`` GEMMs ``M[xi] = V[xi] @ U[xi]`` over the channels, each output tile one call of
+   the flat float32 BRGEMM (``bt`` tiles x ``bk`` output channels x all of C), where
+   ``U[xi] = (G g G^T)[xi]`` is the filter transformed and packed once, when the model is
+   built (:func:`pack_weight`, ``U[a^2][K/bk][C][bk]``);
+3. output transform and the epilogue: ``Y = epilogue(A^T M A)``, written as the direct
+   conv writes it, ``[N*P*Q, K]`` (:mod:`schedules.conv`).
+
+The PrimFunc takes the direct conv's operands (the padded NHWC input, the packed weight, the
+epilogue's) but for the weight's layout, so a graph pass swaps one kernel for the other.
+The transform matrices are Cook-Toom's over TVM's interpolation points (Barabasz et al.,
+whose points keep the error of ``F(4, 3)`` near 3e-7 relative); this is float32 arithmetic
+throughout, with a rounding error a few times a direct conv's, never a lower precision.
+
+Tiles must cover the output exactly (``m`` divides P and Q): :func:`tile_size` picks 4,
+else 2, else None.
+
+Examples
+--------
+>>> from schedules.conv import ConvProblem
+>>> p = WinogradProblem(ConvProblem(1, 64, 8, 8, 32, 3, 3, padding=1), tile=4)
+>>> (p.points, p.tiles, weight_shape(p, 16))
+(36, 4, (36, 2, 64, 16))
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from microkernels import isa as _isa
+from microkernels.brgemm import BrgemmShape, dispatch
+from microkernels.epilogue import Epilogue, expression_isa
+from microkernels.machine import Machine
+
+from .blocking import divisors, vector_block
+from .conv import ConvProblem
+from .nest import zeroing_kernel
+
+if TYPE_CHECKING:
+    from tvm import s_tir, tirx
+    from tvm.tirx import PrimFunc
+
+__all__ = ["WinogradProblem", "WinogradConfig", "TILES", "tile_size", "transform_matrices",
+           "pack_weight", "weight_shape", "workload", "schedule", "default_config",
+           "candidates"]
+
+#: Output tile sizes, preferred first: F(4x4, 3x3) (36 products for 16 outputs) then
+#: F(2x2, 3x3) (16 for 4).
+TILES = (4, 2)
+
+
+def tile_size(problem: ConvProblem) -> int | None:
+    """The output tile of the Winograd form of ``problem``, or None where it has none: a
+    float32 3x3 conv of stride 1 padded by one pixel, ungrouped, undilated, without a
+    prologue, whose output rows and columns a tile of :data:`TILES` divides.
+
+    >>> tile_size(ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1))
+    4
+    >>> tile_size(ConvProblem(1, 64, 14, 14, 64, 3, 3, padding=1))
+    2
+    >>> tile_size(ConvProblem(1, 64, 56, 56, 64, 3, 3, stride=2, padding=1)) is None
+    True
+    """
+    if (problem.dtype != "float32" or (problem.r, problem.s) != (3, 3)
+            or problem.stride != (1, 1) or problem.dilation != (1, 1)
+            or problem.padding != (1, 1, 1, 1) or problem.groups != 1
+            or problem.prologue.ops):
+        return None
+    return next((m for m in TILES if problem.p % m == 0 and problem.q % m == 0), None)
+
+
+@dataclass(frozen=True)
+class WinogradProblem:
+    """A conv computed as ``F(tile x tile, 3 x 3)`` (module doc).
+
+    Parameters
+    ----------
+    conv
+        The convolution (operands, epilogue); :func:`tile_size` must allow it.
+    tile
+        Output pixels per tile side (one of :data:`TILES`) dividing P and Q.
+    """
+
+    conv: ConvProblem
+    tile: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.conv, ConvProblem):
+            raise TypeError(f"conv must be a ConvProblem, got {type(self.conv).__name__}")
+        if tile_size(self.conv) is None:
+            raise ValueError("Winograd takes float32 3x3 convs of stride 1 padded by 1, "
+                             "ungrouped and without a prologue, over maps a tile of "
+                             f"{' or '.join(map(str, TILES))} divides")
+        if self.tile not in TILES or self.conv.p % self.tile or self.conv.q % self.tile:
+            raise ValueError(f"tile={self.tile} must be one of {TILES} dividing the "
+                             f"{self.conv.p}x{self.conv.q} output")
+
+    @property
+    def epilogue(self) -> Epilogue:
+        return self.conv.epilogue
+
+    @property
+    def dtype(self) -> str:
+        return self.conv.dtype
+
+    @property
+    def alpha(self) -> int:
+        """Input tile side ``m + 2``."""
+        return self.tile + 2
+
+    @property
+    def points(self) -> int:
+        """Transform points ``alpha^2``: the number of GEMMs."""
+        return self.alpha ** 2
+
+    @property
+    def tiles(self) -> int:
+        """Output tiles of all the images: each GEMM's rows."""
+        return self.conv.n * (self.conv.p // self.tile) * (self.conv.q // self.tile)
+
+    @property
+    def flops(self) -> int:
+        """The direct conv's multiply-adds, times 2 (what GFLOPS figures compare)."""
+        return self.conv.flops
+
+
+@dataclass(frozen=True)
+class WinogradConfig:
+    """Blocks of the GEMM stage: ``bt`` tiles by ``bk`` output channels per BRGEMM call
+    (over all the input channels); each divides its dimension."""
+
+    bt: int
+    bk: int
+
+    def __post_init__(self) -> None:
+        for name in ("bt", "bk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"WinogradConfig.{name} must be a positive int, got {value!r}")
+
+    def check(self, problem: WinogradProblem) -> None:
+        """ValueError unless the blocks tile ``problem`` exactly."""
+        for block, dim, name, what in ((self.bt, problem.tiles, "bt", "the tiles"),
+                                       (self.bk, problem.conv.k, "bk", "K")):
+            if dim % block:
+                raise ValueError(f"{name}={block} does not divide {what} ({dim})")
+
+
+@functools.lru_cache(maxsize=len(TILES))
+def transform_matrices(tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(A, B, G)`` of ``F(tile, 3)``, float64: ``A`` is ``alpha x tile``, ``B`` ``alpha x
+    alpha``, ``G`` ``alpha x 3``; a 1-D output tile is ``A^T [(G g) . (B^T d)]``.
+
+    >>> a, b, g = transform_matrices(2)
+    >>> d, w = np.arange(4.0), np.array([1.0, 2.0, 3.0])
+    >>> (a.T @ ((g @ w) * (b.T @ d))).tolist()   # == [d[0:3] @ w, d[1:4] @ w]
+    [8.0, 14.0]
+    """
+    from tvm.topi.nn.winograd_util import _cook_toom_convolution, _interpolation_points
+
+    a, b, g = _cook_toom_convolution(_interpolation_points(tile + 1), tile, 3)
+    return tuple(np.asarray(x, dtype=np.float64) for x in (a, b, g))
+
+
+def weight_shape(problem: WinogradProblem, bk: int) -> tuple[int, int, int, int]:
+    """``U[alpha^2][K/bk][C][bk]``: per transform point, a contiguous ``[C, bk]`` panel per
+    K block (the flat BRGEMM's B)."""
+    c, k = problem.conv.c, problem.conv.k
+    if k % bk:
+        raise ValueError(f"bk={bk} does not divide K={k}")
+    return (problem.points, k // bk, c, bk)
+
+
+def pack_weight(w: np.ndarray, problem: WinogradProblem, bk: int) -> np.ndarray:
+    """OIHW float32 ``w`` -> ``U`` (:func:`weight_shape`): ``G g G^T`` of each filter,
+    computed in float64.
+
+    >>> p = WinogradProblem(ConvProblem(1, 2, 4, 4, 4, 3, 3, padding=1), tile=2)
+    >>> pack_weight(np.ones((4, 2, 3, 3), "float32"), p, 4).shape
+    (16, 1, 2, 4)
+    """
+    k, c = problem.conv.k, problem.conv.c
+    if tuple(w.shape) != (k, c, 3, 3):
+        raise ValueError(f"W must be OIHW {[k, c, 3, 3]}, got {list(w.shape)}")
+    _, _, g = transform_matrices(problem.tile)
+    alpha = problem.alpha
+    u = np.einsum("xr,kcrs,ys->xyck", g, np.asarray(w, np.float64), g)
+    u = u.reshape(alpha * alpha, c, k // bk, bk).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(u, dtype=np.float32)
+
+
+def _linear(coefficients: np.ndarray, terms: list[tirx.PrimExpr]) -> tirx.PrimExpr:
+    """``sum(c * t)`` with the zero coefficients left out and +-1 as adds."""
+    from tvm import tirx
+
+    total = None
+    for c, term in zip(coefficients.tolist(), terms, strict=True):
+        if c == 0:
+            continue
+        value = term if c == 1 else -term if c == -1 else term * tirx.const(c, "float32")
+        total = value if total is None else total + value
+    return total if total is not None else tirx.const(0.0, "float32")
+
+
+def _at(matrix: np.ndarray, row: int, column: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``matrix[row, column]`` for a loop variable ``column``: a chain of selects that an
+    unrolled loop folds to the constant."""
+    from tvm import tirx
+
+    value = tirx.const(float(matrix[row, -1]), "float32")
+    for j in range(matrix.shape[1] - 2, -1, -1):
+        value = tirx.Select(column == j, tirx.const(float(matrix[row, j]), "float32"), value)
+    return value
+
+
+def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFunc:
+    """The unscheduled PrimFunc ``(X, U, *epilogue operands, Y)``: X the direct conv's
+    padded NHWC input, Y its ``[N*P*Q, K]`` output (module doc); stages ``V``, ``M`` and
+    ``epilogue``."""
+    from tvm import te
+
+    from microkernels.epilogue import apply_te
+
+    conv, m, alpha = problem.conv, problem.tile, problem.alpha
+    _, b, _ = transform_matrices(m)
+    a, _, _ = transform_matrices(m)
+    th, tw = conv.p // m, conv.q // m
+    rows, k = conv.n * conv.p * conv.q, conv.k
+    x = te.placeholder(conv.input_shape, "float32", name="X")
+    u = te.placeholder(weight_shape(problem, bk), "float32", name="U")
+
+    def input_transform(xi, t, c):  # (B^T d B)[xi // alpha, xi % alpha] of tile t
+        n, ty, tx = t // (th * tw), t // tw % th, t % tw
+        d = [[x[n, ty * m + i, tx * m + j, c] for j in range(alpha)] for i in range(alpha)]
+        # B's columns xi // alpha and xi % alpha as selects: constants once unrolled.
+        return sum(d[i][j] * _at(b, i, xi // alpha) * _at(b, j, xi % alpha)
+                   for i in range(alpha) for j in range(alpha))
+
+    v = te.compute((problem.points, problem.tiles, conv.c), input_transform, name="V")
+    rc = te.reduce_axis((0, conv.c), name="c")
+    gemm = te.compute((problem.points, problem.tiles, k),
+                      lambda xi, t, o: te.sum(v[xi, t, rc] * u[xi, o // bk, rc, o % bk],
+                                              axis=rc), name="M")
+
+    def output_transform(row, o):  # (A^T M A)[row's pixel within its tile]
+        n, p, q = row // (conv.p * conv.q), row // conv.q % conv.p, row % conv.q
+        t = (n * th + p // m) * tw + q // m
+        return sum(gemm[i * alpha + j, t, o] * _at(a, i, p % m) * _at(a, j, q % m)
+                   for i in range(alpha) for j in range(alpha))
+
+    view = te.compute((rows, k), output_transform, name="view")
+    extra = {op.name: te.placeholder(op.shape(rows, k), op.dtype, name=op.name)
+             for op in conv.epilogue.inputs(conv.epilogue_dtype)}
+    y = (apply_te(conv.epilogue, view, extra, isa=isa) if conv.epilogue.ops
+         else te.compute((rows, k), lambda i, o: view[i, o], name="epilogue"))
+    return te.create_prim_func([x, u, *extra.values(), y])
+
+
+def schedule(problem: WinogradProblem, config: WinogradConfig, isa: str | _isa.Isa = "avx2"
+             ) -> s_tir.Schedule:
+    """The scheduled Winograd conv: the input transform parallel over tiles, 16 channels a
+    vector, its ``alpha^2`` points unrolled; the GEMMs parallel over (point, tile block), a
+    ``beta=0`` flat BRGEMM call per output tile; the output transform and epilogue
+    parallel over tile rows, the pixels of a tile unrolled.
+
+    Raises
+    ------
+    ValueError
+        Blocks that do not tile the problem.
+    """
+    from tvm import s_tir
+
+    isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
+    config.check(problem)
+    conv, m = problem.conv, problem.tile
+    sch = s_tir.Schedule(workload(problem, config.bk, expression_isa(isa_name, config.bk)))
+    lanes = vector_block(conv.c, 16, limit=16)
+
+    v = sch.get_sblock("V")
+    xi, t, c = sch.get_loops(v)
+    c_out, c_in = sch.split(c, [None, lanes])
+    sch.reorder(t, c_out, xi, c_in)
+    sch.parallel(t)
+    sch.unroll(xi)
+    sch.vectorize(c_in)
+
+    out = sch.get_sblock("epilogue")
+    if conv.epilogue.ops:
+        sch.compute_inline(sch.get_sblock("view"))
+    row, o = sch.get_loops(out)
+    th, tw = conv.p // m, conv.q // m
+    tile_rows, i, tile_cols, j = sch.split(row, [conv.n * th, m, tw, m])
+    o_out, o_in = sch.split(o, [None, vector_block(conv.k, 16, limit=16)])
+    sch.reorder(tile_rows, tile_cols, o_out, i, j, o_in)
+    sch.parallel(tile_rows)
+    sch.unroll(i)
+    sch.unroll(j)
+    sch.vectorize(o_in)
+    gemm = sch.get_sblock("M")
+    xi, t, o, c = sch.get_loops(gemm)
+    t_out, t_in = sch.split(t, [None, config.bt])
+    o_out, o_in = sch.split(o, [None, config.bk])
+    sch.reorder(xi, t_out, o_out, t_in, o_in, c)
+    sch.parallel(sch.fuse(xi, t_out))
+    init = sch.decompose_reduction(gemm, t_in)
+    shape = BrgemmShape(m=config.bt, n=config.bk, k=conv.c, dtype_a="float32",
+                        dtype_acc="float32", layout="flat", isa=isa_name)
+    shape = zeroing_kernel(sch, init, shape, whole=True)
+    sch.tensorize(sch.blockize(t_in), dispatch(shape))
+
+    return sch
+
+
+def default_config(problem: WinogradProblem, machine: Machine) -> WinogradConfig:
+    """``bk`` the register tile's columns (64 floats on AVX-512, as the direct conv's), ``bt``
+    the largest divisor of the tiles up to 28 that keeps the FMAs busy (at least 7 rows).
+
+    >>> from microkernels import isa
+    >>> p = WinogradProblem(ConvProblem(1, 256, 56, 56, 256, 3, 3, padding=1), tile=4)
+    >>> default_config(p, Machine(isa.from_name("avx512"), isa.DEFAULT_CACHES, 2))
+    WinogradConfig(bt=28, bk=64)
+    """
+    from .conv import _column_block
+
+    bk = _column_block(problem.conv.k, machine.isa)
+    fitting = [d for d in divisors(problem.tiles) if 7 <= d <= 28]
+    bt = max(fitting) if fitting else min(d for d in divisors(problem.tiles) if d >= 7) \
+        if problem.tiles >= 7 else problem.tiles
+    return WinogradConfig(bt=bt, bk=bk)
+
+
+def candidates(problem: WinogradProblem, machine: Machine) -> list[WinogradConfig]:
+    """The default, then its neighbours: half and twice ``bt`` and ``bk`` where they
+    divide."""
+    first = default_config(problem, machine)
+    out = [first]
+    for bt, bk in ((first.bt // 2, first.bk), (first.bt * 2, first.bk),
+                   (first.bt, first.bk // 2), (first.bt, first.bk * 2)):
+        config = WinogradConfig(bt=max(bt, 1), bk=max(bk, 1))
+        try:
+            config.check(problem)
+        except ValueError:
+            continue
+        if config not in out:
+            out.append(config)
+    return out
