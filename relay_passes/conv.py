@@ -58,7 +58,7 @@ from tvm.target import Target
 from microkernels.brgemm import LAYOUTS, BrgemmShape
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import Machine, machine_of
-from schedules import depthwise
+from schedules import depthwise, winograd
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
@@ -73,6 +73,7 @@ from schedules.depthwise import DepthwiseConfig, DepthwiseProblem
 from schedules.operands import OPERANDS
 from schedules.stacked_rows import stacked_rows_kernel
 from schedules.tuner import TaskCollector, Tuner, config_for
+from schedules.winograd import WinogradConfig, WinogradProblem, winograd_pays
 
 from .bf16_pools import max_pool_in_bf16
 from .dense import PRECISIONS
@@ -434,8 +435,12 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
             (images, rows, columns, folded.stride[1], folded.padded_c), dtype),
             (images, rows, columns, channels))
         problem, weight = folded, fold_rows_weight(weight)
-    # A pointwise conv on a small map: its pixels as one row, tiles spanning image rows.
     machine = machine_of(target)
+    tile = winograd_pays(problem, machine) if batch is None and packed is None else None
+    if tile is not None:
+        return _emit_winograd(x, WinogradProblem(problem, tile), weight, operands, add_kernel,
+                              target, tuner)
+    # A pointwise conv on a small map: its pixels as one row, tiles spanning image rows.
     one_row = batch is None and one_row_pays(problem, machine)
     kernel_problem = problem.one_row() if one_row else problem
     isa = machine.isa.name
@@ -458,6 +463,34 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
                       batch)
     nhwc = relax.op.reshape(out, (_times(batch, problem.n), problem.p, problem.q, problem.k))
     return relax.op.permute_dims(nhwc, TO_NCHW), f"{name} [{config.spec}]", brgemm
+
+
+def _emit_winograd(x: relax.Expr, problem: WinogradProblem, weight: np.ndarray,
+                   operands: Sequence[relax.Expr], add_kernel: KernelAdder, target: Target,
+                   tuner: Tuner | TaskCollector | None
+                   ) -> tuple[relax.Expr, str, BrgemmShape | None]:
+    """:func:`emit_conv` of a conv computed by Winograd's transforms
+    (:mod:`schedules.winograd`): the direct conv's packed input and operands, the filter
+    transformed when the model is built."""
+    conv = problem.conv
+    isa = machine_of(target).isa.name
+    (func, brgemm), config = with_config(problem, target, tuner,
+                                         lambda c: _winograd_kernel(problem, c, isa), False)
+    name = (f"tpp_conv2d_{conv.n}x{conv.c}x{conv.h}x{conv.w}_{conv.k}x{conv.r}x{conv.s}_s1x1"
+            f"_winograd{problem.tile}" + (f"_{conv.epilogue.name}" if conv.epilogue.ops else ""))
+    args = [_pack_input(x, conv, 0, None),
+            relax.const(winograd.pack_weight(weight, problem, config.bk)), *operands]
+    out = call_kernel(add_kernel(func, name), args, (conv.rows, conv.k), conv.out_dtype)
+    nhwc = relax.op.reshape(out, (conv.n, conv.p, conv.q, conv.k))
+    return (relax.op.permute_dims(nhwc, TO_NCHW),
+            f"{name} [winograd bt={config.bt} bk={config.bk}]", brgemm)
+
+
+@functools.lru_cache(maxsize=256)
+def _winograd_kernel(problem: WinogradProblem, config: WinogradConfig, isa: str
+                     ) -> tuple[tvm.tirx.PrimFunc, BrgemmShape | None]:
+    sch = winograd.schedule(problem, config, isa)
+    return sch.mod["main"], dispatched_brgemm(sch)
 
 
 def _times(batch: tvm.ir.PrimExpr | None, size: int) -> tvm.ir.PrimExpr | int:

@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 
-from . import batch_gemm, conv, depthwise, gemm
+from . import batch_gemm, conv, depthwise, gemm, winograd
 from .batch_gemm import BatchGemmConfig, BatchGemmProblem
 from .conv import ConvConfig, ConvProblem
 from .depthwise import DepthwiseConfig, DepthwiseProblem
 from .gemm import GemmConfig, GemmProblem
 from .space import Candidate
+from .winograd import WinogradConfig, WinogradProblem
 
 if TYPE_CHECKING:
     from tvm import s_tir
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["Problem", "Config", "Choice", "Op", "OPS", "op_of", "problem_text", "config_text",
            "shape_text", "conv_problem", "MODEL_RESOLUTION"]
 
-Problem = GemmProblem | ConvProblem | BatchGemmProblem | DepthwiseProblem
-Config = GemmConfig | ConvConfig | BatchGemmConfig | DepthwiseConfig
+Problem = GemmProblem | ConvProblem | BatchGemmProblem | DepthwiseProblem | WinogradProblem
+Config = GemmConfig | ConvConfig | BatchGemmConfig | DepthwiseConfig | WinogradConfig
 
 #: Predictions closer than this are one class: the model works at slice granularity, and its
 #: two engines (exact replay, analytic) typically differ by about this much.
@@ -260,6 +261,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
             text=lambda c: (f"bm={c.bm} bn={c.bn} bk={c.bk}"
                             + (" parallel rows" if c.parallel_rows else "")
                             + (" rows outer" if c.rows_outer else ""))),
+    _listed("winograd_conv2d", winograd, WinogradProblem, WinogradConfig,
+            key=lambda p: (_conv_key(p.conv)[0], f"{_geometry_text(p.conv)}t{p.tile}",
+                           p.dtype),
+            text=lambda c: f"winograd bt={c.bt} bk={c.bk}"),
 )}
 
 

@@ -1,0 +1,174 @@
+"""Winograd convs (:mod:`schedules.winograd`): float32 3x3 convs as F(m x m, 3x3) transforms
+around flat BRGEMMs.
+
+The kernel against numpy on odd sizes (channels that take no whole vector, both tiles, two
+images, each epilogue kind) and every candidate config; the filter transform; which convs
+take it; and the graph rewrite: a 128-channel conv becomes the Winograd kernel (a 64-channel
+one stays direct), checked against ONNX Runtime.
+"""
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from conftest import pixel_rows
+from onnx import TensorProto, helper, numpy_helper
+
+import tvm_tpp
+from microkernels import isa
+from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.epilogue import reference as epilogue_reference
+from microkernels.machine import Machine
+from relay_passes.conv import rewrite_conv
+from relay_passes.prepare import prepare
+from schedules.conv import ConvProblem, pack_input
+from schedules.conv import reference as conv_reference
+from schedules.ops import OPS, op_of
+from schedules.winograd import (
+    WinogradConfig,
+    WinogradProblem,
+    candidates,
+    default_config,
+    pack_weight,
+    schedule,
+    tile_size,
+    transform_matrices,
+    winograd_pays,
+)
+from tvm_tpp.compiler import import_model
+from tvm_tpp.reference import max_errors, run_onnxruntime
+from tvm_tpp.tpp_target import target as make_target
+
+AVX2 = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+MACHINE = Machine(isa.from_name("avx2"), isa.DEFAULT_CACHES, threads=2)
+BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
+BIAS_RESIDUAL_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("residual"), EpilogueOp("relu")))
+
+
+def _run(problem: WinogradProblem, config: WinogradConfig, seed: int = 0
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's ``[N*P*Q, K]`` output and numpy's, on random data."""
+    conv = problem.conv
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((conv.n, conv.c, conv.h, conv.w)).astype("float32")
+    w = (rng.standard_normal((conv.k, conv.c, 3, 3)) / np.sqrt(9 * conv.c)).astype("float32")
+    operands = {"bias": rng.standard_normal(conv.k).astype("float32"),
+                "residual": rng.standard_normal((conv.rows, conv.k)).astype("float32")}
+    used = [operands[op.name] for op in conv.epilogue.inputs(conv.epilogue_dtype)]
+    out = tvm.runtime.tensor(np.full((conv.rows, conv.k), np.nan, "float32"))
+    kernel = tvm.compile(schedule(problem, config, "avx2").mod, target=AVX2)
+    kernel(*map(tvm.runtime.tensor, (pack_input(x, conv), pack_weight(w, problem, config.bk),
+                                     *used)), out)
+    direct = pixel_rows(conv_reference(conv, x, w)).astype("float32")
+    return out.numpy(), epilogue_reference(conv.epilogue, direct, operands)
+
+
+@pytest.mark.parametrize("n,c,h,w,k,tile,epilogue", [
+    (2, 13, 8, 12, 24, 4, Epilogue()),           # channels of no whole vector, two images
+    (1, 32, 8, 8, 48, 4, BIAS_RELU),
+    (1, 20, 6, 10, 16, 2, BIAS_RESIDUAL_RELU),  # 6 rows: tiles of 2 only
+    (2, 16, 4, 4, 32, 2, BIAS_RESIDUAL_RELU),
+])
+def test_kernel_against_numpy(n, c, h, w, k, tile, epilogue):
+    problem = WinogradProblem(ConvProblem(n, c, h, w, k, 3, 3, padding=1, epilogue=epilogue),
+                              tile)
+    got, want = _run(problem, default_config(problem, MACHINE))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_every_candidate_computes_the_conv():
+    problem = WinogradProblem(ConvProblem(1, 24, 8, 8, 64, 3, 3, padding=1, epilogue=BIAS_RELU),
+                              4)
+    configs = candidates(problem, MACHINE)
+    assert configs[0] == default_config(problem, MACHINE) and len(configs) > 1
+    for config in configs:
+        got, want = _run(problem, config, seed=1)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+def test_filter_transform_is_g_w_gt(tile):
+    problem = WinogradProblem(ConvProblem(1, 3, 8, 8, 4, 3, 3, padding=1), tile)
+    w = np.random.default_rng(2).standard_normal((4, 3, 3, 3)).astype("float32")
+    u = pack_weight(w, problem, 2)
+    _, _, g = transform_matrices(tile)
+    alpha = tile + 2
+    assert u.shape == (alpha * alpha, 2, 3, 2) and u.dtype == np.float32
+    # U[xi, o // bk, c, o % bk] = (G w[o, c] G^T)[xi // alpha, xi % alpha]
+    want = g @ w[3, 1].astype(np.float64) @ g.T
+    np.testing.assert_allclose(u[:, 1, 1, 1].reshape(alpha, alpha), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+def test_transforms_compute_a_1d_correlation(tile):
+    a, b, g = transform_matrices(tile)
+    rng = np.random.default_rng(3)
+    d, w = rng.standard_normal(tile + 2), rng.standard_normal(3)
+    want = np.correlate(d, w, mode="valid")
+    np.testing.assert_allclose(a.T @ ((g @ w) * (b.T @ d)), want, rtol=1e-12, atol=1e-12)
+
+
+def test_which_convs_take_it():
+    conv = ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=1)
+    assert tile_size(conv) == 4 and winograd_pays(conv, MACHINE) == 4
+    assert tile_size(ConvProblem(1, 128, 14, 14, 64, 3, 3, padding=1)) == 2
+    assert winograd_pays(ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1), MACHINE) is None
+    for other in (ConvProblem(1, 128, 7, 7, 64, 3, 3, padding=1),             # no tile fits
+                  ConvProblem(1, 128, 56, 56, 64, 3, 3, stride=2, padding=1),
+                  ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=2, dilation=2),
+                  ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=1, groups=2),
+                  ConvProblem(1, 128, 56, 56, 64, 3, 3),                        # unpadded
+                  ConvProblem(1, 128, 56, 56, 64, 1, 1),
+                  ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=1, dtype="bfloat16")):
+        assert tile_size(other) is None
+        with pytest.raises(ValueError, match="Winograd takes"):
+            WinogradProblem(other, 2)
+    with pytest.raises(ValueError, match="tile=4"):
+        WinogradProblem(ConvProblem(1, 8, 6, 6, 8, 3, 3, padding=1), 4)
+    with pytest.raises(ValueError, match="bt=5 does not divide"):
+        WinogradConfig(bt=5, bk=8).check(WinogradProblem(conv, 4))
+    with pytest.raises(ValueError, match="positive int"):
+        WinogradConfig(bt=0, bk=8)
+
+
+def test_tuner_records_round_trip():
+    problem = WinogradProblem(ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=1), 4)
+    op = op_of(problem)
+    assert op is OPS["winograd_conv2d"]
+    config = default_config(problem, MACHINE)
+    assert op.from_json(op.to_json(config)) == config
+    shape, layout, dtype = op.key(problem)
+    assert (shape, layout, dtype) == ((1, 128, 56, 56, 64, 3, 3), "s1x1p1x1x1x1t4", "float32")
+    assert op.text(config) == f"winograd bt={config.bt} bk={config.bk}"
+
+
+def _model(c: int) -> onnx.ModelProto:
+    """``relu(conv3x3(x) + b) + x``: a padded 3x3 conv with a residual after it."""
+    rng = np.random.default_rng(4)
+    weights = {"w": rng.standard_normal((c, c, 3, 3)) / np.sqrt(9 * c),
+               "b": rng.normal(0, 0.1, c)}
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c0"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c0"], ["r0"]),
+             helper.make_node("Add", ["r0", "x"], ["y"])]
+    shape = [2, c, 8, 12]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+        [numpy_helper.from_array(v.astype("float32"), k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("c,winograd", [(128, True), (64, False)])
+def test_graph_takes_winograd_where_it_pays(c, winograd):
+    model = _model(c)
+    tgt = make_target("tpp -isa=avx2")
+    mod, _ = import_model(model)
+    mod = rewrite_conv(prepare()(mod), tgt, [])
+    kernels = [gv.name_hint for gv in mod.functions if "conv2d" in gv.name_hint]
+    assert kernels == [f"tpp_conv2d_2x{c}x8x12_{c}x3x3_s1x1"
+                       + ("_winograd4" if winograd else "") + "_bias_relu"]
+    x = np.random.default_rng(5).standard_normal((2, c, 8, 12)).astype("float32")
+    compiled = tvm_tpp.compile(model, target="tpp -isa=avx2")
+    assert any("winograd" in (r.kernel or "") for r in compiled.report) == winograd
+    _, rel = max_errors(compiled.run(x=x), run_onnxruntime(model, {"x": x}))
+    assert rel <= 1e-5
