@@ -46,7 +46,7 @@ from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue, expression_isa
 from microkernels.machine import Machine
 
-from .blocking import divisors, vector_block
+from .blocking import divisors
 from .conv import ConvProblem
 from .nest import zeroing_kernel
 
@@ -84,10 +84,10 @@ def tile_size(problem: ConvProblem) -> int | None:
     return next((m for m in TILES if problem.p % m == 0 and problem.q % m == 0), None)
 
 
-#: Input channels from which the GEMMs outweigh the transforms: on a Sapphire Rapids, 2
-#: threads, each alone against the direct conv, 64 channels 0.99-1.06x (56x56 at batch 8,
-#: 224x224), 128 channels 1.62-1.76x, 256 and 512 1.81-2.57x.
-MIN_CHANNELS = 128
+#: Input channels from which Winograd pays: on a Sapphire Rapids, 2 threads, each conv alone
+#: against the direct one (interleaved), 64 channels 2.3-2.4x (224x224 at batch 1, 56x56 at
+#: batch 8), 256 and 512 channels 1.9-3.4x.
+MIN_CHANNELS = 64
 
 
 def winograd_pays(problem: ConvProblem, machine: Machine) -> int | None:
@@ -97,7 +97,7 @@ def winograd_pays(problem: ConvProblem, machine: Machine) -> int | None:
     >>> from microkernels import isa
     >>> machine = Machine(isa.from_name("avx512"), isa.DEFAULT_CACHES, threads=2)
     >>> [winograd_pays(ConvProblem(1, c, 56, 56, 64, 3, 3, padding=1), machine)
-    ...  for c in (64, 128)]
+    ...  for c in (32, 64)]
     [None, 4]
     """
     return tile_size(problem) if problem.c >= MIN_CHANNELS else None
@@ -236,15 +236,18 @@ def _linear(coefficients: np.ndarray, terms: list[tirx.PrimExpr]) -> tirx.PrimEx
     return total if total is not None else tirx.const(0.0, "float32")
 
 
-def _at(matrix: np.ndarray, row: int, column: tirx.PrimExpr) -> tirx.PrimExpr:
-    """``matrix[row, column]`` for a loop variable ``column``: a chain of selects that an
-    unrolled loop folds to the constant."""
+def _select(index: tirx.PrimExpr, values: list[tirx.PrimExpr], first: int = 0
+            ) -> tirx.PrimExpr:
+    """``values[index - first]`` for a loop variable ``index``: a balanced tree of selects
+    (shallow, for TVM's simplifier) that an unrolled loop folds to the one value, so each
+    point is its own sparse sum (the transforms' zeros and ones never multiply)."""
     from tvm import tirx
 
-    value = tirx.const(float(matrix[row, -1]), "float32")
-    for j in range(matrix.shape[1] - 2, -1, -1):
-        value = tirx.Select(column == j, tirx.const(float(matrix[row, j]), "float32"), value)
-    return value
+    if len(values) == 1:
+        return values[0]
+    half = len(values) // 2
+    return tirx.Select(index < first + half, _select(index, values[:half], first),
+                       _select(index, values[half:], first + half))
 
 
 def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFunc:
@@ -263,14 +266,18 @@ def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFun
     x = te.placeholder(conv.input_shape, "float32", name="X")
     u = te.placeholder(weight_shape(problem, bk), "float32", name="U")
 
-    def input_transform(xi, t, c):  # (B^T d B)[xi // alpha, xi % alpha] of tile t
+    def input_rows(i, col, t, c):  # (d B)[i, col] of tile t
         n, ty, tx = t // (th * tw), t // tw % th, t % tw
-        d = [[x[n, ty * m + i, tx * m + j, c] for j in range(alpha)] for i in range(alpha)]
-        # B's columns xi // alpha and xi % alpha as selects: constants once unrolled.
-        return sum(d[i][j] * _at(b, i, xi // alpha) * _at(b, j, xi % alpha)
-                   for i in range(alpha) for j in range(alpha))
+        d_i = [x[n, ty * m + i, tx * m + j, c] for j in range(alpha)]
+        return _select(col, [_linear(b[:, j], d_i) for j in range(alpha)])
 
-    v = te.compute((problem.points, problem.tiles, conv.c), input_transform, name="V")
+    rows_of_v = te.compute((alpha, alpha, problem.tiles, conv.c), input_rows, name="V_rows")
+    v = te.compute(  # (B^T d B)[xi // alpha, xi % alpha]
+        (problem.points, problem.tiles, conv.c),
+        lambda xi, t, c: _select(xi, [_linear(b[:, row], [rows_of_v[i, col, t, c]
+                                                          for i in range(alpha)])
+                                      for row in range(alpha) for col in range(alpha)]),
+        name="V")
     rc = te.reduce_axis((0, conv.c), name="c")
     gemm = te.compute((problem.points, problem.tiles, k),
                       lambda xi, t, o: te.sum(v[xi, t, rc] * u[xi, o // bk, rc, o % bk],
@@ -279,8 +286,12 @@ def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFun
     def output_transform(row, o):  # (A^T M A)[row's pixel within its tile]
         n, p, q = row // (conv.p * conv.q), row // conv.q % conv.p, row % conv.q
         t = (n * th + p // m) * tw + q // m
-        return sum(gemm[i * alpha + j, t, o] * _at(a, i, p % m) * _at(a, j, q % m)
-                   for i in range(alpha) for j in range(alpha))
+        # (M A)'s columns once per pixel: LLVM merges those the tile's pixels share.
+        cols = [[_linear(a[:, col], [gemm[x * alpha + j, t, o] for j in range(alpha)])
+                 for col in range(m)] for x in range(alpha)]
+        return _select(p % m * m + q % m,
+                       [_linear(a[:, i], [cols[x][j] for x in range(alpha)])
+                        for i in range(m) for j in range(m)])
 
     view = te.compute((rows, k), output_transform, name="view")
     extra = {op.name: te.placeholder(op.shape(rows, k), op.dtype, name=op.name)
@@ -308,23 +319,25 @@ def schedule(problem: WinogradProblem, config: WinogradConfig, isa: str | _isa.I
     config.check(problem)
     conv, m = problem.conv, problem.tile
     sch = s_tir.Schedule(workload(problem, config.bk, expression_isa(isa_name, config.bk)))
-    lanes = vector_block(conv.c, 16, limit=16)
 
     v = sch.get_sblock("V")
     xi, t, c = sch.get_loops(v)
-    c_out, c_in = sch.split(c, [None, lanes])
-    sch.reorder(t, c_out, xi, c_in)
-    sch.parallel(t)
+    tile_rows, tile_cols = sch.split(t, [None, conv.q // m])  # affine indices: no divisions
+    c_out, c_in = sch.split(c, [None, _lanes(conv.c)])
+    sch.reorder(tile_rows, tile_cols, c_out, xi, c_in)
+    sch.parallel(tile_rows)
     sch.unroll(xi)
     sch.vectorize(c_in)
+    # Each pass of the transforms over one tile's vector of channels, in registers: small
+    # sums (TVM's CSE took seconds over all 36 points' sums written out in full).
+    _per_tile(sch, "V_rows", c_out)
 
     out = sch.get_sblock("epilogue")
     if conv.epilogue.ops:
         sch.compute_inline(sch.get_sblock("view"))
     row, o = sch.get_loops(out)
-    th, tw = conv.p // m, conv.q // m
-    tile_rows, i, tile_cols, j = sch.split(row, [conv.n * th, m, tw, m])
-    o_out, o_in = sch.split(o, [None, vector_block(conv.k, 16, limit=16)])
+    tile_rows, i, tile_cols, j = sch.split(row, [None, m, conv.q // m, m])
+    o_out, o_in = sch.split(o, [None, _lanes(conv.k)])
     sch.reorder(tile_rows, tile_cols, o_out, i, j, o_in)
     sch.parallel(tile_rows)
     sch.unroll(i)
@@ -343,6 +356,26 @@ def schedule(problem: WinogradProblem, config: WinogradConfig, isa: str | _isa.I
     sch.tensorize(sch.blockize(t_in), dispatch(shape))
 
     return sch
+
+
+def _per_tile(sch: s_tir.Schedule, name: str, loop: s_tir.LoopRV) -> None:
+    """Compute stage ``name`` under ``loop`` into a local buffer, its loops unrolled but the
+    vector of channels (its last)."""
+    block = sch.get_sblock(name)
+    sch.compute_at(block, loop)
+    sch.set_scope(block, 0, "local")
+    loops = sch.get_loops(block)
+    at = next(i for i, one in enumerate(loops) if sch.get(one).same_as(sch.get(loop)))
+    *outer, lanes = loops[at + 1:]
+    for one in outer:
+        sch.unroll(one)
+    sch.vectorize(lanes)
+
+
+def _lanes(channels: int) -> int:
+    """Channels per vector of the transforms: one AVX-512 register's 16 float32 where they
+    divide, else the largest divisor below (each point's sums stay in one register)."""
+    return max(d for d in divisors(channels) if d <= 16)
 
 
 def default_config(problem: WinogradProblem, machine: Machine) -> WinogradConfig:
