@@ -22,8 +22,10 @@ The transform matrices are Cook-Toom's over TVM's interpolation points (Barabasz
 whose points keep the error of ``F(4, 3)`` near 3e-7 relative); this is float32 arithmetic
 throughout, with a rounding error a few times a direct conv's, never a lower precision.
 
-Tiles must cover the output exactly (``m`` divides P and Q): :func:`tile_size` picks 4,
-else 2, else None.
+Where a tile does not divide the output, the last tiles of a row or column reach past its
+edge: they read zeros past the padded input and their pixels past the edge are never
+written (:func:`tile_size` picks the tile with the fewest products per output, counting
+those: 4 for ResNet's 14x14 and 7x7 maps).
 
 Examples
 --------
@@ -51,56 +53,82 @@ from .conv import ConvProblem
 from .nest import zeroing_kernel
 
 if TYPE_CHECKING:
-    from tvm import s_tir, tirx
+    from tvm import s_tir, te, tirx
     from tvm.tirx import PrimFunc
 
 __all__ = ["WinogradProblem", "WinogradConfig", "TILES", "tile_size", "winograd_pays",
-           "MIN_CHANNELS", "transform_matrices",
+           "MIN_CHANNELS", "MIN_TILES", "transform_matrices",
            "pack_weight", "weight_shape", "workload", "schedule", "default_config",
            "candidates"]
 
-#: Output tile sizes, preferred first: F(4x4, 3x3) (36 products for 16 outputs) then
-#: F(2x2, 3x3) (16 for 4).
+#: Output tile sizes: F(4x4, 3x3) (36 products for 16 outputs) and F(2x2, 3x3) (16 for 4).
 TILES = (4, 2)
+
+
+def _eligible(problem: ConvProblem) -> bool:
+    return (problem.dtype == "float32" and (problem.r, problem.s) == (3, 3)
+            and problem.stride == (1, 1) and problem.dilation == (1, 1)
+            and problem.padding == (1, 1, 1, 1) and problem.groups == 1
+            and not problem.prologue.ops)
+
+
+def _products(problem: ConvProblem, tile: int) -> float:
+    """Products per output pixel and channel pair: ``(m + 2)^2 / m^2``, times the share of
+    the tiles' pixels past the output's edges."""
+    covered = -(-problem.p // tile) * -(-problem.q // tile) * tile * tile
+    return (tile + 2) ** 2 / tile ** 2 * covered / (problem.p * problem.q)
 
 
 def tile_size(problem: ConvProblem) -> int | None:
     """The output tile of the Winograd form of ``problem``, or None where it has none: a
     float32 3x3 conv of stride 1 padded by one pixel, ungrouped, undilated, without a
-    prologue, whose output rows and columns a tile of :data:`TILES` divides.
+    prologue.  Of :data:`TILES`, the one with the fewest products per output, counting the
+    tiles' pixels past the edges (a 14x14 map takes 4: 2.94 products to 2's 4; a 6x6 map
+    2, exactly).
 
-    >>> tile_size(ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1))
-    4
-    >>> tile_size(ConvProblem(1, 64, 14, 14, 64, 3, 3, padding=1))
-    2
+    >>> [tile_size(ConvProblem(1, 64, h, h, 64, 3, 3, padding=1)) for h in (56, 14, 7, 6)]
+    [4, 4, 4, 2]
     >>> tile_size(ConvProblem(1, 64, 56, 56, 64, 3, 3, stride=2, padding=1)) is None
     True
     """
-    if (problem.dtype != "float32" or (problem.r, problem.s) != (3, 3)
-            or problem.stride != (1, 1) or problem.dilation != (1, 1)
-            or problem.padding != (1, 1, 1, 1) or problem.groups != 1
-            or problem.prologue.ops):
+    if not _eligible(problem):
         return None
-    return next((m for m in TILES if problem.p % m == 0 and problem.q % m == 0), None)
+    return min(sorted(TILES), key=lambda m: _products(problem, m))
 
 
 #: Input channels from which Winograd pays: on a Sapphire Rapids, 2 threads, each conv alone
 #: against the direct one (interleaved), 64 channels 2.3-2.4x (224x224 at batch 1, 56x56 at
 #: batch 8), 256 and 512 channels 1.9-3.4x.
 MIN_CHANNELS = 64
+#: Tiles (each GEMM's rows) from which a tile size pays: the transformed filter is
+#: ``(m + 2)^2 / 9`` times the filter (4x for F(4)) and streams through every GEMM, so few
+#: rows leave the GEMMs waiting on it (ResNet-50 at batch 1, both in one process: its 14x14
+#: convs in F(4), 16 tiles, and 7x7 ones, 4, made it 0.97x; at batch 8, 128 and 32, 1.05x).
+MIN_TILES = 32
+
+
+def _tiles(problem: ConvProblem, tile: int) -> int:
+    return problem.n * -(-problem.p // tile) * -(-problem.q // tile)
 
 
 def winograd_pays(problem: ConvProblem, machine: Machine) -> int | None:
-    """The tile of :func:`tile_size` where ``problem`` has at least :data:`MIN_CHANNELS`
-    input channels, else None (the direct conv).
+    """The tile with the fewest products per output (:func:`tile_size`) among those that give
+    at least :data:`MIN_TILES` tiles, where ``problem`` is eligible and has at least
+    :data:`MIN_CHANNELS` input channels; else None (the direct conv).
 
     >>> from microkernels import isa
     >>> machine = Machine(isa.from_name("avx512"), isa.DEFAULT_CACHES, threads=2)
     >>> [winograd_pays(ConvProblem(1, c, 56, 56, 64, 3, 3, padding=1), machine)
     ...  for c in (32, 64)]
     [None, 4]
+    >>> [winograd_pays(ConvProblem(n, 256, h, h, 256, 3, 3, padding=1), machine)
+    ...  for n, h in ((1, 14), (8, 14), (1, 7), (8, 7))]
+    [2, 4, None, 4]
     """
-    return tile_size(problem) if problem.c >= MIN_CHANNELS else None
+    if problem.c < MIN_CHANNELS or not _eligible(problem):
+        return None
+    usable = [m for m in sorted(TILES) if _tiles(problem, m) >= MIN_TILES]
+    return min(usable, key=lambda m: _products(problem, m)) if usable else None
 
 
 @dataclass(frozen=True)
@@ -112,7 +140,8 @@ class WinogradProblem:
     conv
         The convolution (operands, epilogue); :func:`tile_size` must allow it.
     tile
-        Output pixels per tile side (one of :data:`TILES`) dividing P and Q.
+        Output pixels per tile side (one of :data:`TILES`); the last tiles of a row or
+        column may reach past the output's edge.
     """
 
     conv: ConvProblem
@@ -121,13 +150,11 @@ class WinogradProblem:
     def __post_init__(self) -> None:
         if not isinstance(self.conv, ConvProblem):
             raise TypeError(f"conv must be a ConvProblem, got {type(self.conv).__name__}")
-        if tile_size(self.conv) is None:
+        if not _eligible(self.conv):
             raise ValueError("Winograd takes float32 3x3 convs of stride 1 padded by 1, "
-                             "ungrouped and without a prologue, over maps a tile of "
-                             f"{' or '.join(map(str, TILES))} divides")
-        if self.tile not in TILES or self.conv.p % self.tile or self.conv.q % self.tile:
-            raise ValueError(f"tile={self.tile} must be one of {TILES} dividing the "
-                             f"{self.conv.p}x{self.conv.q} output")
+                             "ungrouped and without a prologue")
+        if self.tile not in TILES:
+            raise ValueError(f"tile={self.tile} must be one of {TILES}")
 
     @property
     def epilogue(self) -> Epilogue:
@@ -148,9 +175,14 @@ class WinogradProblem:
         return self.alpha ** 2
 
     @property
+    def tile_grid(self) -> tuple[int, int]:
+        """Tiles down and across one image's output."""
+        return -(-self.conv.p // self.tile), -(-self.conv.q // self.tile)
+
+    @property
     def tiles(self) -> int:
         """Output tiles of all the images: each GEMM's rows."""
-        return self.conv.n * (self.conv.p // self.tile) * (self.conv.q // self.tile)
+        return _tiles(self.conv, self.tile)
 
     @property
     def flops(self) -> int:
@@ -236,6 +268,20 @@ def _linear(coefficients: np.ndarray, terms: list[tirx.PrimExpr]) -> tirx.PrimEx
     return total if total is not None else tirx.const(0.0, "float32")
 
 
+def _load_within(x: te.Tensor, index: tuple, bounds: tuple[int, int], reach: tuple[int, int]
+                 ) -> tirx.PrimExpr:
+    """``x[index]``, or 0 where a tile past the output's edge reads past the padded input's
+    rows and columns (``index[1:3]`` within ``bounds``): guarded in a dimension only where
+    the last tile's input, ``reach`` ahead of its first row or column, ends beyond it."""
+    from tvm import te, tirx
+
+    _, row, col, _ = index
+    beyond = [i < b for i, r, b in zip((row, col), reach, bounds, strict=True) if r >= b]
+    if not beyond:
+        return x[index]
+    return te.if_then_else(tirx.all(*beyond), x[index], tirx.const(0.0, "float32"))
+
+
 def _select(index: tirx.PrimExpr, values: list[tirx.PrimExpr], first: int = 0
             ) -> tirx.PrimExpr:
     """``values[index - first]`` for a loop variable ``index``: a balanced tree of selects
@@ -261,14 +307,17 @@ def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFun
     conv, m, alpha = problem.conv, problem.tile, problem.alpha
     _, b, _ = transform_matrices(m)
     a, _, _ = transform_matrices(m)
-    th, tw = conv.p // m, conv.q // m
+    th, tw = problem.tile_grid
     rows, k = conv.n * conv.p * conv.q, conv.k
+    _, hp, wq, _ = conv.input_shape
     x = te.placeholder(conv.input_shape, "float32", name="X")
     u = te.placeholder(weight_shape(problem, bk), "float32", name="U")
 
     def input_rows(i, col, t, c):  # (d B)[i, col] of tile t
         n, ty, tx = t // (th * tw), t // tw % th, t % tw
-        d_i = [x[n, ty * m + i, tx * m + j, c] for j in range(alpha)]
+        d_i = [_load_within(x, (n, ty * m + i, tx * m + j, c), (hp, wq),
+                            ((th - 1) * m + alpha - 1, (tw - 1) * m + alpha - 1))
+               for j in range(alpha)]
         return _select(col, [_linear(b[:, j], d_i) for j in range(alpha)])
 
     rows_of_v = te.compute((alpha, alpha, problem.tiles, conv.c), input_rows, name="V_rows")
@@ -322,7 +371,7 @@ def schedule(problem: WinogradProblem, config: WinogradConfig, isa: str | _isa.I
 
     v = sch.get_sblock("V")
     xi, t, c = sch.get_loops(v)
-    tile_rows, tile_cols = sch.split(t, [None, conv.q // m])  # affine indices: no divisions
+    tile_rows, tile_cols = sch.split(t, [None, problem.tile_grid[1]])  # no divisions
     c_out, c_in = sch.split(c, [None, _lanes(conv.c)])
     sch.reorder(tile_rows, tile_cols, c_out, xi, c_in)
     sch.parallel(tile_rows)
@@ -336,10 +385,13 @@ def schedule(problem: WinogradProblem, config: WinogradConfig, isa: str | _isa.I
     if conv.epilogue.ops:
         sch.compute_inline(sch.get_sblock("view"))
     row, o = sch.get_loops(out)
-    tile_rows, i, tile_cols, j = sch.split(row, [None, m, conv.q // m, m])
+    images, p, q = sch.split(row, [conv.n, conv.p, conv.q])
+    # Tiles past the edge: their pixels beyond it are predicated away.
+    tile_rows, i = sch.split(p, [None, m])
+    tile_cols, j = sch.split(q, [None, m])
     o_out, o_in = sch.split(o, [None, _lanes(conv.k)])
-    sch.reorder(tile_rows, tile_cols, o_out, i, j, o_in)
-    sch.parallel(tile_rows)
+    sch.reorder(images, tile_rows, tile_cols, o_out, i, j, o_in)
+    sch.parallel(sch.fuse(images, tile_rows))
     sch.unroll(i)
     sch.unroll(j)
     sch.vectorize(o_in)

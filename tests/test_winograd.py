@@ -1,10 +1,10 @@
 """Winograd convs (:mod:`schedules.winograd`): float32 3x3 convs as F(m x m, 3x3) transforms
 around flat BRGEMMs.
 
-The kernel against numpy on odd sizes (channels that take no whole vector, both tiles, two
-images, each epilogue kind) and every candidate config; the filter transform; which convs
-take it; and the graph rewrite: a 64-channel conv becomes the Winograd kernel (a 32-channel
-one stays direct), checked against ONNX Runtime.
+The kernel against numpy on odd sizes (channels that take no whole vector, both tiles, tiles
+past the output's edges, two images, each epilogue kind) and every candidate config; the
+filter transform; which convs take it; and the graph rewrite: a 64-channel conv becomes the
+Winograd kernel (a 32-channel one stays direct), checked against ONNX Runtime.
 """
 
 import numpy as np
@@ -68,6 +68,9 @@ def _run(problem: WinogradProblem, config: WinogradConfig, seed: int = 0
     (1, 32, 8, 8, 48, 4, BIAS_RELU),
     (1, 20, 6, 10, 16, 2, BIAS_RESIDUAL_RELU),  # 6 rows: tiles of 2 only
     (2, 16, 4, 4, 32, 2, BIAS_RESIDUAL_RELU),
+    (2, 16, 7, 7, 32, 4, BIAS_RESIDUAL_RELU),   # tiles past the edges: ResNet's 7x7 maps
+    (1, 24, 6, 9, 16, 4, BIAS_RELU),            # past the bottom by 2, the right by 3
+    (1, 8, 5, 3, 16, 2, Epilogue()),
 ])
 def test_kernel_against_numpy(n, c, h, w, k, tile, epilogue):
     problem = WinogradProblem(ConvProblem(n, c, h, w, k, 3, 3, padding=1, epilogue=epilogue),
@@ -111,10 +114,11 @@ def test_transforms_compute_a_1d_correlation(tile):
 def test_which_convs_take_it():
     conv = ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=1)
     assert tile_size(conv) == 4 and winograd_pays(conv, MACHINE) == 4
-    assert tile_size(ConvProblem(1, 128, 14, 14, 64, 3, 3, padding=1)) == 2
+    # Fewest products per output, tiles past the edges counted: 14 and 7 take 4, 6 takes 2.
+    assert [tile_size(ConvProblem(1, 128, h, h, 64, 3, 3, padding=1))
+            for h in (14, 7, 6, 2)] == [4, 4, 2, 2]
     assert winograd_pays(ConvProblem(1, 32, 56, 56, 64, 3, 3, padding=1), MACHINE) is None
-    for other in (ConvProblem(1, 128, 7, 7, 64, 3, 3, padding=1),             # no tile fits
-                  ConvProblem(1, 128, 56, 56, 64, 3, 3, stride=2, padding=1),
+    for other in (ConvProblem(1, 128, 56, 56, 64, 3, 3, stride=2, padding=1),
                   ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=2, dilation=2),
                   ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=1, groups=2),
                   ConvProblem(1, 128, 56, 56, 64, 3, 3),                        # unpadded
@@ -123,8 +127,8 @@ def test_which_convs_take_it():
         assert tile_size(other) is None
         with pytest.raises(ValueError, match="Winograd takes"):
             WinogradProblem(other, 2)
-    with pytest.raises(ValueError, match="tile=4"):
-        WinogradProblem(ConvProblem(1, 8, 6, 6, 8, 3, 3, padding=1), 4)
+    with pytest.raises(ValueError, match="tile=3 must be one of"):
+        WinogradProblem(conv, 3)
     with pytest.raises(ValueError, match="bt=5 does not divide"):
         WinogradConfig(bt=5, bk=8).check(WinogradProblem(conv, 4))
     with pytest.raises(ValueError, match="positive int"):
@@ -165,8 +169,9 @@ def test_graph_takes_winograd_where_it_pays(c, winograd):
     mod, _ = import_model(model)
     mod = rewrite_conv(prepare()(mod), tgt, [])
     kernels = [gv.name_hint for gv in mod.functions if "conv2d" in gv.name_hint]
+    # 48 tiles of 2 (12 of 4: too few rows for the GEMMs, MIN_TILES)
     assert kernels == [f"tpp_conv2d_2x{c}x8x12_{c}x3x3_s1x1"
-                       + ("_winograd4" if winograd else "") + "_bias_relu"]
+                       + ("_winograd2" if winograd else "") + "_bias_relu"]
     x = np.random.default_rng(5).standard_normal((2, c, 8, 12)).astype("float32")
     compiled = tvm_tpp.compile(model, target="tpp -isa=avx2")
     assert any("winograd" in (r.kernel or "") for r in compiled.report) == winograd
