@@ -229,11 +229,19 @@ def measure(problem: Problem, configs: list[Config], target: Target, isa: str,
     for i, args in zip(ok, arguments, strict=True):
         built[new[i]] = functools.partial(compiled[i], *args)  # type: ignore[arg-type]
     timed = [c for c in configs if c in built]
-    flushes = [flush_operands(list(built[c].args)) if cold else None for c in timed]
-    preparations = [_then(flush, before) for flush in flushes]
-    times = time_interleaved([built[c] for c in timed], rounds, round_seconds, preparations)
+    times = time_runs([built[c] for c in timed], rounds, round_seconds, cold, before)
     seconds = dict(zip(timed, times, strict=True))
     return [seconds[c] if c in seconds else errors[c] for c in configs]
+
+
+def time_runs(runs: list[functools.partial], rounds: int = _ROUNDS,
+              round_seconds: float = _ROUND_SECONDS, cold: bool = True,
+              before: Callable[[], object] | None = None) -> list[float]:
+    """:func:`time_interleaved` of built runs (:func:`measure`'s ``built`` values, of one
+    problem or several), each run's operands flushed first where ``cold``, then ``before``."""
+    flushes = [flush_operands(list(run.args)) if cold else None for run in runs]
+    return time_interleaved(runs, rounds, round_seconds,
+                            [_then(flush, before) for flush in flushes])
 
 
 @dataclass(frozen=True)

@@ -298,15 +298,15 @@ def _select(index: tirx.PrimExpr, values: list[tirx.PrimExpr], first: int = 0
 
 def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFunc:
     """The unscheduled PrimFunc ``(X, U, *epilogue operands, Y)``: X the direct conv's
-    padded NHWC input, Y its ``[N*P*Q, K]`` output (module doc); stages ``V``, ``M`` and
-    ``epilogue``."""
+    padded NHWC input, Y its ``[N*P*Q, K]`` output (module doc); stages ``V_rows`` and ``V``
+    (the input transform's two passes), ``M`` (the GEMMs), ``view`` and ``epilogue`` (the
+    output transform, the conv's epilogue)."""
     from tvm import te
 
     from microkernels.epilogue import apply_te
 
     conv, m, alpha = problem.conv, problem.tile, problem.alpha
-    _, b, _ = transform_matrices(m)
-    a, _, _ = transform_matrices(m)
+    a, b, _ = transform_matrices(m)
     th, tw = problem.tile_grid
     rows, k = conv.n * conv.p * conv.q, conv.k
     _, hp, wq, _ = conv.input_shape
@@ -382,8 +382,7 @@ def schedule(problem: WinogradProblem, config: WinogradConfig, isa: str | _isa.I
     _per_tile(sch, "V_rows", c_out)
 
     out = sch.get_sblock("epilogue")
-    if conv.epilogue.ops:
-        sch.compute_inline(sch.get_sblock("view"))
+    sch.compute_inline(sch.get_sblock("view"))
     row, o = sch.get_loops(out)
     images, p, q = sch.split(row, [conv.n, conv.p, conv.q])
     # Tiles past the edge: their pixels beyond it are predicated away.
@@ -406,7 +405,6 @@ def schedule(problem: WinogradProblem, config: WinogradConfig, isa: str | _isa.I
                         dtype_acc="float32", layout="flat", isa=isa_name)
     shape = zeroing_kernel(sch, init, shape, whole=True)
     sch.tensorize(sch.blockize(t_in), dispatch(shape))
-
     return sch
 
 

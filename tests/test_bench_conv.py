@@ -55,6 +55,18 @@ def test_cold_rows_and_the_tuners_candidates(capsys):
     assert "default" in table and "candidate 0" in table
 
 
+def test_winograd_rows_beside_the_direct_conv(tmp_path, capsys):
+    out = tmp_path / "conv.json"
+    assert main(["bench-conv", "1x16x8x8x16x3x3/s1x1p1x1x1x1", "--winograd", "--warmup", "0",
+                 "--rounds", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["label"] for r in rows] == ["default", "winograd F4", "winograd F2"]
+    assert all(r["seconds"] > 0 and not r["error"] for r in rows)
+    assert set(rows[1]["config"]) == {"bt", "bk"}
+    assert "winograd bt=" in table
+
+
 @pytest.mark.parametrize("args, message", [
     (["1x64x56x56x64"], "a conv is NxCxHxWxKxRxS"),
     (["1x3x4x4x8x5x5"], "does not fit"),
@@ -63,6 +75,7 @@ def test_cold_rows_and_the_tuners_candidates(capsys):
     (["1x8x7x7x16x3x3", "--vs", "fold_taps=maybe"], "takes true or false"),
     (["1x8x7x7x16x3x3", "--vs", "spec=ZZZ"], "--vs spec=ZZZ"),
     (["1x8x7x7x16x3x3", "--epilogue", "bias,sparkle"], "unknown epilogue op 'sparkle'"),
+    (["1x8x7x7x16x3x3/s2x2p1x1x1x1", "--winograd"], "--winograd: Winograd takes"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["bench-conv", *args, "--warmup", "0", "--rounds", "1"]) == 2

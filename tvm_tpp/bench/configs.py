@@ -43,10 +43,11 @@ from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules.conv import ConvProblem
 from schedules.gemm import GemmConfig, GemmProblem
-from schedules.measure import measure
+from schedules.measure import measure, time_runs
 from schedules.ops import Config, Problem, config_text, conv_problem, op_of, problem_text
 from schedules.search import MAX_CANDIDATES
 from schedules.space import Candidate
+from schedules.winograd import TILES, WinogradProblem
 
 from ..errors import UsageError
 
@@ -179,8 +180,11 @@ def variant(config: Config, text: str, problem: Problem) -> Config:
 def bench_configs(problem: Problem, target: Target,
                   variants: Sequence[tuple[str, Config | None]], *, cold: bool = False,
                   warmup: float = 5.0, rounds: int = 10, round_seconds: float = 0.3,
-                  after: ConvProblem | None = None) -> list[ConfigRow]:
-    """Time each ``(label, config)`` of ``problem`` (None: the default) interleaved.
+                  after: ConvProblem | None = None,
+                  forms: Sequence[tuple[str, Problem]] = ()) -> list[ConfigRow]:
+    """Time each ``(label, config)`` of ``problem`` (None: the default), and each
+    ``(label, form)`` (another problem computing the same, e.g. the conv's Winograd form, in
+    its default config), interleaved.
 
     Parameters
     ----------
@@ -200,12 +204,20 @@ def bench_configs(problem: Problem, target: Target,
         as the layer before does in a network: its output, ``[N*P*Q, K]`` pixels by
         channels, is ``problem``'s packed input where ``problem`` is a 1x1 conv of stride 1
         without padding over its ``P x Q`` map and ``K`` channels (ValueError otherwise).
+    forms
+        Labelled problems timed beside ``problem``'s configurations, each in its default.
     """
     machine = machine_of(target)
-    configs = [config or op_of(problem).default(problem, machine) for _, config in variants]
-    built: dict = {}
-    measure(problem, configs, target, machine.isa.name, rounds=0, built=built)
-    runs = [built[c] for c in dict.fromkeys(configs) if c in built]
+    rows = [(label, problem, config or op_of(problem).default(problem, machine))
+            for label, config in variants]
+    rows += [(label, form, op_of(form).default(form, machine)) for label, form in forms]
+    built: dict = {}  # (problem, config) -> run, or the error that kept it from being built
+    for one in dict.fromkeys(p for _, p, _ in rows):
+        configs = list(dict.fromkeys(c for _, p, c in rows if p == one))
+        mine: dict = {}
+        errors = measure(one, configs, target, machine.isa.name, rounds=0, built=mine)
+        built |= {(one, c): mine.get(c, e) for c, e in zip(configs, errors, strict=True)}
+    runs = [r for r in dict.fromkeys(built.values()) if not isinstance(r, str)]
     producer = _producer(after, problem, runs, target) if after is not None and runs else None
     end = time.perf_counter() + warmup
     while runs and time.perf_counter() < end:
@@ -213,11 +225,12 @@ def bench_configs(problem: Problem, target: Target,
             if producer is not None:
                 producer()
             run()
-    times = measure(problem, configs, target, machine.isa.name, rounds=rounds,
-                    round_seconds=round_seconds, built=built, cold=cold, before=producer)
-    return [ConfigRow(label, config, t, "") if isinstance(t, float)
-            else ConfigRow(label, config, None, t)
-            for (label, _), config, t in zip(variants, configs, times, strict=True)]
+    seconds = dict(zip(runs, time_runs(runs, rounds, round_seconds, cold, producer),
+                       strict=True))
+    return [ConfigRow(label, config, seconds[built[(p, config)]], "")
+            if not isinstance(built[(p, config)], str)
+            else ConfigRow(label, config, None, built[(p, config)])
+            for label, p, config in rows]
 
 
 def _producer(after: ConvProblem, problem: ConvProblem, runs: list, target: Target):
@@ -305,9 +318,15 @@ def run(args: argparse.Namespace) -> int:
                                          for text in args.vs or ()]
     if args.candidates:
         variants += tuner_candidates(problem, tpp)
+    forms = []
+    if getattr(args, "winograd", False):
+        try:
+            forms = [(f"winograd F{m}", WinogradProblem(problem, m)) for m in TILES]
+        except (TypeError, ValueError) as err:
+            raise UsageError(f"--winograd: {err}") from None
     try:
         rows = bench_configs(problem, tpp, variants, cold=args.cold, warmup=args.warmup,
-                             rounds=args.rounds, after=after)
+                             rounds=args.rounds, after=after, forms=forms)
     except ValueError as err:
         raise UsageError(f"--after: {err}") from None
     print(format_rows(problem, rows, args.cold, threads, after))
@@ -317,6 +336,6 @@ def run(args: argparse.Namespace) -> int:
                        "epilogue": problem.epilogue.name, "threads": threads, "cold": args.cold,
                        "flops": problem.flops,
                        "rows": [{"label": r.label, "seconds": r.seconds, "error": r.error,
-                                 "config": op.to_json(r.config)} for r in rows]},
+                                 "config": op_of(r.config).to_json(r.config)} for r in rows]},
                       f, indent=1)
     return 0 if all(r.seconds is not None for r in rows) else 1
