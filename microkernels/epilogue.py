@@ -86,6 +86,7 @@ __all__ = [
     "vector_lanes",
     "reference",
     "register_expr",
+    "DTYPE_TAGS",
 ]
 
 ACC_DTYPES = ("float32", "int32")
@@ -111,7 +112,8 @@ _TERMINAL = ("convert",)
 _CONVERTING = ("convert", "requantize")
 _GELU_VARIANTS = ("erf", "tanh")
 _QUANT_RANGE = {"uint8": (0, 255), "int8": (-128, 127)}
-_SHORT = {"uint8": "u8", "int8": "s8", "bfloat16": "bf16"}
+#: Short names of the low-precision types, as kernel names, op tags and tuning keys spell them.
+DTYPE_TAGS = {"uint8": "u8", "int8": "s8", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -299,9 +301,9 @@ class EpilogueOp:
         if self.kind == "gelu":
             return f"gelu_{self.variant}"
         if self.kind in _CONVERTING:
-            return f"{self.kind}_{_SHORT[self.dtype]}"
+            return f"{self.kind}_{DTYPE_TAGS[self.dtype]}"
         if self.kind in ("residual_dq", "residual") and self.dtype:
-            return f"residual_{_SHORT[self.dtype]}"
+            return f"residual_{DTYPE_TAGS[self.dtype]}"
         if self.kind == "bias" and self.broadcast == "col":
             return "bias_col"
         return self.kind

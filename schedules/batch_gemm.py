@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING
 from microkernels import amx as _amx
 from microkernels import isa as _isa
 from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
-from microkernels.epilogue import Epilogue
+from microkernels.epilogue import DTYPE_TAGS, Epilogue
 from microkernels.machine import Machine
 
 from .blocking import divisors, near_divisors
@@ -96,7 +96,6 @@ __all__ = ["OPERANDS", "BatchGemmProblem", "BatchGemmConfig", "default_config", 
            "workload", "schedule", "reference", "stored_shapes"]
 
 
-_SHORT = {"bfloat16": "bf16", "uint8": "u8"}
 #: uint8 B is shifted into the kernel's int8 B by this.
 _B_SHIFT = 128
 
@@ -244,7 +243,7 @@ class BatchGemmProblem(TypedProblem):
                        if on)
         tags += str(self.heads) if self.heads > 1 else ""
         if self.dtype != "float32":  # tuning keys tell the precisions apart by the layout
-            tags += _SHORT[self.dtype]
+            tags += DTYPE_TAGS[self.dtype]
             za, zb = self.zero_points
             tags += f"z{za}.{zb}" if self.zero_points != (0, 0) else ""
         return tags

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-from microkernels.epilogue import Epilogue, EpilogueOp
+from microkernels.epilogue import DTYPE_TAGS, Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules.conv import ConvProblem
 from schedules.gemm import GemmConfig, GemmProblem
@@ -70,7 +70,7 @@ class ConfigRow:
 
 
 #: Kernel names' tags of requantization's output types.
-_QUANTIZED = {"u8": "uint8", "s8": "int8"}
+_QUANTIZED = {DTYPE_TAGS[dtype]: dtype for dtype in ("uint8", "int8")}
 
 
 def epilogue_of(text: str) -> Epilogue:
