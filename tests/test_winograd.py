@@ -13,6 +13,7 @@ import pytest
 import tvm
 from conftest import pixel_rows
 from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
 
 import tvm_tpp
 from microkernels import isa
@@ -177,3 +178,39 @@ def test_graph_takes_winograd_where_it_pays(c, winograd):
     assert any("winograd" in (r.kernel or "") for r in compiled.report) == winograd
     _, rel = max_errors(compiled.run(x=x), run_onnxruntime(model, {"x": x}))
     assert rel <= 1e-5
+
+
+def test_graph_rewrite_structurally():
+    """A padded 3x3 conv + ReLU becomes: NHWC, pad by one, the Winograd kernel over the
+    transformed filter (a constant: :func:`pack_weight` of the filter), back to NCHW."""
+    w = np.random.default_rng(6).standard_normal((64, 64, 3, 3)).astype("float32")
+    x = relax.Var("x", relax.TensorType((2, 64, 8, 12), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(x, relax.const(w),
+                                                                    padding=1))))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    after = rewrite_conv(bb.get(), make_target("tpp -isa=avx2"), [])
+
+    problem = WinogradProblem(ConvProblem(2, 64, 8, 12, 64, 3, 3, padding=1,
+                                          epilogue=Epilogue((EpilogueOp("relu"),))), 2)
+    config = default_config(problem, MACHINE)
+    name = "tpp_conv2d_2x64x8x12_64x3x3_s1x1_winograd2_relu"
+    kernel = schedule(problem, config, "avx2").mod["main"]
+    bb = relax.BlockBuilder()
+    gv = bb.add_func(kernel.with_attrs(after[name].attrs), name)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            nhwc = bb.emit(relax.op.permute_dims(x, [0, 2, 3, 1]))
+            padded = bb.emit(relax.op.nn.pad(nhwc, [0, 0, 1, 1, 1, 1, 0, 0], pad_value=0.0))
+            y = bb.emit(relax.call_tir(gv, [padded, relax.const(pack_weight(w, problem,
+                                                                            config.bk))],
+                                       relax.TensorType((192, 64), "float32")))
+            y = bb.emit(relax.op.reshape(y, (2, 8, 12, 64)))
+            out = bb.emit_output(relax.op.permute_dims(y, [0, 3, 1, 2]))
+        bb.emit_func_output(out)
+    expected = bb.get()
+    expected[gv] = expected[gv].without_attr("global_symbol")  # BlockBuilder's, not the pass's
+    tvm.ir.assert_structural_equal(after, expected)
