@@ -447,12 +447,7 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     (func, brgemm), config = with_config(  # the problem the kernel computes
         kernel_problem, target, tuner,
         lambda c: _kernel(kernel_problem, c, isa, batch is not None), batch is not None)
-    sh, sw = named.stride
-    name = (f"tpp_conv2d_{_images(named, batch)}x{named.c}x{named.h}x{named.w}_"
-            f"{named.k}x{named.r}x{named.s}_s{sh}x{sw}" + _geometry_tag(named)
-            + (f"_pre_{named.prologue.name}" if named.prologue.ops else "")
-            + (f"_{named.epilogue.name}" if named.epilogue.ops else "")
-            + _DTYPE_TAGS[named.dtype])
+    name = _conv_name(named, batch)
     gv = add_kernel(func, name)
     if packed is None:
         packed = _pack_input(x, problem, pad_value, batch)
@@ -476,8 +471,7 @@ def _emit_winograd(x: relax.Expr, problem: WinogradProblem, weight: np.ndarray,
     isa = machine_of(target).isa.name
     (func, brgemm), config = with_config(problem, target, tuner,
                                          lambda c: _winograd_kernel(problem, c, isa), False)
-    name = (f"tpp_conv2d_{conv.n}x{conv.c}x{conv.h}x{conv.w}_{conv.k}x{conv.r}x{conv.s}_s1x1"
-            f"_winograd{problem.tile}" + (f"_{conv.epilogue.name}" if conv.epilogue.ops else ""))
+    name = _conv_name(conv, None, f"_winograd{problem.tile}")
     args = [_pack_input(x, conv, 0, None),
             relax.const(winograd.pack_weight(weight, problem, config.bk)), *operands]
     out = call_kernel(add_kernel(func, name), args, (conv.rows, conv.k), conv.out_dtype)
@@ -491,6 +485,17 @@ def _winograd_kernel(problem: WinogradProblem, config: WinogradConfig, isa: str
                      ) -> tuple[tvm.tirx.PrimFunc, BrgemmShape | None]:
     sch = winograd.schedule(problem, config, isa)
     return sch.mod["main"], dispatched_brgemm(sch)
+
+
+def _conv_name(problem: ConvProblem, batch: tvm.ir.PrimExpr | None, form: str = "") -> str:
+    """The kernel's name: the conv's shape, geometry, ``form`` (how it is computed, where
+    not directly), prologue, epilogue and operand type."""
+    sh, sw = problem.stride
+    return (f"tpp_conv2d_{_images(problem, batch)}x{problem.c}x{problem.h}x{problem.w}_"
+            f"{problem.k}x{problem.r}x{problem.s}_s{sh}x{sw}" + _geometry_tag(problem) + form
+            + (f"_pre_{problem.prologue.name}" if problem.prologue.ops else "")
+            + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
+            + _DTYPE_TAGS[problem.dtype])
 
 
 def _times(batch: tvm.ir.PrimExpr | None, size: int) -> tvm.ir.PrimExpr | int:

@@ -429,21 +429,19 @@ def _lanes(channels: int) -> int:
 
 
 def default_config(problem: WinogradProblem, machine: Machine) -> WinogradConfig:
-    """``bk`` the register tile's columns (64 floats on AVX-512, as the direct conv's), ``bt``
-    the largest divisor of the tiles up to 28 that keeps the FMAs busy (at least 7 rows).
+    """``bk`` the register tile's columns (64 floats on AVX-512), ``bt`` the tiles' divisor
+    the direct conv takes for a row of that many pixels (up to 28, at least 7 where one is):
+    the GEMMs are that conv's single calls over other rows.
 
     >>> from microkernels import isa
     >>> p = WinogradProblem(ConvProblem(1, 256, 56, 56, 256, 3, 3, padding=1), tile=4)
     >>> default_config(p, Machine(isa.from_name("avx512"), isa.DEFAULT_CACHES, 2))
     WinogradConfig(bt=28, bk=64)
     """
-    from .conv import _column_block
+    from .conv import _column_block, _default_bq
 
-    bk = _column_block(problem.conv.k, machine.isa)
-    fitting = [d for d in divisors(problem.tiles) if 7 <= d <= 28]
-    bt = max(fitting) if fitting else min(d for d in divisors(problem.tiles) if d >= 7) \
-        if problem.tiles >= 7 else problem.tiles
-    return WinogradConfig(bt=bt, bk=bk)
+    return WinogradConfig(bt=_default_bq(problem.tiles),
+                          bk=_column_block(problem.conv.k, machine.isa))
 
 
 def candidates(problem: WinogradProblem, machine: Machine) -> list[WinogradConfig]:
