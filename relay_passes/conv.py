@@ -73,7 +73,7 @@ from schedules.depthwise import DepthwiseConfig, DepthwiseProblem
 from schedules.operands import OPERANDS
 from schedules.stacked_rows import stacked_rows_kernel
 from schedules.tuner import TaskCollector, Tuner, config_for
-from schedules.winograd import WinogradConfig, WinogradProblem, winograd_pays
+from schedules.winograd import DIRECT_KEY, WinogradConfig, WinogradProblem, winograd_pays
 
 from .bf16_pools import max_pool_in_bf16
 from .dense import PRECISIONS
@@ -436,7 +436,8 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
             (images, rows, columns, channels))
         problem, weight = folded, fold_rows_weight(weight)
     machine = machine_of(target)
-    tile = winograd_pays(problem, machine) if batch is None and packed is None else None
+    tile = (winograd_pays(problem, machine) if batch is None and packed is None
+            and DIRECT_KEY not in target.keys else None)
     if tile is not None:
         return _emit_winograd(x, WinogradProblem(problem, tile), weight, operands, add_kernel,
                               target, tuner)

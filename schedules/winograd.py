@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
 
 __all__ = ["WinogradProblem", "WinogradConfig", "TILES", "tile_size", "winograd_pays",
-           "MIN_CHANNELS", "MIN_TILES", "transform_matrices",
+           "MIN_CHANNELS", "MIN_TILES", "DIRECT_KEY", "transform_matrices",
            "pack_weight", "weight_shape", "workload", "schedule", "default_config",
            "candidates"]
 
@@ -96,6 +96,9 @@ def tile_size(problem: ConvProblem) -> int | None:
     return min(sorted(TILES), key=lambda m: _products(problem, m))
 
 
+#: A target key that keeps every conv direct (``tpp -conv=direct``): bit for bit the direct
+#: kernels' results, where Winograd's rounding (a few times the direct conv's) matters.
+DIRECT_KEY = "tpp-direct-conv"
 #: Input channels from which Winograd pays: on a Sapphire Rapids, 2 threads, each conv alone
 #: against the direct one (interleaved), 64 channels 2.3-2.4x (224x224 at batch 1, 56x56 at
 #: batch 8), 256 and 512 channels 1.9-3.4x.

@@ -214,3 +214,15 @@ def test_graph_rewrite_structurally():
     expected = bb.get()
     expected[gv] = expected[gv].without_attr("global_symbol")  # BlockBuilder's, not the pass's
     tvm.ir.assert_structural_equal(after, expected)
+
+
+def test_a_target_that_keeps_convs_direct():
+    model = _model(64)
+    direct = make_target("tpp -isa=avx2 -conv=direct")
+    assert "tpp-direct-conv" in direct.keys
+    mod = rewrite_conv(prepare()(import_model(model)[0]), direct, [])
+    assert [gv.name_hint for gv in mod.functions if "conv2d" in gv.name_hint] == [
+        "tpp_conv2d_2x64x8x12_64x3x3_s1x1_bias_relu"]
+    assert "tpp-direct-conv" not in make_target("tpp -isa=avx2 -conv=auto").keys
+    with pytest.raises(ValueError, match="-conv must be one of auto, direct, got 'fast'"):
+        make_target("tpp -isa=avx2 -conv=fast")

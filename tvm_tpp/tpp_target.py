@@ -11,7 +11,9 @@ Spec strings understood by :func:`target`::
     tpp                         this host: its ISA, its LLVM CPU, the cores this process may use
                                 (AVX-512 BF16, not AMX, when Linux refuses the tile permission)
     tpp -isa=amx                a foreign ISA (LLVM triple/CPU/attributes filled in)
-    tpp -isa=avx2 -num-cores=1  options: -isa, -mcpu, -num-cores
+    tpp -isa=avx2 -num-cores=1  options: -isa, -mcpu, -num-cores, -conv
+    tpp -conv=direct            every conv direct: none in Winograd's form (schedules.winograd;
+                                the default, -conv=auto, takes it where it pays)
 
 Examples
 --------
@@ -31,6 +33,7 @@ from tvm.target import Target
 
 from microkernels import isa as _isa
 from microkernels.machine import host_isa, is_tpp, machine_of, runs_here
+from schedules.winograd import DIRECT_KEY
 
 from .errors import TargetError
 
@@ -40,13 +43,16 @@ if TYPE_CHECKING:
 __all__ = ["target", "remote_target", "spec_isa", "is_tpp", "runs_on_host", "TAG_PREFIX"]
 
 TAG_PREFIX = "tpp/"
-_OPTIONS = ("isa", "mcpu", "num-cores")
+_OPTIONS = ("isa", "mcpu", "num-cores", "conv")
+#: Values of ``-conv``: ``direct`` marks the target with :data:`schedules.winograd.DIRECT_KEY`.
+_CONV_CHOICES = ("auto", "direct")
 
 
-def _config(chosen: _isa.Isa, mcpu: str | None, num_cores: int) -> dict[str, Any]:
+def _config(chosen: _isa.Isa, mcpu: str | None, num_cores: int, direct_convs: bool = False
+            ) -> dict[str, Any]:
     config: dict[str, Any] = {
         "kind": "llvm",
-        "keys": ["tpp", "cpu"],
+        "keys": ["tpp", "cpu"] + ([DIRECT_KEY] if direct_convs else []),
         "mtriple": chosen.mtriple,
         "mcpu": mcpu or chosen.mcpu,
         "model": chosen.name,
@@ -142,7 +148,10 @@ def target(spec: str | dict | Target = "tpp", num_cores: int | None = None) -> T
         mcpu = options.get("mcpu") or _host_mcpu(chosen)
     if "mcpu" in options:
         _check_mcpu(options["mcpu"], chosen)
-    return Target(_config(chosen, mcpu, cores))
+    conv = options.get("conv", "auto")
+    if conv not in _CONV_CHOICES:
+        raise TargetError(f"-conv must be one of {', '.join(_CONV_CHOICES)}, got {conv!r}")
+    return Target(_config(chosen, mcpu, cores, conv == "direct"))
 
 
 def _check_mcpu(mcpu: str, chosen: _isa.Isa) -> None:
@@ -187,7 +196,8 @@ def remote_target(spec: str, chosen: _isa.Isa, cpu: RemoteCpu | None) -> Target:
         mcpu = cpu.mcpu
     cores = options.get("num-cores") or (cpu.threads if cpu is not None else 1)
     words = ["tpp", f"-isa={chosen.name}", f"-num-cores={cores}"] + \
-        ([f"-mcpu={mcpu}"] if mcpu else [])
+        ([f"-mcpu={mcpu}"] if mcpu else []) + \
+        ([f"-conv={options['conv']}"] if "conv" in options else [])
     return target(" ".join(words))
 
 
