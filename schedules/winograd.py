@@ -38,6 +38,7 @@ Examples
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,19 +73,24 @@ def _eligible(problem: ConvProblem) -> bool:
             and not problem.prologue.ops)
 
 
+def _grid(problem: ConvProblem, tile: int) -> tuple[int, int]:
+    """Tiles down and across one image's output (the last ones may reach past its edges)."""
+    return -(-problem.p // tile), -(-problem.q // tile)
+
+
 def _products(problem: ConvProblem, tile: int) -> float:
     """Products per output pixel and channel pair: ``(m + 2)^2 / m^2``, times the share of
     the tiles' pixels past the output's edges."""
-    covered = -(-problem.p // tile) * -(-problem.q // tile) * tile * tile
-    return (tile + 2) ** 2 / tile ** 2 * covered / (problem.p * problem.q)
+    th, tw = _grid(problem, tile)
+    return (tile + 2) ** 2 / tile ** 2 * th * tw * tile * tile / (problem.p * problem.q)
 
 
-def tile_size(problem: ConvProblem) -> int | None:
+def tile_size(problem: ConvProblem, min_tiles: int = 1) -> int | None:
     """The output tile of the Winograd form of ``problem``, or None where it has none: a
     float32 3x3 conv of stride 1 padded by one pixel, ungrouped, undilated, without a
-    prologue.  Of :data:`TILES`, the one with the fewest products per output, counting the
-    tiles' pixels past the edges (a 14x14 map takes 4: 2.94 products to 2's 4; a 6x6 map
-    2, exactly).
+    prologue.  Of :data:`TILES` giving at least ``min_tiles`` tiles over all the images, the
+    one with the fewest products per output, counting the tiles' pixels past the edges (a
+    14x14 map takes 4: 2.94 products to 2's 4; a 6x6 map 2, exactly).
 
     >>> [tile_size(ConvProblem(1, 64, h, h, 64, 3, 3, padding=1)) for h in (56, 14, 7, 6)]
     [4, 4, 4, 2]
@@ -93,7 +99,8 @@ def tile_size(problem: ConvProblem) -> int | None:
     """
     if not _eligible(problem):
         return None
-    return min(sorted(TILES), key=lambda m: _products(problem, m))
+    usable = [m for m in sorted(TILES) if problem.n * math.prod(_grid(problem, m)) >= min_tiles]
+    return min(usable, key=lambda m: _products(problem, m)) if usable else None
 
 
 #: A target key that keeps every conv direct (``tpp -conv=direct``): bit for bit the direct
@@ -110,14 +117,9 @@ MIN_CHANNELS = 64
 MIN_TILES = 32
 
 
-def _tiles(problem: ConvProblem, tile: int) -> int:
-    return problem.n * -(-problem.p // tile) * -(-problem.q // tile)
-
-
 def winograd_pays(problem: ConvProblem, machine: Machine) -> int | None:
-    """The tile with the fewest products per output (:func:`tile_size`) among those that give
-    at least :data:`MIN_TILES` tiles, where ``problem`` is eligible and has at least
-    :data:`MIN_CHANNELS` input channels; else None (the direct conv).
+    """:func:`tile_size` with at least :data:`MIN_TILES` tiles, where ``problem`` has at
+    least :data:`MIN_CHANNELS` input channels; else None (the direct conv).
 
     >>> from microkernels import isa
     >>> machine = Machine(isa.from_name("avx512"), isa.DEFAULT_CACHES, threads=2)
@@ -128,10 +130,7 @@ def winograd_pays(problem: ConvProblem, machine: Machine) -> int | None:
     ...  for n, h in ((1, 14), (8, 14), (1, 7), (8, 7))]
     [2, 4, None, 4]
     """
-    if problem.c < MIN_CHANNELS or not _eligible(problem):
-        return None
-    usable = [m for m in sorted(TILES) if _tiles(problem, m) >= MIN_TILES]
-    return min(usable, key=lambda m: _products(problem, m)) if usable else None
+    return tile_size(problem, MIN_TILES) if problem.c >= MIN_CHANNELS else None
 
 
 @dataclass(frozen=True)
@@ -180,12 +179,12 @@ class WinogradProblem:
     @property
     def tile_grid(self) -> tuple[int, int]:
         """Tiles down and across one image's output."""
-        return -(-self.conv.p // self.tile), -(-self.conv.q // self.tile)
+        return _grid(self.conv, self.tile)
 
     @property
     def tiles(self) -> int:
         """Output tiles of all the images: each GEMM's rows."""
-        return _tiles(self.conv, self.tile)
+        return self.conv.n * math.prod(self.tile_grid)
 
     @property
     def flops(self) -> int:
