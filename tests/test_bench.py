@@ -306,6 +306,7 @@ def any_size_conv(tmp_path):
     return path
 
 
+@pytest.mark.slow  # 9 s: a real bench of every row; test_bench_shapes_* check the option
 def test_bench_takes_the_shape_of_an_input_with_symbolic_sizes(tmp_path, any_size_conv, capsys):
     """``--shape`` fixes what ``--batch`` cannot (a detector's height and width); every
     implementation runs that shape, and the tpp build is a static one."""

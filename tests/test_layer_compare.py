@@ -52,6 +52,7 @@ def _matched_one_to_one(cmp, compiled) -> list:
     return layers
 
 
+@pytest.mark.slow  # 9 s: a whole BERT layer against ONNX Runtime; the keys are checked below
 def test_attention_matmuls_meet_onnxruntime_matmuls():
     """A BERT layer's two batch matmuls of activations (``Q K^T`` with its scale and mask,
     ``P V``) are keyed as ONNX Runtime's MatMul nodes are, beside the dense layers."""
