@@ -32,7 +32,18 @@ from . import amx as _amx
 from . import isa as _isa
 
 __all__ = ["Machine", "host", "host_isa", "host_isa_text", "runs_here", "amx_refused", "is_tpp",
-           "machine_of"]
+           "machine_of", "HALF_WIDTH_CPUS", "INT8_MODES", "INT8_KEYS"]
+
+#: LLVM's names of the CPUs whose vector units are half as wide as their ISA's registers:
+#: each 256-bit instruction issues as two 128-bit halves, integer multiply-adds as FMAs, so
+#: without an int8 dot product the exact u8 x s8 kernel runs below the float32 one there
+#: (Zen 1: 0.82x, and the 7-bit ``vpmaddubsw`` kernel 0.99x; ``tvm-tpp bench-kernel``).
+HALF_WIDTH_CPUS = frozenset({"znver1"})
+#: How a target's quantized (QDQ) dense and conv layers compute: ``auto`` (the int8 kernels
+#: where they beat float32: :attr:`Machine.int8_in_float`), ``kernels`` or ``float``.
+INT8_MODES = ("auto", "kernels", "float")
+#: The target key that asks for an ``INT8_MODES`` mode other than ``auto``.
+INT8_KEYS = {"kernels": "tpp-int8-kernels", "float": "tpp-int8-float"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,8 @@ class Machine:
     fp32_flops_per_cycle
         One core's fp32 peak; None asks :func:`microkernels.peak.flops_per_cycle` (measured
         on this host for an ISA it runs, nominal otherwise) when first needed.
+    int8
+        How quantized layers compute, one of :data:`INT8_MODES` (see :attr:`int8_in_float`).
     """
 
     isa: _isa.Isa
@@ -59,10 +72,13 @@ class Machine:
     threads: int = 1
     mcpu: str = ""
     fp32_flops_per_cycle: float | None = None
+    int8: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.isa, _isa.Isa) or not isinstance(self.caches, _isa.Caches):
             raise TypeError("a Machine takes an Isa and a Caches")
+        if self.int8 not in INT8_MODES:
+            raise ValueError(f"int8 must be one of {', '.join(INT8_MODES)}, got {self.int8!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.fp32_flops_per_cycle is not None and not self.fp32_flops_per_cycle > 0:
@@ -77,6 +93,24 @@ class Machine:
         from .peak import flops_per_cycle  # imports TVM; measures once per process
 
         return flops_per_cycle(self.isa.name)
+
+    @property
+    def int8_in_float(self) -> bool:
+        """Whether quantized layers multiply their dequantized values in float32 rather than
+        on the int8 kernels: asked for (``int8="float"``), or by default where the ISA has no
+        int8 dot product and the CPU's vector units are half its width
+        (:data:`HALF_WIDTH_CPUS`), so that float32, and its Winograd convs, are faster.
+
+        >>> from microkernels.isa import DEFAULT_CACHES, from_name
+        >>> [Machine(from_name(i), DEFAULT_CACHES, mcpu=c).int8_in_float
+        ...  for i, c in (("avx2", "znver1"), ("avx2", "znver3"), ("avx512_vnni", "znver1"))]
+        [True, False, False]
+        >>> Machine(from_name("avx2"), DEFAULT_CACHES, mcpu="znver1", int8="kernels").int8_in_float
+        False
+        """
+        if self.int8 != "auto":
+            return self.int8 == "float"
+        return not self.isa.int8_dot and self.mcpu in HALF_WIDTH_CPUS
 
     @property
     def key(self) -> str:
@@ -146,7 +180,8 @@ def machine_of(target: Any) -> Machine:
     """The machine a ``tpp`` target schedules for.
 
     The ISA comes from the target's ``model`` attribute, the thread count from ``num-cores``,
-    the caches from this host (a target names no caches).
+    the int8 mode from its keys (:data:`INT8_KEYS`), the caches from this host (a target
+    names no caches).
 
     Raises
     ------
@@ -156,5 +191,6 @@ def machine_of(target: Any) -> Machine:
     if not is_tpp(target):
         raise ValueError(f"not a tpp target: {target}")
     attrs = target.attrs
+    int8 = next((mode for mode, key in INT8_KEYS.items() if key in target.keys), "auto")
     return Machine(_isa.from_name(str(attrs.get("model", ""))), _caches(),
-                   int(attrs.get("num-cores", 1)), str(attrs.get("mcpu", "")))
+                   int(attrs.get("num-cores", 1)), str(attrs.get("mcpu", "")), int8=int8)

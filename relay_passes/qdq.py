@@ -254,6 +254,11 @@ class _Weights:
         other = tuple(a for a in range(self.values.ndim) if a != self.n_axis)
         return self.values.astype(np.int64).sum(axis=other)
 
+    def dequantized(self) -> np.ndarray:
+        """The float32 weights ``dequantize`` computes: ``float32(W_q) * float32(sw)``."""
+        shape = [-1 if a == self.n_axis else 1 for a in range(self.values.ndim)]
+        return self.values.astype(np.float32) * self.scale.astype(np.float32).reshape(shape)
+
     @functools.cached_property
     def narrow(self) -> bool:
         """Whether the values lie in 7 bits (:func:`schedules.operands.narrow`; scanned once:
@@ -381,14 +386,22 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     elif rescale is not None and chain.rescale in matches and not _is_scalar(
             matches[chain.rescale], "float32"):
         return orig  # only a run-time scalar (the activation's scale times the weight's)
-    if isinstance(zx_expr, tvm.ir.expr.Constant) and rescale is None:
+    in_float = (machine_of(target).int8_in_float and rescale is None
+                and isinstance(zx_expr, tvm.ir.expr.Constant))
+    if in_float:
+        # The QDQ graph's own float arithmetic on float32 kernels: x and W dequantized.
+        xq, zx = matches[chain.x_dequantized], 0
+        epilogue, values = _float_epilogue(bias.reshape(n), chain.relu,
+                                           output if residual is None else residual.layer)
+        operands: list[relax.Expr] = [relax.const(v) for v in values]
+    elif isinstance(zx_expr, tvm.ir.expr.Constant) and rescale is None:
         zx = int(zx_expr.value.numpy().reshape(-1)[0]) + shift
         folded = _folded_epilogue(scale, zx, weights.colsum, bias.reshape(n), chain.relu,
                                   output if residual is None else residual.layer)
         if folded is None:
             return orig
         epilogue, values = folded
-        operands: list[relax.Expr] = [relax.const(v) for v in values]
+        operands = [relax.const(v) for v in values]
     elif output is None and residual is None:
         epilogue, operands = _run_time_epilogue(scale, rescale, zx_expr, shift, weights.colsum,
                                                 bias.reshape(n), chain.relu)
@@ -402,11 +415,13 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     emit = _emit_dense if chain.anchor == "matmul" else _emit_conv
     out, shape, kernel, brgemm, flops = emit(xq, x_shape, layer, weights, transposed, epilogue,
                                              operands, residual and residual.tensor, int(zx),
-                                             add_kernel, target, tuner)
+                                             add_kernel, target, tuner, in_float)
     name = chain.name(output.dtype if output else "float32")
+    dtype = "float32" if in_float else "uint8"
     report.append(Offload.routed(name, shape, kernel, brgemm, flops)
                   if chain.anchor == "matmul"  # shape (m, n, k)
-                  else offload(name, conv_problem(layer, "uint8", epilogue, weights.narrow),
+                  else offload(name, conv_problem(layer, dtype, epilogue,
+                                                  weights.narrow and not in_float),
                                kernel, brgemm, target))
     want = list(orig.ty.shape)  # a residual add may have reshaped the layer's output
     return out if same_dims(want, _emitted_shape(chain, x_shape, weights, layer)) else \
@@ -440,20 +455,26 @@ def _emit_dense(xq: relax.Expr, x_shape: tuple, _layer: relax.Call,
                 weights: _Weights, transposed: bool,
                 epilogue: Epilogue, operands: list[relax.Expr],
                 residual: relax.Expr | None, _zx: int,
-                add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None
+                add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None,
+                in_float: bool = False
                 ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None, int]:
-    """The int8 GEMM of a QDQ matmul: (its result, the report's shape, kernel, BRGEMM, FLOPs
+    """The int8 GEMM of a QDQ matmul (``in_float``: the float32 GEMM of ``xq`` dequantized,
+    with the dequantized weights): (its result, the report's shape, kernel, BRGEMM, FLOPs
     (of one sample where the batch is symbolic))."""
-    w = np.ascontiguousarray(weights.values.T if transposed else weights.values)  # [K, N]
+    values = weights.dequantized() if in_float else weights.values
+    w = np.ascontiguousarray(values.T if transposed else values)  # [K, N]
     k, n = w.shape
     rows = DenseRows.of(x_shape)
+    dtype = "float32" if in_float else "uint8"
     # Bound to the ISA: its layout (VNNI-4, or MMLA on neon_i8mm) decides the packing.
-    problem = GemmProblem(rows.m, n, k, "uint8", epilogue,
-                          narrow_weights=weights.narrow).on(machine_of(target).isa)
+    problem = GemmProblem(rows.m, n, k, dtype, epilogue,
+                          narrow_weights=weights.narrow and not in_float
+                          ).on(machine_of(target).isa)
     sch, config = scheduled(problem, target, tuner, rows)
-    name = f"tpp_qdq_dense_{rows.name()}x{n}x{k}_{problem.epilogue.name}"
+    name = (f"tpp_qdq_dense_{rows.name()}x{n}x{k}_{problem.epilogue.name}"
+            + ("_f32" if in_float else ""))
     gv = add_kernel(sch.mod["main"], name)
-    args = [rows.matrix(xq, k, "uint8"), relax.const(pack_weight(w, config.bn, problem)),
+    args = [rows.matrix(xq, k, dtype), relax.const(pack_weight(w, config.bn, problem)),
             *operands]
     if residual is not None:  # the epilogue's last operand
         args.append(rows.matrix(residual, n, str(residual.ty.dtype)))
@@ -467,13 +488,17 @@ def _emit_conv(xq: relax.Expr, _x_shape: tuple, layer: relax.Call,
                weights: _Weights, _transposed: bool,
                epilogue: Epilogue, operands: list[relax.Expr],
                residual: relax.Expr | None, zx: int,
-               add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None
+               add_kernel: KernelAdder, target: Target, tuner: Tuner | TaskCollector | None,
+               in_float: bool = False
                ) -> tuple[relax.Expr, tuple[int, ...], str, BrgemmShape | None, int]:
     """The int8 conv kernel of a QDQ conv2d: borders pad with the zero point (real zeros).
     A depthwise conv gets the u8 x s8 -> s32 depthwise kernel (its ``[C, 1, R, S]`` weight's
-    ``colsum`` is each channel's filter sum), with the same epilogues."""
-    problem = conv_problem(layer, "uint8", epilogue, weights.narrow)
-    out, kernel, brgemm = emit_conv(xq, problem, weights.values,
+    ``colsum`` is each channel's filter sum), with the same epilogues.  ``in_float``: the
+    float32 conv (or its Winograd form) of ``xq`` dequantized, with the dequantized weights."""
+    problem = conv_problem(layer, "float32" if in_float else "uint8", epilogue,
+                           weights.narrow and not in_float)
+    out, kernel, brgemm = emit_conv(xq, problem,
+                                    weights.dequantized() if in_float else weights.values,
                                     [*operands, *([] if residual is None
                                                   else [to_matrix(residual)])],
                                     add_kernel, target, tuner, pad_value=zx,
@@ -636,6 +661,30 @@ def _folded_epilogue(scale: np.ndarray, zx: int, colsum: np.ndarray, bias: np.nd
         ops.append(EpilogueOp("requantize", broadcast="row", zero_point=output.zero_point,
                               dtype=output.dtype))
         operands.append(requant.astype(np.float32))
+    return Epilogue(tuple(ops)), operands
+
+
+def _float_epilogue(bias: np.ndarray, relu: bool, output: _Output | None
+                    ) -> tuple[Epilogue, list[np.ndarray]]:
+    """The epilogue (and its operands) of a layer computed in float32 on its dequantized
+    operands: the float ``bias``, ``relu``, and the requantization to ``output`` (if any), as
+    the QDQ graph computes them.  An all-zero bias is left out.
+
+    Examples
+    --------
+    >>> epi, operands = _float_epilogue(np.array([0.5, 0.0]), True, _Output(0.25, 3, "uint8"))
+    >>> epi.name, operands
+    ('bias_relu_requantize_u8', [array([0.5, 0. ], dtype=float32)])
+    """
+    ops, operands = [], []
+    if np.any(bias):
+        ops.append(EpilogueOp("bias"))
+        operands.append(bias.astype(np.float32))
+    if relu:
+        ops.append(EpilogueOp("relu"))
+    if output is not None:
+        ops.append(EpilogueOp("requantize", value=1 / output.scale,
+                              zero_point=output.zero_point, dtype=output.dtype))
     return Epilogue(tuple(ops)), operands
 
 

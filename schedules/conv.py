@@ -155,9 +155,10 @@ _REDUCTIONS = frozenset("bfg")
 #: Elementwise ops a prologue applies to the input, per input channel.
 _PROLOGUE_KINDS = frozenset({"scale", "bias", "relu"})
 
-#: X's dtype -> the dtypes a conv may write (a chain's last op decides).
+#: X's dtype -> the dtypes a conv may write (a chain's last op decides; a float32 conv
+#: requantizes where it computes a quantized layer: ``Machine.int8_in_float``).
 _OUT_DTYPES: dict[str, tuple[str, ...]] = {
-    "float32": ("float32",),
+    "float32": ("float32", "uint8", "int8"),
     "bfloat16": ("float32", "bfloat16"),
     "uint8": ("int32", "float32", "uint8", "int8"),
 }

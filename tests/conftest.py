@@ -148,6 +148,11 @@ def needs_isa(isa_name: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(missing), reason=f"host lacks {' '.join(missing)}")
 
 
+#: The host's ``tpp`` target with quantized layers on the int8 kernels whatever this CPU's
+#: default (``-int8=auto`` computes them in float32 where that is faster: a Zen 1).
+INT8_KERNELS = "tpp -int8=kernels"
+
+
 def isa_target(isa_name: str, mcpu: str | None = None):
     """An x86-64 LLVM target for ``isa_name``'s representative CPU (or ``mcpu``)."""
     import tvm

@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import onnx
 import pytest
-from conftest import ORT_INT8_EXACT, make_dense_model
+from conftest import INT8_KERNELS, ORT_INT8_EXACT, make_dense_model
 from onnx import numpy_helper
 
 import tvm_tpp
@@ -192,7 +192,7 @@ def test_quantize_static_qdq_dense_layers_run_on_int8_kernels(tmp_path):
     int8 = [list(t.dims) for t in quantized.graph.initializer
             if t.data_type == onnx.TensorProto.INT8]
     assert [64, 64] in int8 and [64] in int8  # s8 weights and their per-channel zero points
-    report = tvm_tpp.compile(quantized, target="tpp", untuned=True).report
+    report = tvm_tpp.compile(quantized, target=INT8_KERNELS, untuned=True).report
     assert len(report) == 1
     assert report[0].kernel is not None
     assert (report[0].dtypes, report[0].layout) == ("uint8*int8->int32", "vnni4")

@@ -231,7 +231,7 @@ def test_problem_types():
     ({"dtype": "bfloat16", "epilogue": REQUANT},
      "a bfloat16 conv writes float32 or bfloat16, not uint8"),
     ({"dtype": "float32", "epilogue": Epilogue((EpilogueOp("convert", dtype="bfloat16"),))},
-     "a float32 conv writes float32, not bfloat16"),
+     "a float32 conv writes float32 or uint8 or int8, not bfloat16"),
     ({"dtype": "uint8", "epilogue": Epilogue((EpilogueOp("scale", value=0.5),
                                               EpilogueOp("convert", dtype="bfloat16")))},
      "a uint8 conv writes int32 or float32 or uint8 or int8, not bfloat16"),

@@ -8,6 +8,7 @@ what the importer still cannot convert is one line naming the operator and its n
 import numpy as np
 import onnx
 import pytest
+from conftest import INT8_KERNELS
 from onnx import TensorProto, helper, numpy_helper
 
 import tvm_tpp
@@ -93,7 +94,7 @@ def test_quantized_exported_file_keeps_its_int8_kernels(tmp_path):
     """Folding leaves a QDQ model's DequantizeLinear of the weights alone (ONNX Runtime folds
     no DequantizeLinear): the convs and the matmul still run u8 x s8."""
     path = quantize_static_qdq(_exported(), tmp_path / "exported.int8.onnx", samples=2)
-    compiled = tvm_tpp.compile(path, target="tpp")
+    compiled = tvm_tpp.compile(path, target=INT8_KERNELS)
     int8 = [r for r in compiled.report if r.dtypes == "uint8*int8->int32"]
     assert len(int8) == 3, compiled.report
     quantized = onnx.load(str(path))

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+from conftest import INT8_KERNELS
 from qemu_aarch64 import TARGET, QemuRunner, missing
 from tvm import s_tir
 
@@ -262,7 +263,7 @@ def _model_kernels_match_the_host(runner, model, precision: str, instruction: st
     from tvm_tpp.compiler import lower
 
     arm = _kernel_calls(lower(model, target="tpp -isa=neon_i8mm", precision=precision))
-    host_target = tvm_tpp.target("tpp")
+    host_target = tvm_tpp.target(INT8_KERNELS)
     host = _kernel_calls(lower(model, target=host_target, precision=precision))
     assert arm and set(arm) == set(host)
     rng = np.random.default_rng(11)

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import pixel_rows
+from conftest import INT8_KERNELS, pixel_rows
 from test_qdq_conv import _qdq_reference, _quantized_residual_block
 from tvm import relax
 from tvm.script import tirx as T
@@ -227,11 +227,12 @@ def test_other_pads_kept(emit):
 # ---------------------------------------------------------------------------------------------
 
 
-def _kernels_and_pads(model: onnx.ModelProto) -> tuple[list[str], list[relax.Call]]:
-    """The kernels ``tpp_rewrites`` calls in ``model`` and the pads of kernel outputs left
-    (outputs that something else reads too, such as a residual add)."""
+def _kernels_and_pads(model: onnx.ModelProto, spec: str = "tpp"
+                      ) -> tuple[list[str], list[relax.Call]]:
+    """The kernels ``tpp_rewrites`` for the target ``spec`` calls in ``model`` and the pads
+    of kernel outputs left (outputs that something else reads too, such as a residual add)."""
     mod, _ = compiler.import_model(model)
-    target = tpp_target("tpp")
+    target = tpp_target(spec)
     with target:
         mod = tpp_rewrites(target)(mod)
     bound = relax.analysis.get_var2val(mod["main"])
@@ -266,8 +267,8 @@ def test_resnet_convs_write_their_padded_outputs():
 def test_quantized_conv_writes_its_zero_point_border(tmp_path):
     """int8: the first conv writes uint8 with its consumer's zero point around it."""
     model, layer = _quantized_residual_block(tmp_path)
-    kernels, pads = _kernels_and_pads(model)
+    kernels, pads = _kernels_and_pads(model, INT8_KERNELS)
     assert not pads and sum(name.endswith("_u8s8_padded") for name in kernels) == 1, kernels
     x = layer.inputs(0)
-    got = tvm_tpp.compile(model, target="tpp").run(x=x)[0]
+    got = tvm_tpp.compile(model, target=INT8_KERNELS).run(x=x)[0]
     assert max_errors([got], _qdq_reference(model, {"x": x}))[1] <= 1e-2

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+from conftest import INT8_KERNELS
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 from tvm import relax
@@ -110,7 +111,7 @@ def _qdq_reference(model: onnx.ModelProto, inputs) -> list[np.ndarray]:
 def _assert_matches_qdq(model: onnx.ModelProto, layer: _Conv) -> None:
     """The compiled int8 layer on two seeded inputs against :func:`_qdq_reference`: within one
     output step, equal but for 1 % of the values."""
-    compiled = tvm_tpp.compile(model, target="tpp")
+    compiled = tvm_tpp.compile(model, target=INT8_KERNELS)
     step = _output_step(model)
     for seed in range(2):
         x = layer.inputs(seed)
@@ -138,7 +139,7 @@ def _input_zero_point(model: onnx.ModelProto) -> int:
 def _int8_report(model: onnx.ModelProto) -> tuple[tvm.IRModule, list[Offload]]:
     mod, _ = import_model(model)
     report: list[Offload] = []
-    return rewrite_qdq(mod, tpp_target("tpp"), report), report
+    return rewrite_qdq(mod, tpp_target(INT8_KERNELS), report), report
 
 
 @pytest.mark.parametrize("name", sorted(_CASES))
@@ -185,7 +186,7 @@ def test_asymmetric_weights_stay_float_with_the_reason(tmp_path):
     assert len(report) == 1 and report[0].kernel is None
     assert "not an int8 tensor" in report[0].reason and "float32" in report[0].reason
     x = layer.inputs(0)
-    got = tvm_tpp.compile(model, target="tpp").run(x=x)[0]
+    got = tvm_tpp.compile(model, target=INT8_KERNELS).run(x=x)[0]
     assert max_errors([got], _qdq_reference(model, {"x": x}))[1] <= 1e-2
 
 
@@ -240,7 +241,7 @@ def test_quantized_network_runs_its_convs_on_int8_kernels(name, tmp_path):
     float_model = models.load(name)
     path = quantize_static_qdq(float_model, tmp_path / "int8.onnx", samples=2)
     model = onnx.load(str(path))
-    compiled = tvm_tpp.compile(model, target="tpp")
+    compiled = tvm_tpp.compile(model, target=INT8_KERNELS)
     routed = [r for r in compiled.report if r.op.startswith(("conv2d_qdq", "matmul_qdq"))]
     # Every conv and Gemm, mobilenet_v2's depthwise convs included, on an int8 kernel.
     assert all(r.kernel is not None and r.dtypes == "uint8*int8->int32" for r in routed), [

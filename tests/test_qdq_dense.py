@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import ORT_INT8_EXACT, RandomCalibration
+from conftest import INT8_KERNELS, ORT_INT8_EXACT, RandomCalibration
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import QuantFormat, quantize_dynamic, quantize_static
 from tvm import relax
@@ -126,8 +126,8 @@ def _rewrite_and_compile(model: onnx.ModelProto) -> tuple[relax.Expr, list[Offlo
     """The pass on the imported model, then the tpp build (its pipeline prepares the rest)."""
     mod, _ = import_model(model)
     report: list[Offload] = []
-    mod = rewrite_qdq(mod, tpp_target("tpp"), report)
-    return mod, report, tvm_tpp.compile(mod, target="tpp")
+    mod = rewrite_qdq(mod, tpp_target(INT8_KERNELS), report)
+    return mod, report, tvm_tpp.compile(mod, target=INT8_KERNELS)
 
 
 def _check(got: np.ndarray, want: np.ndarray, step: float | None) -> None:
@@ -187,7 +187,7 @@ def test_qdq_layer_matches_onnxruntime(name):
 def test_rewritten_call_reads_uint8_x_and_a_vnni4_int8_weight():
     layer = _LAYERS["gemm_s8_zp-128_per_tensor_bias_s8out"]
     mod, _ = import_model(_layer_model(layer)[0])
-    mod = rewrite_qdq(mod, tpp_target("tpp"), [])
+    mod = rewrite_qdq(mod, tpp_target(INT8_KERNELS), [])
     calls, dequantized_constants = [], []
 
     def visit(expr: relax.Expr) -> None:
@@ -260,11 +260,11 @@ def test_computed_activation_scale_is_folded_at_run_time():
     x = relax.Var("x", relax.TensorType((4, 24), "uint8"))
     scale = relax.Var("scale", relax.TensorType((), "float32"))
     report: list[Offload] = []
-    mod = rewrite_qdq(_relax_layer(scale, [x, scale]), tpp_target("tpp"), report)
+    mod = rewrite_qdq(_relax_layer(scale, [x, scale]), tpp_target(INT8_KERNELS), report)
     assert [(r.op, r.shape, r.dtypes) for r in report] == [
         ("matmul_qdq", (4, 32, 24), "uint8*int8->int32")]
     xq = np.random.default_rng(0).integers(0, 256, (4, 24)).astype("uint8")
-    (got,) = tvm_tpp.compile(mod, target="tpp").run(x=xq, scale=np.array(0.25, "float32"))
+    (got,) = tvm_tpp.compile(mod, target=INT8_KERNELS).run(x=xq, scale=np.array(0.25, "float32"))
     np.testing.assert_allclose(got, xq.astype(np.float64) @ np.full((24, 32), 0.5) * 0.25,
                                rtol=1e-6)
 
@@ -278,7 +278,7 @@ def test_dynamically_quantized_network_runs_int8_kernels(name, tmp_path):
     quantize_dynamic(str(src), str(dst), reduce_range=not ORT_INT8_EXACT)
     quantized = onnx.load(str(dst))
     matmuls = sum(n.op_type == "MatMulInteger" for n in quantized.graph.node)
-    compiled = tvm_tpp.compile(quantized, target="tpp")
+    compiled = tvm_tpp.compile(quantized, target=INT8_KERNELS)
     int8 = [r for r in compiled.report if r.dtypes == "uint8*int8->int32"]
     assert len(int8) == matmuls > 0, compiled.report
     inputs = random_inputs(compiled.inputs, seed=1)
@@ -291,7 +291,7 @@ def test_dynamically_quantized_network_runs_int8_kernels(name, tmp_path):
 def test_tuning_tasks_are_uint8_gemms():
     x = relax.Var("x", relax.TensorType((4, 24), "uint8"))
     tasks = TaskCollector()
-    rewrite_qdq(_relax_layer(relax.const(0.1), [x]), tpp_target("tpp"), [], tasks)
+    rewrite_qdq(_relax_layer(relax.const(0.1), [x]), tpp_target(INT8_KERNELS), [], tasks)
     # W is all ones: 7-bit weights, a task of their own (another kernel without VNNI)
     assert [(key.op, key.shape, key.dtype) for key in tasks.tasks] == [
         ("dense", (4, 32, 24), "uint8_w7")]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 import pytest
-from conftest import ORT_INT8_EXACT, S8_WEIGHTS, RandomCalibration
+from conftest import INT8_KERNELS, ORT_INT8_EXACT, S8_WEIGHTS, RandomCalibration
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import (
     QuantFormat,
@@ -316,7 +316,7 @@ def test_single_node_rewrite_matches_onnxruntime(op, zero):
 @pytest.mark.parametrize("op", sorted(_CASES))
 def test_single_node_builds_with_tpp_and_matches_onnxruntime(op):
     model = _CASES[op](np.random.default_rng(1), None)
-    compiled = tvm_tpp.compile(model, target="tpp")
+    compiled = tvm_tpp.compile(model, target=INT8_KERNELS)
     inputs = _inputs(model, seed=5)
     _compare(compiled.run(**inputs)[0], run_onnxruntime(model, inputs)[0])
 
@@ -324,7 +324,7 @@ def test_single_node_builds_with_tpp_and_matches_onnxruntime(op):
 def test_qgemm_with_float_output():
     model = _qgemm(np.random.default_rng(2), 7, quantized_output=False)
     assert [n.op_type for n in to_qdq(model).graph.node][-1] == "Gemm"
-    compiled = tvm_tpp.compile(model, target="tpp")
+    compiled = tvm_tpp.compile(model, target=INT8_KERNELS)
     inputs = _inputs(model, seed=0)
     _compare(compiled.run(**inputs)[0], run_onnxruntime(model, inputs)[0])
 
@@ -371,7 +371,7 @@ def test_unsupported_quantized_op_names_it():
                       {"sx": np.float32(0.1), "zx": np.array(128, "uint8"),
                        "sy": np.float32(0.1), "zy": np.array(128, "uint8")}, ("uint8", (2, 1)))
     with pytest.raises(ModelError, match="QLinearReduceMean"):
-        tvm_tpp.compile(model, target="tpp")
+        tvm_tpp.compile(model, target=INT8_KERNELS)
 
 
 def test_float_models_are_left_alone():
@@ -457,7 +457,7 @@ def _check_network(model: onnx.ModelProto, how: str, tmp_path, expect_ops: set[s
     quantized = onnx.load(path)
     ops = {n.op_type for n in quantized.graph.node}
     assert expect_ops <= ops, f"ONNX Runtime's {how} model has {sorted(ops)}"
-    compiled = tvm_tpp.compile(path, target="tpp")
+    compiled = tvm_tpp.compile(path, target=INT8_KERNELS)
     for seed in range(2):
         inputs = random_inputs(compiled.inputs, seed=seed)
         got, want = compiled.run(**inputs), run_onnxruntime(quantized, inputs,

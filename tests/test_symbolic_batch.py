@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import make_dense_model, pixel_rows
+from conftest import INT8_KERNELS, make_dense_model, pixel_rows
 from onnx import TensorProto, helper, numpy_helper
 
 import tvm_tpp
@@ -147,7 +147,7 @@ def test_quantized_network_runs_any_batch_on_int8_kernels(tmp_path):
     float_model = models.load("resnet_small", image=32, widths=(16, 32))
     model = models.symbolic_batch(onnx.load(str(quantize_static_qdq(float_model,
                                                                     tmp_path / "q.onnx"))))
-    compiled = tvm_tpp.compile(model)
+    compiled = tvm_tpp.compile(model, target=INT8_KERNELS)
     assert compiled.tpp_flops_fraction == 1.0
     assert {r.dtypes for r in compiled.report if r.kernel} == {"uint8*int8->int32"}
     # The int8 reference: the QDQ graph run unfused (ONNX's roundings, exact on any host).

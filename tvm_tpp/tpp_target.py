@@ -11,9 +11,12 @@ Spec strings understood by :func:`target`::
     tpp                         this host: its ISA, its LLVM CPU, the cores this process may use
                                 (AVX-512 BF16, not AMX, when Linux refuses the tile permission)
     tpp -isa=amx                a foreign ISA (LLVM triple/CPU/attributes filled in)
-    tpp -isa=avx2 -num-cores=1  options: -isa, -mcpu, -num-cores, -conv
+    tpp -isa=avx2 -num-cores=1  options: -isa, -mcpu, -num-cores, -conv, -int8
     tpp -conv=direct            every conv direct: none in Winograd's form (schedules.winograd;
                                 the default, -conv=auto, takes it where it pays)
+    tpp -int8=kernels           quantized layers on the int8 kernels (-int8=float: on float32
+                                ones, their values dequantized; the default, -int8=auto, the
+                                int8 kernels where they beat float32: Machine.int8_in_float)
 
 Examples
 --------
@@ -32,7 +35,7 @@ import tvm
 from tvm.target import Target
 
 from microkernels import isa as _isa
-from microkernels.machine import host_isa, is_tpp, machine_of, runs_here
+from microkernels.machine import INT8_KEYS, INT8_MODES, host_isa, is_tpp, machine_of, runs_here
 from schedules.winograd import DIRECT_KEY
 
 from .errors import TargetError
@@ -43,16 +46,17 @@ if TYPE_CHECKING:
 __all__ = ["target", "remote_target", "spec_isa", "is_tpp", "runs_on_host", "TAG_PREFIX"]
 
 TAG_PREFIX = "tpp/"
-_OPTIONS = ("isa", "mcpu", "num-cores", "conv")
+_OPTIONS = ("isa", "mcpu", "num-cores", "conv", "int8")
 #: Values of ``-conv``: ``direct`` marks the target with :data:`schedules.winograd.DIRECT_KEY`.
 _CONV_CHOICES = ("auto", "direct")
 
 
-def _config(chosen: _isa.Isa, mcpu: str | None, num_cores: int, direct_convs: bool = False
-            ) -> dict[str, Any]:
+def _config(chosen: _isa.Isa, mcpu: str | None, num_cores: int, direct_convs: bool = False,
+            int8: str = "auto") -> dict[str, Any]:
     config: dict[str, Any] = {
         "kind": "llvm",
-        "keys": ["tpp", "cpu"] + ([DIRECT_KEY] if direct_convs else []),
+        "keys": ["tpp", "cpu"] + ([DIRECT_KEY] if direct_convs else [])
+        + ([INT8_KEYS[int8]] if int8 in INT8_KEYS else []),
         "mtriple": chosen.mtriple,
         "mcpu": mcpu or chosen.mcpu,
         "model": chosen.name,
@@ -151,7 +155,10 @@ def target(spec: str | dict | Target = "tpp", num_cores: int | None = None) -> T
     conv = options.get("conv", "auto")
     if conv not in _CONV_CHOICES:
         raise TargetError(f"-conv must be one of {', '.join(_CONV_CHOICES)}, got {conv!r}")
-    return Target(_config(chosen, mcpu, cores, conv == "direct"))
+    int8 = options.get("int8", "auto")
+    if int8 not in INT8_MODES:
+        raise TargetError(f"-int8 must be one of {', '.join(INT8_MODES)}, got {int8!r}")
+    return Target(_config(chosen, mcpu, cores, conv == "direct", int8))
 
 
 def _check_mcpu(mcpu: str, chosen: _isa.Isa) -> None:
@@ -197,7 +204,7 @@ def remote_target(spec: str, chosen: _isa.Isa, cpu: RemoteCpu | None) -> Target:
     cores = options.get("num-cores") or (cpu.threads if cpu is not None else 1)
     words = ["tpp", f"-isa={chosen.name}", f"-num-cores={cores}"] + \
         ([f"-mcpu={mcpu}"] if mcpu else []) + \
-        ([f"-conv={options['conv']}"] if "conv" in options else [])
+        [f"-{o}={options[o]}" for o in ("conv", "int8") if o in options]
     return target(" ".join(words))
 
 
