@@ -94,9 +94,9 @@ def test_a_3x3_conv_over_64_channels_takes_winograd(tmp_path):
     (entry,) = _routed(compiled)
     # (the quantizer drops the relu: the output's zero point bounds it)
     assert "_winograd" in entry.kernel and "_bias_requantize_u8 " in entry.kernel, entry
-    kernels = {r.dtypes for r in tvm_tpp.compile(model, target="tpp -int8=kernels").report
-               if r.kernel}
-    assert kernels == {"uint8*int8->int32"}  # the same file on the int8 kernels
+    on_kernels = tvm_tpp.compile(model, target="tpp -int8=kernels")
+    assert {r.dtypes for r in on_kernels.report if r.kernel} == {"uint8*int8->int32"}
+    assert on_kernels.int8_note is None  # the same file on the int8 kernels
     _assert_matches_qdq(compiled, model, layer)
 
 
@@ -118,6 +118,8 @@ def test_quantized_network_in_float(tmp_path):
     routed = _routed(compiled)
     assert routed and all(r.kernel is not None and r.dtypes == FLOAT32 for r in routed)
     assert compiled.tpp_flops_fraction == 1.0
+    assert "computed in float32" in compiled.int8_note and "-int8=float asks" in \
+        compiled.int8_note
     x = models.random_inputs(float_model, seed=1)
     want = run_onnxruntime(onnx.load(str(path)), x, optimize=False)[0]
     got = compiled.run(**x)[0]

@@ -195,6 +195,8 @@ def _print_kernels(compiled: CompiledModel, report: bool, report_file: Path | No
     print(f"TPP kernels  : {kernels} of {len(compiled.report)} operators, {configs}")
     if compiled.precision_note is not None:
         print(f"precision    : {compiled.precision_note}")
+    if compiled.int8_note is not None:
+        print(f"int8         : {compiled.int8_note}")
     fraction = compiled.tpp_flops_fraction
     if fraction is not None:
         total = sum(o.flops or 0 for o in compiled.report)

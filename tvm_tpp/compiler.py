@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = ["compile", "tune", "lower", "load", "import_model", "remote_pool", "target_spec",
            "CompiledModel", "Tuned", "PRECISION_CHOICES", "STRICT_BF16", "kernel_precision",
-           "precision_note", "library_path", "LIBRARY_SUFFIXES",
+           "precision_note", "int8_note", "library_path", "LIBRARY_SUFFIXES",
            "WORK_DIR", "DATABASE", "ARTIFACT_FORMAT", "native_output"]
 
 #: The work directory :func:`tune` writes by default, and :func:`compile` reads if it exists.
@@ -155,6 +155,11 @@ class CompiledModel:
         if self.requested_precision is None:
             return None
         return precision_note(self.requested_precision, self.target)
+
+    @property
+    def int8_note(self) -> str | None:
+        """Why the model's quantized layers multiply in float32, or None (:func:`int8_note`)."""
+        return int8_note(self.report, self.target)
 
     @property
     def tpp_flops_fraction(self) -> float | None:
@@ -673,6 +678,29 @@ def precision_note(precision: str, tgt: Target) -> str | None:
         return None
     return (f"bf16 asked for, but {machine_of(tgt).isa.name} has no bf16 arithmetic: float32 "
             f"kernels, faster than emulated bf16 ({STRICT_BF16!r} emulates it)")
+
+
+def int8_note(report: Sequence[Offload], tgt: Target) -> str | None:
+    """Why the quantized (QDQ) layers of a build for ``tgt`` with this ``report`` multiply in
+    float32 on their dequantized values rather than on the int8 kernels, or None (they do
+    not, or the model has none).
+
+    >>> entry = Offload("conv2d_qdq", (1, 8, 7, 7), "k", dtypes="float32*float32->float32")
+    >>> int8_note([entry], make_target("tpp -isa=avx2 -mcpu=znver1"))[:62]
+    'int8 layers computed in float32 on their dequantized values: z'
+    >>> int8_note([entry], make_target("tpp -isa=avx2 -mcpu=znver3")) is None
+    True
+    """
+    machine = machine_of(tgt)
+    if not machine.int8_in_float or not any(
+            o.kernel and o.op.startswith(("conv2d_qdq", "matmul_qdq"))
+            and o.dtypes.startswith("float32") for o in report):
+        return None
+    why = ("as -int8=float asks" if machine.int8 == "float" else
+           f"{machine.mcpu} has no int8 dot product and half-width vector units, where "
+           "float32 (and its Winograd convs) is faster")
+    return (f"int8 layers computed in float32 on their dequantized values: {why} "
+            "(-int8=kernels: the int8 kernels)")
 
 
 def _measurable(tgt: Target) -> None:

@@ -158,7 +158,7 @@ def _model_tpp(job: Job, workload: ModelWorkload, say: Say) -> Built:
     note = compiler.precision_note(_compile_precision(job), compiled.target)
     notes = (f"{job.precision}: {routed}/{len(compiled.report)} matched operators on TPP "
              "kernels" if compiled.report else job.precision) + "".join(
-        f"; {text}" for text in (note, how) if text)
+        f"; {text}" for text in (note, compiled.int8_note, how) if text)
     return _vm_built(compiled.executable, inputs, time.perf_counter() - start,
                      target=str(compiled.target), notes=notes)
 
@@ -215,8 +215,9 @@ def _model_tpp_tuned(job: Job, workload: ModelWorkload, say: Say) -> Built:
                      tune_seconds=compiled.tune_seconds, search_seconds=sum(searches),
                      target=str(compiled.target),
                      notes=f"{job.precision}: database {Path(job.work_dir) / compiler.DATABASE}: "
-                     f"{cached.count(False)} operators tuned, {sum(cached)} cached"
-                     + (f"; {compiled.precision_note}" if compiled.precision_note else ""))
+                     f"{cached.count(False)} operators tuned, {sum(cached)} cached" + "".join(
+                         f"; {text}" for text in (compiled.precision_note, compiled.int8_note)
+                         if text))
 
 
 def _model_tvm_default(job: Job, workload: ModelWorkload, say: Say) -> Built:
