@@ -412,6 +412,7 @@ def test_bert_in_bf16_vs_onnxruntime():
     assert batch == [("batch_matmul", *kind), ("batch_matmul+scale", *kind)]
 
 
+@pytest.mark.slow  # 5 s: a whole int8 BERT layer; the batch GEMMs are checked above
 def test_bert_int8_vs_onnxruntime(tmp_path):
     """ONNX Runtime's QDQ BERT layer (a small one: 4 heads of 32): the attention matmuls run
     on int8 kernels, and the result is the QDQ graph's as ONNX defines it (ONNX Runtime

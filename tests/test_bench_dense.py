@@ -28,6 +28,7 @@ def test_rows_time_the_default_and_each_variant(tmp_path, capsys):
         assert f"{row['seconds'] * 1e3:.4f}" in line
 
 
+@pytest.mark.slow  # 5 s of int8 builds; the float rows above check the command
 def test_int8_rows_and_the_tuners_candidates(capsys):
     assert main(["bench-dense", "16x32x64", "--dtype", "uint8", "--cold", "--candidates",
                  "--warmup", "0", "--rounds", "1"]) == 0

@@ -112,7 +112,7 @@ def test_residual_add_joins_the_float_kernel(tmp_path):
 
 
 def test_quantized_network_in_float(tmp_path):
-    float_model = models.load("resnet_small")
+    float_model = models.load("resnet_small", image=32, widths=(16, 32))
     path = quantize_static_qdq(float_model, tmp_path / "int8.onnx", samples=2)
     compiled = tvm_tpp.compile(str(path), target=FLOAT)
     routed = _routed(compiled)

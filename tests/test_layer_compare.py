@@ -22,7 +22,9 @@ from tvm_tpp.reference import random_inputs
 
 @pytest.mark.parametrize("name, options", [
     pytest.param("resnet_small", dict(image=32, widths=(16, 32)), marks=pytest.mark.slow),
-    ("mobilenet_v2", dict(image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)), head=32)),
+    pytest.param("mobilenet_v2", dict(image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)),
+                                      head=32), marks=pytest.mark.slow),  # 7 s; the CLI test
+                                                                          # compares one too
 ])
 def test_every_kernel_meets_its_onnxruntime_node(name, options):
     """Strided, pointwise, depthwise convs and the classifier (mobilenet_v2), convs with a

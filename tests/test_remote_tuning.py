@@ -105,6 +105,7 @@ def test_rpc_options_go_together(capsys):
 
 # -- on the loopback fleet --------------------------------------------------------------------
 
+@pytest.mark.slow  # the loopback fleet: 13 s to start, for the slow suite
 def test_cli_tunes_over_both_servers(fleet, tmp_path, capsys):
     assert main(["tune", "mlp", "--rpc", fleet.address, "--key", KEY, "--work-dir",
                  str(tmp_path), "--budget", "2"]) == 0
@@ -119,6 +120,7 @@ def test_cli_tunes_over_both_servers(fleet, tmp_path, capsys):
     assert all("[" in o.kernel for o in built.report if o.kernel)
 
 
+@pytest.mark.slow  # the loopback fleet: 13 s to start, for the slow suite
 def test_sessions_keep_their_servers_cores(fleet):
     """A one-thread TVM pool moves its main thread to core 0 when it starts, unless told not
     to: the fleet's servers, pinned or not, would all time on core 0."""
@@ -136,6 +138,7 @@ def test_sessions_keep_their_servers_cores(fleet):
     del sessions
 
 
+@pytest.mark.slow  # the loopback fleet: 13 s to start, for the slow suite
 def test_unknown_key_and_missing_isa_are_one_line(fleet, capsys):
     assert main(["tune", "mlp", "--rpc", fleet.address, "--key", "nobody"]) == 2
     assert main(["tune", "mlp", "--rpc", fleet.address, "--key", KEY, "--isa", "neon"]) == 2
@@ -145,6 +148,7 @@ def test_unknown_key_and_missing_isa_are_one_line(fleet, capsys):
     assert "cannot run neon code" in err[1]
 
 
+@pytest.mark.slow  # the loopback fleet: 13 s to start, for the slow suite
 def test_measurer_sends_only_the_servers_isa(fleet, tmp_path):
     with compiler.remote_pool("tpp", fleet.address, KEY) as (pool, target):
         measurer = remote.RemoteMeasurer(pool, tmp_path)
@@ -188,6 +192,7 @@ def _tune_all(problems, target, measurer):
     return [out[i] for i in range(len(problems))]
 
 
+@pytest.mark.slow  # the loopback fleet: 13 s to start, for the slow suite
 def test_exclusive_servers_time_one_at_a_time(fleet, tmp_path, monkeypatch):
     """Servers that share a machine (``exclusive``) take turns: no two timing calls overlap,
     while the operators are still tuned concurrently and on both servers."""
