@@ -235,7 +235,9 @@ def test_quantized_residual_add_joins_the_conv_kernel(tmp_path):
     _assert_matches_qdq(model, layer)
 
 
-@pytest.mark.parametrize("name", ["resnet_small",
+# Both slow (5 s and more): test_symbolic_batch's quantized resnet_small runs the int8 kernels
+# in the default suite.
+@pytest.mark.parametrize("name", [pytest.param("resnet_small", marks=pytest.mark.slow),
                                   pytest.param("mobilenet_v2", marks=pytest.mark.slow)])
 def test_quantized_network_runs_its_convs_on_int8_kernels(name, tmp_path):
     float_model = models.load(name)
