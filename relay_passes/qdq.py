@@ -372,7 +372,9 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
         rescale = matches[chain.sx]
     else:
         rescale = relax.op.multiply(rescale, matches[chain.sx])
-    shift = _S8_SHIFT if str(xq.ty.dtype) == "int8" else 0
+    in_float = (machine_of(target).int8_in_float and rescale is None
+                and isinstance(zx_expr, tvm.ir.expr.Constant))
+    shift = _S8_SHIFT if str(xq.ty.dtype) == "int8" and not in_float else 0
     if shift:
         # The kernel's A is unsigned: x_q + 128 in [0, 255], and the zero point with it.
         xq = relax.op.astype(relax.op.add(relax.op.astype(xq, "int32"),
@@ -386,8 +388,6 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
     elif rescale is not None and chain.rescale in matches and not _is_scalar(
             matches[chain.rescale], "float32"):
         return orig  # only a run-time scalar (the activation's scale times the weight's)
-    in_float = (machine_of(target).int8_in_float and rescale is None
-                and isinstance(zx_expr, tvm.ir.expr.Constant))
     if in_float:
         # The QDQ graph's own float arithmetic on float32 kernels: x and W dequantized.
         xq, zx = matches[chain.x_dequantized], 0
