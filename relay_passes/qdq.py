@@ -254,10 +254,20 @@ class _Weights:
         other = tuple(a for a in range(self.values.ndim) if a != self.n_axis)
         return self.values.astype(np.int64).sum(axis=other)
 
+    @functools.cached_property
     def dequantized(self) -> np.ndarray:
-        """The float32 weights ``dequantize`` computes: ``float32(W_q) * float32(sw)``."""
+        """The float32 weights ``dequantize`` computes: ``float32(W_q) * float32(sw)``
+        (computed once: the kernel and the report both ask)."""
         shape = [-1 if a == self.n_axis else 1 for a in range(self.values.ndim)]
         return self.values.astype(np.float32) * self.scale.astype(np.float32).reshape(shape)
+
+    def kernel_operands(self, in_float: bool) -> tuple[str, np.ndarray, bool]:
+        """What the layer's kernel multiplies: the dtype of its X, its weights and whether
+        they lie in 7 bits -- the int8 kernel's (uint8, the int8 values) or, ``in_float``,
+        the float32 kernel's (float32, :attr:`dequantized`)."""
+        if in_float:
+            return "float32", self.dequantized, False
+        return "uint8", self.values, self.narrow
 
     @functools.cached_property
     def narrow(self) -> bool:
@@ -417,11 +427,10 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
                                              operands, residual and residual.tensor, int(zx),
                                              add_kernel, target, tuner, in_float)
     name = chain.name(output.dtype if output else "float32")
-    dtype = "float32" if in_float else "uint8"
+    dtype, _, narrow_weights = weights.kernel_operands(in_float)
     report.append(Offload.routed(name, shape, kernel, brgemm, flops)
                   if chain.anchor == "matmul"  # shape (m, n, k)
-                  else offload(name, conv_problem(layer, dtype, epilogue,
-                                                  weights.narrow and not in_float),
+                  else offload(name, conv_problem(layer, dtype, epilogue, narrow_weights),
                                kernel, brgemm, target))
     want = list(orig.ty.shape)  # a residual add may have reshaped the layer's output
     return out if same_dims(want, _emitted_shape(chain, x_shape, weights, layer)) else \
@@ -461,15 +470,13 @@ def _emit_dense(xq: relax.Expr, x_shape: tuple, _layer: relax.Call,
     """The int8 GEMM of a QDQ matmul (``in_float``: the float32 GEMM of ``xq`` dequantized,
     with the dequantized weights): (its result, the report's shape, kernel, BRGEMM, FLOPs
     (of one sample where the batch is symbolic))."""
-    values = weights.dequantized() if in_float else weights.values
+    dtype, values, narrow_weights = weights.kernel_operands(in_float)
     w = np.ascontiguousarray(values.T if transposed else values)  # [K, N]
     k, n = w.shape
     rows = DenseRows.of(x_shape)
-    dtype = "float32" if in_float else "uint8"
     # Bound to the ISA: its layout (VNNI-4, or MMLA on neon_i8mm) decides the packing.
     problem = GemmProblem(rows.m, n, k, dtype, epilogue,
-                          narrow_weights=weights.narrow and not in_float
-                          ).on(machine_of(target).isa)
+                          narrow_weights=narrow_weights).on(machine_of(target).isa)
     sch, config = scheduled(problem, target, tuner, rows)
     name = (f"tpp_qdq_dense_{rows.name()}x{n}x{k}_{problem.epilogue.name}"
             + ("_f32" if in_float else ""))
@@ -495,10 +502,9 @@ def _emit_conv(xq: relax.Expr, _x_shape: tuple, layer: relax.Call,
     A depthwise conv gets the u8 x s8 -> s32 depthwise kernel (its ``[C, 1, R, S]`` weight's
     ``colsum`` is each channel's filter sum), with the same epilogues.  ``in_float``: the
     float32 conv (or its Winograd form) of ``xq`` dequantized, with the dequantized weights."""
-    problem = conv_problem(layer, "float32" if in_float else "uint8", epilogue,
-                           weights.narrow and not in_float)
-    out, kernel, brgemm = emit_conv(xq, problem,
-                                    weights.dequantized() if in_float else weights.values,
+    dtype, values, narrow_weights = weights.kernel_operands(in_float)
+    problem = conv_problem(layer, dtype, epilogue, narrow_weights)
+    out, kernel, brgemm = emit_conv(xq, problem, values,
                                     [*operands, *([] if residual is None
                                                   else [to_matrix(residual)])],
                                     add_kernel, target, tuner, pad_value=zx,
