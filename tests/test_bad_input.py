@@ -108,6 +108,7 @@ for m in range(int(sys.argv[2]), int(sys.argv[2]) + 200):
 """
 
 
+@pytest.mark.slow  # test_database.test_processes_lose_nothing: four writers at once
 def test_put_from_two_processes(tmp_path):
     path = tmp_path / DATABASE
     procs = [subprocess.Popen([sys.executable, "-c", _PUTS, str(path), str(first)],

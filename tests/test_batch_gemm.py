@@ -255,6 +255,7 @@ def test_attention_heads_interleaved():
     assert left == {"relax.nn.softmax", "relax.reshape", "relax.call_tir"}
 
 
+@pytest.mark.slow  # tuning a batch GEMM: test_tuner.test_conv_and_batch_gemm_tune_persist_and_reuse
 def test_attention_tuned(tmp_path):
     """Each batch GEMM is one tuning task (keyed by its interleaved layout), tuned before the
     build; built with a tuner that looks the results up, the model still matches ONNX

@@ -35,7 +35,11 @@ def _bf16_matches_ort(model):
     return compiled.report
 
 
-@pytest.mark.parametrize("name, dense_layers", [("mlp", 3), ("bert", 6)])
+@pytest.mark.parametrize("name, dense_layers", [
+    ("mlp", 3),
+    # BERT in bf16 by default: test_symbolic_batch and test_batch_matmul_pass
+    pytest.param("bert", 6, marks=pytest.mark.slow),
+])
 def test_bundled_models_in_bf16(name, dense_layers):
     report = _bf16_matches_ort(models.load(name))
     dense = [r for r in report if r.op.startswith("matmul")]

@@ -373,7 +373,8 @@ def _emulated_dispatch(shape: BrgemmShape) -> str:
     ("uint8", 37, 48, 66, DEQUANT, None),     # row tails, K padded to 68
     ("uint8", 64, 64, 256, REQUANT, 1),       # whole tiles, 4 K steps per call, A packed
     ("bfloat16", 1, 48, 68, Epilogue(), None),
-    ("bfloat16", 40, 32, 96, Epilogue(), None),
+    # the same blocks with A packed (below) run the same tile program
+    pytest.param("bfloat16", 40, 32, 96, Epilogue(), None, marks=pytest.mark.slow),
     # A is a copy the function allocates (odd K padded; packed; both): TVM stores it as fp32,
     # the tiles read its bf16 bits through uint16 views
     ("bfloat16", 1, 48, 67, Epilogue(), None),

@@ -146,14 +146,20 @@ def test_convs_onnxruntime_padded_keep_the_models_key():
     assert "conv 16x16x16 -> 16 3x3 s1 g16" in padded
 
 
+@pytest.fixture(scope="module")
+def small_mobilenet():
+    """A small mobilenet_v2 and its build, shared by the OpenVINO comparisons (7 s a build)."""
+    model = models.load("mobilenet_v2", image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)),
+                        head=32)
+    return model, tvm_tpp.compile(model, target="tpp")
+
+
 @pytest.mark.parametrize("against", ["openvino", "openvino-f32"])
-def test_every_kernel_meets_its_openvino_node(against):
+def test_every_kernel_meets_its_openvino_node(small_mobilenet, against):
     """OpenVINO's executed graph keys its convolutions (strided, pointwise, depthwise: a
     grouped filter) and fully connected layer as tpp's kernels are, one node per layer."""
     pytest.importorskip("openvino", reason="the openvino extra is not installed")
-    model = models.load("mobilenet_v2", image=32, stem=8, blocks=((1, 8, 1, 1), (6, 16, 2, 2)),
-                        head=32)
-    compiled = tvm_tpp.compile(model, target="tpp")
+    model, compiled = small_mobilenet
     inputs = random_inputs(compiled.inputs)
     cmp = compiled.compare_layers(model, inputs, rounds=2, repeat=2, warmup_seconds=0.0,
                                   against=against)
