@@ -37,7 +37,7 @@ def _bf16_matches_ort(model):
 
 @pytest.mark.parametrize("name, dense_layers", [
     ("mlp", 3),
-    # BERT in bf16 by default: test_symbolic_batch and test_batch_matmul_pass
+    # the same dense kernels as mlp; BERT built in bf16 by default: test_batch_matmul_pass
     pytest.param("bert", 6, marks=pytest.mark.slow),
 ])
 def test_bundled_models_in_bf16(name, dense_layers):
