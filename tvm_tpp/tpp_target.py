@@ -49,6 +49,8 @@ TAG_PREFIX = "tpp/"
 _OPTIONS = ("isa", "mcpu", "num-cores", "conv", "int8")
 #: Values of ``-conv``: ``direct`` marks the target with :data:`schedules.winograd.DIRECT_KEY`.
 _CONV_CHOICES = ("auto", "direct")
+#: The options with a fixed set of values, the default first (in :func:`target`'s order).
+_CHOICES = {"conv": _CONV_CHOICES, "int8": INT8_MODES}
 
 
 def _config(chosen: _isa.Isa, mcpu: str | None, num_cores: int, direct_convs: bool = False,
@@ -152,13 +154,16 @@ def target(spec: str | dict | Target = "tpp", num_cores: int | None = None) -> T
         mcpu = options.get("mcpu") or _host_mcpu(chosen)
     if "mcpu" in options:
         _check_mcpu(options["mcpu"], chosen)
-    conv = options.get("conv", "auto")
-    if conv not in _CONV_CHOICES:
-        raise TargetError(f"-conv must be one of {', '.join(_CONV_CHOICES)}, got {conv!r}")
-    int8 = options.get("int8", "auto")
-    if int8 not in INT8_MODES:
-        raise TargetError(f"-int8 must be one of {', '.join(INT8_MODES)}, got {int8!r}")
+    conv, int8 = (_choice(options, name, choices) for name, choices in _CHOICES.items())
     return Target(_config(chosen, mcpu, cores, conv == "direct", int8))
+
+
+def _choice(options: dict[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """Option ``-name``'s value (its first choice, ``auto``, when not given), checked."""
+    value = options.get(name, choices[0])
+    if value not in choices:
+        raise TargetError(f"-{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
 
 
 def _check_mcpu(mcpu: str, chosen: _isa.Isa) -> None:
