@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from microkernels.machine import is_tpp, machine_of
 
+from .dynamic_parallel import pipeline_for
 from .ops import Config, Problem, op_of
 from .register_epilogue import epilogue_in_registers
 from .tile_config import configure_tiles_once
@@ -96,14 +97,14 @@ def _compile(scheduled: list[PrimFunc | str], target: Target) -> list[tuple[obje
         return out
     try:
         ex = tvm.compile(tvm.IRModule({f"candidate{i}": f for i, f in funcs.items()}),
-                         target=target)
+                         target=target, tir_pipeline=pipeline_for(target))
         for i in funcs:
             out[i] = (ex, f"candidate{i}")
     except Exception:  # one bad function fails the module: find which, one by one
         for i, func in funcs.items():
             try:
-                out[i] = (tvm.compile(tvm.IRModule({f"candidate{i}": func}), target=target),
-                          f"candidate{i}")
+                out[i] = (tvm.compile(tvm.IRModule({f"candidate{i}": func}), target=target,
+                                      tir_pipeline=pipeline_for(target)), f"candidate{i}")
             except Exception as err:
                 out[i] = _error(err)
     return out

@@ -47,6 +47,7 @@ from schedules import database as _database_file
 from schedules import remote as _remote
 from schedules import tuner as _tuner
 from schedules.database import StoreError
+from schedules.dynamic_parallel import pipeline_for
 from schedules.measure import linker
 from schedules.tuner import Database, TaskCollector, Tuner, TuneResult
 
@@ -1037,7 +1038,7 @@ def compile(  # noqa: A001 - the public name users expect, as in tvm.compile
     lookup = _lookup(database)
     with native_output():
         executable = tvm.compile(mod, target=tgt, relax_pipeline=tpp_pipeline(
-            tgt, report, lookup, kernels))
+            tgt, report, lookup, kernels), tir_pipeline=pipeline_for(tgt))
     if lookup is not None:
         lookup.check()
     return CompiledModel(executable, tgt, specs, time.perf_counter() - start, report,
