@@ -12,7 +12,7 @@ that take chunks of ``max(1, E // (4 T))`` iterations from a shared counter (one
 a chunk) until none are left::
 
     next[0] = 0
-    for task in parallel(T):
+    for task in parallel(min(E, 4 T)):
         start[0] = fetch_add(next, chunk)
         while start[0] < E:
             for j in range(min(chunk, E - start[0])):
@@ -21,8 +21,10 @@ a chunk) until none are left::
             start[0] = fetch_add(next, chunk)
 
 Iterations of a parallel loop are independent in any order (TVM's own split is one such
-order), so results are unchanged.  With ``T`` pool threads every task is one thread; with
-fewer, TVM runs several tasks on one, each finding the counter further on.
+order), so results are unchanged.  There are as many tasks as chunks, which TVM shares out
+statically over its pool: with ``T`` threads the first task of each takes chunks until none
+are left and its later tasks find the counter at the end; a larger pool at run time (a model
+exported for fewer cores) still puts every thread to work.
 
 Examples
 --------
@@ -62,7 +64,7 @@ def _as(dtype: str, value: Any) -> Any:
 
 
 def _chunked(loop: Any, threads: int) -> list:
-    """The statements replacing parallel ``loop``: the counter, then ``threads`` tasks."""
+    """The statements replacing parallel ``loop``: the counter, then the tasks."""
     from tvm import tirx
 
     extent = loop.extent
@@ -83,7 +85,11 @@ def _chunked(loop: Any, threads: int) -> list:
                    tirx.SeqStmt([tirx.Bind(loop.loop_var, loop.min + first + j), *body]))
     chunks = tirx.While(tirx.BufferLoad(start, [0]) < _as("int32", extent),
                         tirx.SeqStmt([run, take()]))
-    tasks = tirx.For(tirx.Var("tpp_task", dtype), 0, threads, tirx.ForKind.PARALLEL,
+    # One task per chunk, not per thread: TVM shares the tasks out over its pool however
+    # large it is at run time; a thread whose first task found the counter at the end skips
+    # the rest of its tasks with one atomic add each.
+    count = tirx.min(extent, tirx.const(CHUNKS_PER_THREAD * threads, dtype))
+    tasks = tirx.For(tirx.Var("tpp_task", dtype), 0, count, tirx.ForKind.PARALLEL,
                      tirx.SeqStmt([tirx.AllocBuffer(start), take(), chunks]))
     return [tirx.AllocBuffer(counter), tirx.BufferStore(counter, tirx.const(0, "int32"), [0]),
             tasks]
@@ -126,7 +132,7 @@ def dynamic_parallel(threads: int) -> tvm.transform.Pass:
     Parameters
     ----------
     threads
-        Tasks each parallel loop becomes: the threads the code is built for.
+        The threads the code is built for: chunks are sized for them.
 
     Examples
     --------
@@ -137,7 +143,7 @@ def dynamic_parallel(threads: int) -> tvm.transform.Pass:
     ...     for i in T.parallel(10):
     ...         a[i] = a[i] * T.float32(2)
     >>> text = dynamic_parallel(2)(tvm.IRModule({"double": double}))["double"].script()
-    >>> "T.parallel(2)" in text and "tpp_fetch_add" in text
+    >>> "T.parallel(8)" in text and "tpp_fetch_add" in text
     True
     """
     import tvm

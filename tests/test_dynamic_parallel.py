@@ -28,7 +28,7 @@ def test_parallel_loop_becomes_tasks_taking_chunks():
         T.attr(0, "pragma_import_llvm", "")
         tpp_next = T.alloc_buffer((1,), "int32")
         tpp_next[0] = 0
-        for _tpp_task in T.parallel(2):
+        for _tpp_task in T.parallel(8):
             tpp_start = T.alloc_buffer((1,), "int32")
             tpp_start[0] = T.call_extern("int32", "tpp_fetch_add", tpp_next.data, 4)
             while tpp_start[0] < 37:
