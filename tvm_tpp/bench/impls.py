@@ -510,12 +510,14 @@ def _tpp_gemm(job: Job, workload: GemmWorkload, config, target, **details: Any) 
 
     from microkernels.brgemm import BrgemmShape, find_impl
     from microkernels.machine import machine_of
+    from schedules.dynamic_parallel import pipeline_for
     from schedules.gemm import pack_weight, schedule
 
     m, n = workload.m, workload.n
     problem = gemm_problem(workload)
     isa = machine_of(target).isa
-    executable = tvm.compile(schedule(problem, config, isa).mod, target=target)
+    executable = tvm.compile(schedule(problem, config, isa).mod, target=target,
+                             tir_pipeline=pipeline_for(target))  # as models build it
     kernel, _ = find_impl(BrgemmShape(m=config.bm, n=config.bn, k=config.bk,
                                       batch=config.k_step, dtype_a=problem.dtype,
                                       dtype_acc=problem.acc_dtype,
