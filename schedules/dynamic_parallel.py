@@ -7,9 +7,9 @@ process) that thread holds the others at the join: measured on a 2-vCPU Zen 1 gu
 slow phases, GPT-2's int8 build ran 1.16x and its float32 one 1.07x slower than with the
 chunks below, and ONNX Runtime, whose pool balances dynamically, kept its speed.
 
-:func:`dynamic_parallel` rewrites every parallel loop of a lowered function into ``T`` tasks
-that take chunks of ``max(1, E // (4 T))`` iterations from a shared counter (one atomic add
-a chunk) until none are left::
+:func:`dynamic_parallel` rewrites every parallel loop of a lowered function into tasks that
+take chunks of ``max(1, E // (4 T))`` iterations from a shared counter (one atomic add a
+chunk) until none are left::
 
     next[0] = 0
     for task in parallel(min(E, 4 T)):
