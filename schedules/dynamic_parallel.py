@@ -24,7 +24,9 @@ Iterations of a parallel loop are independent in any order (TVM's own split is o
 order), so results are unchanged.  There are as many tasks as chunks, which TVM shares out
 statically over its pool: with ``T`` threads the first task of each takes chunks until none
 are left and its later tasks find the counter at the end; a larger pool at run time (a model
-exported for fewer cores) still puts every thread to work.
+exported for fewer cores) still puts every thread to work.  Loops with a step other than one
+are left to TVM's split.  The per-thread tasks of :mod:`schedules.tile_config` (AMX tiles
+configured once a task) become chunks of one task each, every one still configuring its tiles.
 
 Examples
 --------
@@ -95,35 +97,12 @@ def _chunked(loop: Any, threads: int) -> list:
             tasks]
 
 
-def _rewritten(stmt: Any, threads: int) -> Any:
-    """``stmt`` with its outermost parallel loops chunked (the same object if it has none)."""
+def _chunkable(loop: Any) -> bool:
+    """Whether ``loop`` is a parallel loop of unit step (the only kind TVM's schedules make)."""
     from tvm import tirx
 
-    if isinstance(stmt, tirx.For):
-        if stmt.kind == tirx.ForKind.PARALLEL:
-            return tirx.SeqStmt(_chunked(stmt, threads))
-        body = _rewritten(stmt.body, threads)
-        return stmt if body.same_as(stmt.body) else tirx.For(
-            stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding,
-            stmt.annotations)
-    if isinstance(stmt, tirx.SeqStmt):
-        parts = [_rewritten(s, threads) for s in stmt.seq]
-        if all(a.same_as(b) for a, b in zip(parts, stmt.seq, strict=True)):
-            return stmt
-        # The counter's allocation must sit in the sequence it is used in, not a nested one.
-        return tirx.SeqStmt([s for p in parts
-                             for s in (p.seq if isinstance(p, tirx.SeqStmt) else [p])])
-    if isinstance(stmt, tirx.AttrStmt):
-        body = _rewritten(stmt.body, threads)
-        return stmt if body.same_as(stmt.body) else tirx.AttrStmt(
-            stmt.node, stmt.attr_key, stmt.value, body)
-    if isinstance(stmt, tirx.IfThenElse):
-        then = _rewritten(stmt.then_case, threads)
-        other = None if stmt.else_case is None else _rewritten(stmt.else_case, threads)
-        if then.same_as(stmt.then_case) and (other is None or other.same_as(stmt.else_case)):
-            return stmt
-        return tirx.IfThenElse(stmt.condition, then, other)
-    return stmt
+    return loop.kind == tirx.ForKind.PARALLEL and (
+        loop.step is None or (isinstance(loop.step, tirx.IntImm) and loop.step.value == 1))
 
 
 def dynamic_parallel(threads: int) -> tvm.transform.Pass:
@@ -147,6 +126,7 @@ def dynamic_parallel(threads: int) -> tvm.transform.Pass:
     True
     """
     import tvm
+    import tvm_ffi
     from tvm import tirx
 
     if threads < 1:
@@ -154,9 +134,14 @@ def dynamic_parallel(threads: int) -> tvm.transform.Pass:
 
     @tvm.tirx.transform.prim_func_pass(opt_level=0, name="DynamicParallel")
     def _pass(func: Any, _mod: Any, _ctx: Any) -> Any:
-        body = _rewritten(func.body, threads)
-        if body.same_as(func.body):
+        loops: list[Any] = []
+        tvm_ffi.structural_walk(func.body, (tirx.For, lambda f: loops.append(f)
+                                            if _chunkable(f) else None))
+        if not loops:
             return func
+        # Post-order: a parallel loop's body is mapped before it (TVM nests none in another).
+        body = tvm_ffi.structural_map(func.body, (tirx.For, lambda f: tirx.SeqStmt(
+            _chunked(f, threads)) if _chunkable(f) else f))
         return func.with_body(tirx.AttrStmt(tirx.const(0, "int32"), "pragma_import_llvm",
                                             tvm.ir.StringImm(_FETCH_ADD_LL), body))
 

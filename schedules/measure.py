@@ -95,16 +95,17 @@ def _compile(scheduled: list[PrimFunc | str], target: Target) -> list[tuple[obje
     funcs = {i: f for i, f in enumerate(scheduled) if not isinstance(f, str)}
     if not funcs:
         return out
+    pipeline = pipeline_for(target)
     try:
         ex = tvm.compile(tvm.IRModule({f"candidate{i}": f for i, f in funcs.items()}),
-                         target=target, tir_pipeline=pipeline_for(target))
+                         target=target, tir_pipeline=pipeline)
         for i in funcs:
             out[i] = (ex, f"candidate{i}")
     except Exception:  # one bad function fails the module: find which, one by one
         for i, func in funcs.items():
             try:
                 out[i] = (tvm.compile(tvm.IRModule({f"candidate{i}": func}), target=target,
-                                      tir_pipeline=pipeline_for(target)), f"candidate{i}")
+                                      tir_pipeline=pipeline), f"candidate{i}")
             except Exception as err:
                 out[i] = _error(err)
     return out

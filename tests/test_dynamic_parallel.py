@@ -53,6 +53,16 @@ def test_function_without_parallel_loop_is_unchanged():
     assert _rewritten(serial).same_as(serial)
 
 
+def test_parallel_loop_with_a_step_keeps_tvms_split():
+    """Only unit-step loops are chunked: a stepped one's iterations are not ``min + i``."""
+    @T.prim_func(private=True)
+    def stepped(a: T.Buffer((10,), "float32")):
+        for i in T.parallel(0, 10, step=2):
+            a[i] = a[i] * T.float32(2)
+
+    assert _rewritten(stepped).same_as(stepped)
+
+
 def test_pipeline_names():
     assert tir_pipeline(3) == "tpp_dynamic_parallel_3"
     assert pipeline_for(tvm_tpp.target("tpp", num_cores=2)) == "tpp_dynamic_parallel_2"
