@@ -270,6 +270,39 @@ def test_filter_rows_over_the_zero_border_are_skipped(problem):
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("spec", ["ACbfgde", "ACDebfg", "ADEcbfg", "aCdgfbe"])
+def test_filter_columns_over_the_zero_border_are_skipped(spec):
+    """A dilated filter's calls whose column reads border columns only, for a whole block of
+    output columns, are skipped too: in blocks of 4 columns this conv never reads its border,
+    NaN there never reaches the output, whatever the order of the taps' loops."""
+    problem = ConvProblem(2, 5, 8, 8, 12, 3, 3, padding=4, dilation=4, epilogue=BIAS_RELU)
+    config = replace(_default(problem), spec=spec)
+    assert config.bq == 4
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 5, 8, 8)).astype("float32")
+    w = rng.standard_normal((12, 5, 3, 3)).astype("float32")
+    packed = pack_input(x, problem)
+    packed[:, :4] = packed[:, 12:] = np.nan
+    packed[:, :, :4] = packed[:, :, 12:] = np.nan
+    func = tvm.compile(schedule(problem, config).mod, target=tvm.target.Target(TARGETS["avx2"]))
+    bias = rng.standard_normal(12).astype("float32")
+    y = tvm.runtime.empty((problem.rows, 12), "float32")
+    func(tvm.runtime.tensor(packed), tvm.runtime.tensor(pack_weight(w, config.bk, problem)),
+         tvm.runtime.tensor(bias), y)
+    want = np.maximum(pixel_rows(reference(problem, x, w)) + bias, 0)
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bq", [4, 8, 16])
+def test_column_blocks_without_a_real_call_keep_the_zeroing_pass(bq):
+    """A border wider than the filter leaves whole column blocks without a call over real
+    input: they are zeroed, then take the epilogue (ReLU of the bias)."""
+    problem = ConvProblem(1, 8, 4, 4, 16, 3, 3, padding=(1, 8, 1, 8), dilation=(1, 2),
+                          epilogue=BIAS_RELU)
+    assert _default(problem).bq == 4
+    _run(problem, replace(_default(problem), bq=bq))
+
+
 def test_a_border_of_other_values_is_read_whole():
     """``zero_border=False`` (a zero point pads the input): every filter row is computed."""
     problem = ConvProblem(1, 8, 6, 5, 16, 3, 3, padding=2, dilation=2, zero_border=False)
