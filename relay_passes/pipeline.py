@@ -30,6 +30,7 @@ from schedules.tuner import TaskCollector, Tuner
 from .batch_matmul import rewrite_batch_matmul
 from .bf16_pools import max_pools_in_bf16
 from .concat_chain import write_concat_chains
+from .concat_slices import write_concat_slices
 from .conv import rewrite_conv
 from .dense import rewrite_dense
 from .guards import guard_gathers
@@ -81,8 +82,9 @@ def tpp_rewrites(
         mod = rewrite_batch_matmul(mod, target, found, tuner, precision)
         # Elementwise chains between int8 tensors (DenseNet's quantized pre-activations).
         mod = lookup_tables(mod)
-        # DenseNet's concat chains: each layer's channels written into one buffer.
-        mod = write_concat_chains(mod)
+        # DenseNet's concat chains: each layer's channels written into one buffer; the other
+        # concats' inputs written into their channels by the kernels computing them.
+        mod = write_concat_slices(write_concat_chains(mod))
         # The rewrites leave reshape-of-reshape chains; fused, one would be a copy kernel.
         # Cancelled permutes leave var-to-var aliases, across which FuseOps would not fuse
         # a chain into its consumer (HardSwish into the pad of the depthwise conv after it).

@@ -37,10 +37,11 @@ __all__ = ["redirect"]
 
 def redirect(func: tirx.PrimFunc, param: tvm.ir.expr.Var, into: tvm.ir.expr.Var,
              row: Callable[[tirx.PrimExpr], tirx.PrimExpr] | None = None,
-             before: Sequence[tirx.Stmt] = ()) -> s_tir.SBlockRealize | None:
+             before: Sequence[tirx.Stmt] = (), column: int = 0) -> s_tir.SBlockRealize | None:
     """The body of ``func`` with every access of its buffer parameter ``param`` made to
     ``into`` instead, at the same indices or, with a ``row`` map, the first index ``i`` at
-    ``row(i)``; the statements ``before`` come first in the root block.
+    ``row(i)``, and the last index ``column`` further on (a wider ``into``: the channels of
+    a concat); the statements ``before`` come first in the root block.
 
     None when ``func`` uses ``param`` otherwise than by element and region accesses, or,
     with a ``row`` map, accesses a range of several rows (a tile of rows may cross the
@@ -48,7 +49,16 @@ def redirect(func: tirx.PrimFunc, param: tvm.ir.expr.Var, into: tvm.ir.expr.Var,
     tiles = []
 
     def index(indices) -> list[tirx.PrimExpr]:
-        return list(indices) if row is None else [row(indices[0]), *indices[1:]]
+        mapped = list(indices) if row is None else [row(indices[0]), *indices[1:]]
+        if column:
+            mapped[-1] = mapped[-1] + column
+        return mapped
+
+    def shifted(ranges) -> list[tvm.ir.Range]:
+        if not column:
+            return list(ranges)
+        last = ranges[-1]
+        return [*ranges[:-1], tvm.ir.Range.from_min_extent(last.min + column, last.extent)]
 
     def store(s: tirx.BufferStore) -> tirx.BufferStore:
         return tirx.BufferStore(into, s.value, index(s.indices)) if s.buffer.same_as(param) else s
@@ -60,13 +70,13 @@ def redirect(func: tirx.PrimFunc, param: tvm.ir.expr.Var, into: tvm.ir.expr.Var,
         if not r.source.same_as(param):
             return r
         if row is None:
-            return tirx.BufferRegion(into, list(r.region))
+            return tirx.BufferRegion(into, shifted(r.region))
         first = r.region[0]
         if not (isinstance(first.extent, tirx.IntImm) and first.extent.value == 1):
             tiles.append(r)
             return r
-        return tirx.BufferRegion(into, [tvm.ir.Range.from_min_extent(row(first.min), 1),
-                                        *r.region[1:]])
+        return tirx.BufferRegion(into, shifted([tvm.ir.Range.from_min_extent(row(first.min), 1),
+                                                *r.region[1:]]))
 
     body = tvm_ffi.structural_map(func.body, [(tirx.BufferStore, store), (TensorLoad, load),
                                               (TensorRegion, region)])

@@ -1,0 +1,200 @@
+"""Concats whose inputs kernels compute: each kernel writes its own channels of the concat.
+
+A channels-last ``c = concat([t_1, ..., t_n], axis=3)`` reads every input back and writes it
+again (DeepLab's ASPP head, five branches of 64 channels on a 16x16 map: 4 % of seg_head's
+time at batch 8 on a Zen 1; Inception's modules alike).  OpenVINO has each producer write
+into the concat's tensor instead; so does :func:`write_concat_slices`, for every input
+``t_i = reshape(call_tir(f_i, args))`` whose kernel writes its ``[N*H*W, C_i]`` output
+element by element (a conv or dense layer with an epilogue) and which only the concat reads:
+
+* the first such kernel, in binding order, writes its channels of a ``[N*H*W, C]`` buffer
+  (its other channels left as they are allocated);
+* each later one writes its channels of that buffer in place (``call_tir_inplace``), so the
+  writes stay ordered where the kernels were;
+* the other inputs are copied into their channels in place, at the concat
+  (:func:`relay_passes.concat_chain.copy_kernel`);
+* ``c`` becomes the buffer's NHWC view.
+
+The inputs' channels are disjoint, so no write touches another's.  DenseNet's chains
+(:mod:`relay_passes.concat_chain`) are rewritten before; concats without a kernel among
+their inputs, and functions with symbolic shapes, are left as they are.
+
+Examples
+--------
+>>> from tvm.script import tirx as T
+>>> @T.prim_func(s_tir=True)
+... def relu(x: T.Buffer((6, 8), "float32"), y: T.Buffer((6, 8), "float32")):
+...     for i, j in T.grid(6, 8):
+...         with T.sblock("epilogue"):
+...             vi, vj = T.axis.remap("SS", [i, j])
+...             y[vi, vj] = T.max(x[vi, vj], T.float32(0))
+>>> sliced = sliced_output(relu, channels=24, offset=16)
+>>> "y[vi, vj + 16] = T.max(x[vi, vj]" in sliced.script()
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax, tirx
+
+from schedules.kernel_buffers import redirect
+
+from .concat_chain import copy_kernel
+from .scaffold import add_kernel, is_call_to, readers, rewrite_static_functions, static_shape
+
+__all__ = ["sliced_output", "write_concat_slices"]
+
+_CHANNELS = 3  # NHWC
+
+
+def sliced_output(func: tirx.PrimFunc, channels: int, offset: int) -> tirx.PrimFunc | None:
+    """``func`` writing its ``[rows, C]`` output into columns ``[offset, offset + C)`` of a
+    ``[rows, channels]`` buffer, or None when it does not write its output element by
+    element (module doc)."""
+    *inputs, out = func.params
+    rows, width = (int(d) for d in out.ty.shape)
+    if offset < 0 or offset + width > channels:
+        raise ValueError(f"channels [{offset}, {offset + width}) are not inside {channels}")
+    into = tirx.decl_buffer((rows, channels), out.ty.dtype, out.name)
+    # The identity row map refuses tiles of rows, as for padded outputs: a kernel matching
+    # its output as a tile (an AMX tile store, say) may assume the tile's row stride.
+    body = redirect(func, out, into, row=lambda i: i, column=offset)
+    return None if body is None else tirx.PrimFunc([*inputs, into], body, func.ret_type,
+                                                   func.attrs)
+
+
+def write_concat_slices(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every concat whose inputs kernels compute written by those kernels
+    (module doc)."""
+    rewriter = _ConcatSlices(mod)
+    return relax.transform.DeadCodeElimination()(
+        rewrite_static_functions(mod, rewriter, rewriter.plans))
+
+
+@dataclass(frozen=True)
+class _Producer:
+    """A concat input its kernel writes: the call's var, the kernel writing the concat's
+    buffer (:func:`sliced_output`) and its operands."""
+
+    var: relax.Var
+    name: str
+    kernel: tirx.PrimFunc
+    args: tuple[relax.Expr, ...]
+
+
+@dataclass
+class _Plan:
+    """One concat's rewrite: its producers in binding order, its other inputs with their
+    channel offsets, its shape; ``buffer`` the latest var holding the concat's channels."""
+
+    producers: list[_Producer]
+    copies: list[tuple[relax.Expr, int]]
+    nhwc: tuple[int, int, int, int]
+    dtype: str
+    buffer: relax.Var | None = None
+
+    @property
+    def rows(self) -> relax.TensorType:
+        """The buffer's type: ``[N*H*W, C]``."""
+        n, h, w, channels = self.nhwc
+        return relax.TensorType((n * h * w, channels), self.dtype)
+
+
+@relax.expr_functor.mutator
+class _ConcatSlices(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.mod = mod
+        self.plans: dict[relax.Var, _Plan] = {}  # concat var -> its plan
+        self.producing: dict[relax.Var, tuple[_Plan, _Producer]] = {}  # call var -> its part
+
+    def visit_function_(self, func: relax.Function) -> relax.Expr:
+        bound = relax.analysis.get_var2val(func)
+        read_by = readers(func)
+        order = {var: i for i, var in enumerate(bound)}
+        for var, value in bound.items():
+            plan = self._plan(value, bound, read_by)
+            if plan is not None:
+                plan.producers.sort(key=lambda p: order[p.var])
+                self.plans[var] = plan
+                for producer in plan.producers:
+                    self.producing[producer.var] = (plan, producer)
+        return super().visit_function_(func)
+
+    def _plan(self, concat: relax.Expr, bound, read_by) -> _Plan | None:
+        if not is_call_to(concat, "relax.concat") or not isinstance(concat.args[0], relax.Tuple):
+            return None
+        ty = concat.ty
+        nhwc = static_shape(ty.shape.values) if isinstance(ty, relax.TensorType) else None
+        if nhwc is None or len(nhwc) != 4 or int(concat.attrs.axis) % 4 != _CHANNELS:
+            return None
+        parts = list(concat.args[0].fields)
+        if any(not isinstance(p.ty, relax.TensorType) or p.ty.dtype != ty.dtype
+               or static_shape(p.ty.shape.values) is None for p in parts):
+            return None
+        producers, copies, offset = [], [], 0
+        for part in parts:
+            found = self._producer(part, parts, nhwc[_CHANNELS], offset, bound, read_by)
+            if found is None:
+                copies.append((part, offset))
+            else:
+                producers.append(found)
+            offset += int(part.ty.shape.values[_CHANNELS])
+        return _Plan(producers, copies, nhwc, str(ty.dtype)) if producers else None
+
+    def _producer(self, part: relax.Expr, parts: list[relax.Expr], channels: int, offset: int,
+                  bound, read_by) -> _Producer | None:
+        """``part`` as an input its kernel can write, or None (module doc)."""
+        view = bound.get(part) if isinstance(part, relax.Var) else None
+        if not is_call_to(view, "relax.reshape") or sum(p.same_as(part) for p in parts) != 1:
+            return None
+        call = bound.get(view.args[0]) if isinstance(view.args[0], relax.Var) else None
+        if not is_call_to(call, "relax.call_tir") or len(call.args) > 2:
+            return None
+        if not (_one_reader(read_by(call)) and _one_reader(read_by(view))):
+            return None
+        func = self.mod[call.args[0]]
+        args = tuple(call.args[1].fields)
+        n, h, w, c = static_shape(part.ty.shape.values)
+        if (not isinstance(func, tirx.PrimFunc) or len(func.params) != len(args) + 1
+                or static_shape(func.params[-1].ty.shape) != (n * h * w, c)):
+            return None
+        sliced = sliced_output(func, channels, offset)
+        return None if sliced is None else _Producer(
+            view.args[0], f"{call.args[0].name_hint}_sliced", sliced, args)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        if binding.var in self.producing:
+            self._write(*self.producing[binding.var])
+        elif binding.var in self.plans:
+            self._finish(self.plans[binding.var], binding.var)
+        elif not (is_call_to(value, "relax.reshape") and value.args[0] in self.producing):
+            super().visit_var_binding_(binding)  # (a producer's view: only the concat read it)
+
+    def _write(self, plan: _Plan, producer: _Producer) -> None:
+        """The producer's call, writing its channels of the plan's buffer."""
+        kernel = add_kernel(self.builder_, producer.kernel, producer.name)
+        args = [self.visit_expr(a) for a in producer.args]
+        call = (relax.call_tir(kernel, args, plan.rows) if plan.buffer is None else
+                relax.call_tir_inplace(kernel, [*args, plan.buffer], [len(args)], plan.rows))
+        plan.buffer = self.builder_.emit(call)
+
+    def _finish(self, plan: _Plan, var: relax.Var) -> None:
+        """The other inputs copied into their channels, and the concat as the buffer's view."""
+        full = relax.TensorType(plan.nhwc, plan.dtype)
+        buffer = self.builder_.emit(relax.op.reshape(plan.buffer, plan.nhwc))
+        for part, offset in plan.copies:
+            src = self.visit_expr(part)
+            kernel = add_kernel(self.builder_, copy_kernel(
+                static_shape(src.ty.shape.values), plan.nhwc[_CHANNELS], offset, plan.dtype,
+                in_place=True), "concat_slice_copy")
+            buffer = self.builder_.emit(relax.call_tir_inplace(kernel, [buffer, src], [0], full))
+        self.builder_.emit_normalized(relax.VarBinding(var, buffer))
+
+
+def _one_reader(reads: list[relax.Expr] | None) -> bool:
+    return reads is not None and len(reads) == 1
