@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING, Any
 from . import isa as _isa
 from .fast_math import _f32, _isnan
 from .fast_math import erf as _erf
-from .fast_math import exp as _fast_exp
+from .fast_math import logistic_exp as _exp
 
 if TYPE_CHECKING:
     import numpy as np
@@ -457,11 +457,6 @@ def _clamp(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
 
 
 _SQRT_2_PI = math.sqrt(2.0 / math.pi)
-
-
-def _exp(x: PrimExpr) -> PrimExpr:
-    """:func:`microkernels.fast_math.exp`, saturating: results between exp(-87) and exp(88)."""
-    return _fast_exp(x, saturate=True)
 
 
 @register_expr("gelu")

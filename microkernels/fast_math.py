@@ -39,12 +39,15 @@ if TYPE_CHECKING:
     import tvm
     from tvm.tirx import PrimExpr, PrimFunc
 
-__all__ = ["REPLACED", "erf", "exp", "fast_math", "fast_math_func", "sigmoid", "tanh"]
+__all__ = ["REPLACED", "erf", "exp", "fast_math", "fast_math_func", "logistic_exp", "sigmoid",
+           "tanh"]
 
 # Cephes expf: exp(x) = 2**n * exp(r), n = round(x / ln 2), ln 2 split in two for an exact r.
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
              1.6666665459e-1, 5.0000001201e-1)
+# Adding 1.5 * 2**23 rounds a float below 2**22 to an integer n: the sum's bits are 0x4B400000 + n.
+_ROUNDING, _ROUNDING_BITS = 12582912.0, 0x4B400000
 # Past these expf overflows to inf / rounds to 0 (exp(-103.98) is half the smallest subnormal).
 _EXP_HI, _EXP_LO = 88.8, -104.0
 # Eigen's erf(x) = x P(x^2) / Q(x^2) on [-4, 4] (erf(4) rounds to 1.0f).
@@ -96,15 +99,11 @@ def _pow2(n: PrimExpr) -> PrimExpr:
     return tirx.reinterpret("float32", (n + tirx.const(127, "int32")) << 23)
 
 
-def exp(x: PrimExpr, saturate: bool = False) -> PrimExpr:
+def exp(x: PrimExpr) -> PrimExpr:
     """float32 ``exp(x)`` in plain arithmetic, so it vectorizes (``tirx.exp`` calls ``expf``).
 
     Relative error below 2e-7 over the normal range (measured 1.2e-7).  Beyond it, as
     ``expf``: ``inf`` above 88.72, subnormals, then 0 below -103.97; NaN stays NaN.
-    ``saturate=True`` (the TPP epilogues' form) instead clamps ``x`` to [-87, 88], results
-    between exp(-87) and exp(88), one multiply cheaper, and leaves NaN to the caller (it
-    comes out finite): SiLU's and GELU's ``x / (1 + exp(..))`` carry it through their ``x``
-    anyway, and the test costs four vector instructions per element.
 
     Examples
     --------
@@ -114,14 +113,10 @@ def exp(x: PrimExpr, saturate: bool = False) -> PrimExpr:
     """
     from tvm import tirx
 
-    lo, hi = (-87.0, 88.0) if saturate else (_EXP_LO, _EXP_HI)
-
     def from_clamped(xc: PrimExpr) -> PrimExpr:
         def from_n(n: PrimExpr) -> PrimExpr:
             def from_r(r: PrimExpr) -> PrimExpr:
                 y = _horner(r, _EXP_POLY) * r * r + r + _f32(1.0)
-                if saturate:
-                    return y * _pow2(n.astype("int32"))
                 # n reaches 128 and -150: scale in two normal steps; the second rounds once
                 # into the subnormals or overflows to inf.
                 return _let(n.astype("int32"), lambda k: _let(
@@ -132,12 +127,48 @@ def exp(x: PrimExpr, saturate: bool = False) -> PrimExpr:
 
         return _let(tirx.floor(xc * _f32(1.0 / math.log(2.0)) + _f32(0.5)), from_n)
 
-    def clamped(v: PrimExpr) -> PrimExpr:
-        return _let(tirx.min(tirx.max(v, _f32(lo)), _f32(hi)), from_clamped)
+    def of(v: PrimExpr) -> PrimExpr:
+        clamped = _let(tirx.min(tirx.max(v, _f32(_EXP_LO)), _f32(_EXP_HI)), from_clamped)
+        return tirx.Select(_isnan(v), v, clamped)
 
-    if saturate:
-        return clamped(x)
-    return _let(x, lambda v: tirx.Select(_isnan(v), v, clamped(v)))
+    return _let(x, of)
+
+
+def logistic_exp(x: PrimExpr) -> PrimExpr:
+    """float32 ``exp(x)`` for the logistic forms ``1 / (1 + exp(x))`` of the TPP epilogues
+    (sigmoid, SiLU, the tanh GELU): ``x`` clamped to [-87, 88] (results between exp(-87) and
+    exp(88)); NaN comes out finite, left to the caller (SiLU and GELU divide their ``x``,
+    which carries it).
+
+    Cheaper than :func:`exp` by its exactness at large ``|x|``: ``n = round(x / ln 2)`` by
+    adding ``1.5 * 2**23`` (the sum's low bits are ``n``, its exponent field built from them
+    by an integer add and a shift), ``r = x - n ln 2`` with ``ln 2`` in one float (off by
+    ``|n|`` times its rounding, 1.9e-9), Cephes' polynomial but its r**7 term in one Horner
+    chain: relative error below 5e-7 (measured 4.5e-7, near the ends, where
+    ``e / (1 + e)**2`` takes all but 1e-37 of it out of the logistic's result).  On a Zen 1,
+    one core, SiLU 1.19-1.20x as fast as with :func:`exp`'s reduction and scaling.
+
+    Examples
+    --------
+    >>> from tvm import tirx
+    >>> str(logistic_exp(tirx.const(1.0, "float32")).ty)
+    'float32'
+    """
+    from tvm import tirx
+
+    def from_clamped(xc: PrimExpr) -> PrimExpr:
+        def from_t(t: PrimExpr) -> PrimExpr:
+            def from_r(r: PrimExpr) -> PrimExpr:
+                # t's bits are 0x4B400000 + n: less 0x4B400000 - 127, shifted: 2**n's.
+                scale = (tirx.reinterpret("int32", t)
+                         - tirx.const(_ROUNDING_BITS - 127, "int32")) << 23
+                return _horner(r, (*_EXP_POLY[1:], 1.0, 1.0)) * tirx.reinterpret("float32", scale)
+
+            return _let(xc - (t - _f32(_ROUNDING)) * _f32(math.log(2.0)), from_r)
+
+        return _let(xc * _f32(1.0 / math.log(2.0)) + _f32(_ROUNDING), from_t)
+
+    return _let(tirx.min(tirx.max(x, _f32(-87.0)), _f32(88.0)), from_clamped)
 
 
 def erf(x: PrimExpr) -> PrimExpr:

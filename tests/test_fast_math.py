@@ -81,6 +81,19 @@ def test_accuracy_against_float64(name, span, rtol):
     assert np.isnan(y[np.isnan(x)]).all()
 
 
+def test_logistic_exp_accuracy_and_saturation():
+    """The epilogues' exp: within 5e-7 of exp over [-87, 88], exp(-87) and exp(88) beyond."""
+    inside = np.random.default_rng(1).uniform(-87.0, 88.0, 1 << 16).astype(np.float32)
+    edges = np.float32([-87.0, 88.0, 0.0, -0.0, 1e-30, 0.3466, -0.3466, 44.36, -44.36])
+    outside = np.float32([-87.5, -100.0, -1e30, 88.5, 100.0, 1e30, np.inf, -np.inf])
+    x = np.resize(np.concatenate([inside, edges, outside]), -(-(inside.size + 17) // LANES)
+                  * LANES)
+    y = _run("logistic_exp", x).astype(np.float64)
+    ref = np.exp(np.clip(x.astype(np.float64), -87.0, 88.0))
+    rel = np.abs(y - ref) / ref
+    assert rel.max() <= 5e-7, (rel.max(), x[rel.argmax()])
+
+
 def test_limits():
     x = np.resize(np.array([np.inf, -np.inf, np.nan, -0.0], np.float32), LANES)
     with np.errstate(invalid="ignore"):
