@@ -4,13 +4,14 @@ A channels-last ``c = concat([t_1, ..., t_n], axis=3)`` reads every input back a
 again (DeepLab's ASPP head, five branches of 64 channels on a 16x16 map: 4 % of seg_head's
 time at batch 8 on a Zen 1; Inception's modules alike).  OpenVINO has each producer write
 into the concat's tensor instead; so does :func:`write_concat_slices`, for every input
-``t_i = reshape(call_tir(f_i, args))`` whose kernel writes its ``[N*H*W, C_i]`` output
-element by element (a conv or dense layer with an epilogue) and which only the concat reads:
+``t_i = reshape(call_tir(f_i, args))`` whose kernel writes its ``[N*H*W, C_i]`` output, or
+``t_i = call_tir(f_i, args)`` writing NHWC, element by element (a conv or dense layer with
+an epilogue; a quantized branch's rescaling lookup table) and which only the concat reads:
 
-* the first such kernel, in binding order, writes its channels of a ``[N*H*W, C]`` buffer
-  (its other channels left as they are allocated);
-* each later one writes its channels of that buffer in place (``call_tir_inplace``), so the
-  writes stay ordered where the kernels were;
+* the first such kernel, in binding order, writes its channels of a ``[N*H*W, C]`` (or
+  NHWC) buffer, its other channels left as they are allocated;
+* each later one writes its channels of that buffer in place (``call_tir_inplace``; the
+  buffer viewed as the shape it writes), so the writes stay ordered where the kernels were;
 * the other inputs are copied into their channels in place, at the concat
   (:func:`relay_passes.concat_chain.copy_kernel`);
 * ``c`` becomes the buffer's NHWC view.
@@ -51,19 +52,38 @@ _CHANNELS = 3  # NHWC
 
 
 def sliced_output(func: tirx.PrimFunc, channels: int, offset: int) -> tirx.PrimFunc | None:
-    """``func`` writing its ``[rows, C]`` output into columns ``[offset, offset + C)`` of a
-    ``[rows, channels]`` buffer, or None when it does not write its output element by
-    element (module doc)."""
+    """``func`` writing its ``[..., C]`` output into channels ``[offset, offset + C)`` of a
+    ``[..., channels]`` buffer, or None when it does not write its output element by element
+    (module doc)."""
     *inputs, out = func.params
-    rows, width = (int(d) for d in out.ty.shape)
+    *lead, width = (int(d) for d in out.ty.shape)
     if offset < 0 or offset + width > channels:
         raise ValueError(f"channels [{offset}, {offset + width}) are not inside {channels}")
-    into = tirx.decl_buffer((rows, channels), out.ty.dtype, out.name)
-    # The identity row map refuses tiles of rows, as for padded outputs: a kernel matching
-    # its output as a tile (an AMX tile store, say) may assume the tile's row stride.
-    body = redirect(func, out, into, row=lambda i: i, column=offset)
+    if not _by_element(func, out):
+        return None
+    into = tirx.decl_buffer((*lead, channels), out.ty.dtype, out.name)
+    body = redirect(func, out, into, column=offset)
     return None if body is None else tirx.PrimFunc([*inputs, into], body, func.ret_type,
                                                    func.attrs)
+
+
+def _by_element(func: tirx.PrimFunc, out: tvm.ir.expr.Var) -> bool:
+    """Whether every region of ``out`` that ``func`` names spans one element of each axis but
+    the last: a kernel matching its output as a tile (a BRGEMM's C, an AMX tile store) may
+    assume the tile's row stride, which a wider buffer changes."""
+    import tvm_ffi
+    from tvm.ir.expr import TensorRegion
+
+    tiles = []
+
+    def visit(r: TensorRegion) -> None:
+        if r.source.same_as(out) and any(
+                not (isinstance(d.extent, tirx.IntImm) and d.extent.value == 1)
+                for d in r.region[:-1]):
+            tiles.append(r)
+
+    tvm_ffi.structural_walk(func.body, (TensorRegion, visit))
+    return not tiles
 
 
 def write_concat_slices(mod: tvm.IRModule) -> tvm.IRModule:
@@ -77,12 +97,13 @@ def write_concat_slices(mod: tvm.IRModule) -> tvm.IRModule:
 @dataclass(frozen=True)
 class _Producer:
     """A concat input its kernel writes: the call's var, the kernel writing the concat's
-    buffer (:func:`sliced_output`) and its operands."""
+    buffer (:func:`sliced_output`), its operands and the buffer's shape it writes."""
 
     var: relax.Var
     name: str
     kernel: tirx.PrimFunc
     args: tuple[relax.Expr, ...]
+    shape: tuple[int, ...]
 
 
 @dataclass
@@ -96,11 +117,11 @@ class _Plan:
     dtype: str
     buffer: relax.Var | None = None
 
-    @property
-    def rows(self) -> relax.TensorType:
-        """The buffer's type: ``[N*H*W, C]``."""
-        n, h, w, channels = self.nhwc
-        return relax.TensorType((n * h * w, channels), self.dtype)
+    def buffer_as(self, builder: relax.BlockBuilder, shape: tuple[int, ...]) -> relax.Var:
+        """The buffer viewed as ``shape``."""
+        if static_shape(self.buffer.ty.shape.values) != shape:
+            self.buffer = builder.emit(relax.op.reshape(self.buffer, shape))
+        return self.buffer
 
 
 @relax.expr_functor.mutator
@@ -147,24 +168,30 @@ class _ConcatSlices(relax.PyExprMutator):
 
     def _producer(self, part: relax.Expr, parts: list[relax.Expr], channels: int, offset: int,
                   bound, read_by) -> _Producer | None:
-        """``part`` as an input its kernel can write, or None (module doc)."""
-        view = bound.get(part) if isinstance(part, relax.Var) else None
-        if not is_call_to(view, "relax.reshape") or sum(p.same_as(part) for p in parts) != 1:
+        """``part`` as an input its kernel can write, or None (module doc): the kernel's
+        ``[N*H*W, C]`` output viewed as NHWC (a conv's, a dense layer's), or its NHWC output
+        itself (an elementwise kernel's, a lookup table's)."""
+        value = bound.get(part) if isinstance(part, relax.Var) else None
+        if sum(p.same_as(part) for p in parts) != 1:
             return None
-        call = bound.get(view.args[0]) if isinstance(view.args[0], relax.Var) else None
+        n, h, w, c = static_shape(part.ty.shape.values)
+        if is_call_to(value, "relax.reshape") and isinstance(value.args[0], relax.Var):
+            var, wrote = value.args[0], (n * h * w, c)
+            call, readers_ok = bound.get(var), _one_reader(read_by(value))
+        else:
+            var, wrote, call, readers_ok = part, (n, h, w, c), value, True
         if not is_call_to(call, "relax.call_tir") or len(call.args) > 2:
             return None
-        if not (_one_reader(read_by(call)) and _one_reader(read_by(view))):
+        if not (readers_ok and _one_reader(read_by(call))):
             return None
         func = self.mod[call.args[0]]
         args = tuple(call.args[1].fields)
-        n, h, w, c = static_shape(part.ty.shape.values)
         if (not isinstance(func, tirx.PrimFunc) or len(func.params) != len(args) + 1
-                or static_shape(func.params[-1].ty.shape) != (n * h * w, c)):
+                or static_shape(func.params[-1].ty.shape) != wrote):
             return None
         sliced = sliced_output(func, channels, offset)
         return None if sliced is None else _Producer(
-            view.args[0], f"{call.args[0].name_hint}_sliced", sliced, args)
+            var, f"{call.args[0].name_hint}_sliced", sliced, args, (*wrote[:-1], channels))
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
@@ -179,14 +206,17 @@ class _ConcatSlices(relax.PyExprMutator):
         """The producer's call, writing its channels of the plan's buffer."""
         kernel = add_kernel(self.builder_, producer.kernel, producer.name)
         args = [self.visit_expr(a) for a in producer.args]
-        call = (relax.call_tir(kernel, args, plan.rows) if plan.buffer is None else
-                relax.call_tir_inplace(kernel, [*args, plan.buffer], [len(args)], plan.rows))
+        out = relax.TensorType(producer.shape, plan.dtype)
+        call = (relax.call_tir(kernel, args, out) if plan.buffer is None else
+                relax.call_tir_inplace(kernel, [*args, plan.buffer_as(self.builder_,
+                                                                      producer.shape)],
+                                       [len(args)], out))
         plan.buffer = self.builder_.emit(call)
 
     def _finish(self, plan: _Plan, var: relax.Var) -> None:
         """The other inputs copied into their channels, and the concat as the buffer's view."""
         full = relax.TensorType(plan.nhwc, plan.dtype)
-        buffer = self.builder_.emit(relax.op.reshape(plan.buffer, plan.nhwc))
+        buffer = plan.buffer_as(self.builder_, plan.nhwc)
         for part, offset in plan.copies:
             src = self.visit_expr(part)
             kernel = add_kernel(self.builder_, copy_kernel(

@@ -144,6 +144,43 @@ def test_inputs_a_kernel_cannot_write_are_copied(before):
     np.testing.assert_array_equal(_run(after, 1), _run(before, 1))
 
 
+def _nhwc_doubler() -> tvm.tirx.PrimFunc:
+    """An elementwise kernel writing NHWC itself (a quantized branch's lookup table's form)."""
+
+    @T.prim_func(s_tir=True)
+    def kernel(x: T.Buffer((1, 2, 3, 4), F32), y: T.Buffer((1, 2, 3, 4), F32)):
+        for n, h, w, c in T.grid(1, 2, 3, 4):
+            with T.sblock("double"):
+                vn, vh, vw, vc = T.axis.remap("SSSS", [n, h, w, c])
+                y[vn, vh, vw, vc] = x[vn, vh, vw, vc] * T.float32(2)
+
+    return kernel
+
+
+def test_a_kernel_writing_nhwc_writes_its_channels():
+    """concat([k1(x1) viewed NHWC, double(z)]): the NHWC kernel writes channels 5-8 of the
+    buffer viewed as NHWC, after the [rows, C] kernel wrote channels 0-4."""
+    x1 = relax.Var("x1", _tensor(ROWS, 5))
+    x2 = relax.Var("x2", _tensor(ROWS, 3))
+    z = relax.Var("z", _tensor(1, 2, 3, 4))
+    bb = relax.BlockBuilder()
+    k1 = add_kernel(bb, _scaled_relu(5, 2.0), "kernel1")
+    double = add_kernel(bb, _nhwc_doubler(), "double")
+    with bb.function("main", [x1, x2, z]):
+        with bb.dataflow():
+            out = bb.emit(relax.call_tir(k1, [x1], _tensor(ROWS, 5)))
+            view = bb.emit(relax.op.reshape(out, (1, 2, 3, 5)))
+            doubled = bb.emit(relax.call_tir(double, [z], _tensor(1, 2, 3, 4)))
+            y = bb.emit_output(relax.op.concat([view, doubled], axis=3))
+        bb.emit_func_output(y)
+    before = bb.get()
+    after = write_concat_slices(before)
+    names = sorted(gv.name_hint for gv in after.functions)
+    assert {"kernel1_sliced", "double_sliced"} <= set(names), names
+    assert not any(n.startswith("concat_slice_copy") for n in names), names
+    np.testing.assert_array_equal(_run(after, 2), _run(before, 2))
+
+
 def test_concats_on_other_axes_kept():
     before = relax.transform.DeadCodeElimination()(_before(axis=1))
     tvm.ir.assert_structural_equal(write_concat_slices(before), before)
