@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
+import tvm_ffi
 from conftest import INT8_KERNELS, pixel_rows
 from test_qdq_conv import _qdq_reference, _quantized_residual_block
 from tvm import relax
@@ -53,7 +54,8 @@ def _relu_padded_ir():
     @T.prim_func(private=True, s_tir=True)
     def relu_padded(x: T.Buffer((6, 8), F32), padded: T.Buffer((20, 8), F32)):
         padded_bits = T.decl_buffer((20, 8), "uint32", data=padded.data)
-        for image, y in T.grid(2, 2):
+        for row in range(4):  # a small border: one thread fills it
+            image, y = row // 2, row % 2
             base: T.int32 = (image * 2 + y) * 5
             if y < 1 or y >= 2:
                 for x_1, v in T.grid(5, 1):
@@ -87,6 +89,30 @@ def _copy(dtype: str) -> tvm.tirx.PrimFunc:
 def test_padded_output_function():
     tvm.ir.assert_structural_equal(padded_output(_relu_ir(), (2, 1, 3), (1, 0, 0, 2), 0.0),
                                    _relu_padded_ir())
+
+
+@pytest.mark.parametrize(("images", "parallel"), [((8, 48, 48), True), ((1, 48, 48), False)],
+                         ids=["batch-8", "batch-1"])
+def test_large_borders_filled_in_parallel(images, parallel):
+    """A 96-channel 48x48 map's border: 600 KiB at batch 8, filled a row per task by all
+    threads; 75 KiB at batch 1, by one (a fork and join cost more than they share)."""
+    n, h, w = images
+
+    @T.prim_func(s_tir=True)
+    def relu(x: T.Buffer((n * h * w, 96), F32), y: T.Buffer((n * h * w, 96), F32)):
+        for i, j in T.grid(n * h * w, 96):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.max(x[vi, vj], T.float32(0))
+
+    padded = padded_output(relu, images, (1, 1, 1, 1), 0.0)
+    kinds = []
+    tvm_ffi.structural_walk(padded.body, (tvm.tirx.For, lambda s: kinds.append(s.kind)))
+    assert (tvm.tirx.ForKind.PARALLEL in kinds) == parallel
+    x = np.random.default_rng(3).standard_normal((n * h * w, 96)).astype(F32)
+    out = tvm.runtime.empty((n * (h + 2) * (w + 2), 96), F32)
+    tvm.compile(padded, target=tvm.target.Target({"kind": "llvm"}))(tvm.runtime.tensor(x), out)
+    np.testing.assert_array_equal(out.numpy(), _padded(np.maximum(x, 0), images, (1, 1, 1, 1), 0))
 
 
 def _padded(y: np.ndarray, images: tuple[int, int, int], padding, value) -> np.ndarray:
