@@ -46,9 +46,10 @@ from .scaffold import add_kernel, is_call_to, rewrite_static_functions, static_s
 # The TVMScript builders below parse the text this module was imported from.
 pin_source(__name__)
 
-__all__ = ["write_concat_chains", "copy_kernel"]
+__all__ = ["CHANNEL_AXIS", "write_concat_chains", "copy_kernel"]
 
-_CHANNELS = 3  # NHWC
+#: NHWC's channel axis, the one the concats rewritten here join along.
+CHANNEL_AXIS = 3
 
 
 def write_concat_chains(mod: tvm.IRModule) -> tvm.IRModule:
@@ -103,7 +104,7 @@ def _concat_parts(value: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
     if not all(isinstance(t, relax.TensorType) and t.ndim == 4 and t.dtype == types[0].dtype
                and static_shape(t.shape.values) is not None for t in types):
         return None
-    if int(value.attrs.axis) % 4 != _CHANNELS:
+    if int(value.attrs.axis) % 4 != CHANNEL_AXIS:
         return None
     return parts.fields[0], parts.fields[1]
 
@@ -156,7 +157,7 @@ class _Chains(relax.PyExprMutator):
         chain, position = self.plan[binding.var]
         first, new = (self.visit_expr(e) for e in self.parts[binding.var])
         full = chain[-1].ty
-        channels = int(full.shape.values[_CHANNELS])
+        channels = int(full.shape.values[CHANNEL_AXIS])
         dtype = str(full.dtype)
         key = id(chain)
         if position == 0:
@@ -164,15 +165,15 @@ class _Chains(relax.PyExprMutator):
             kernel = add_kernel(self.builder_, copy_kernel(src, channels, 0, dtype, False),
                                 "concat_copy")
             self.buffers[key] = self.builder_.emit(relax.call_tir(kernel, [first], full))
-        offset = int(first.ty.shape.values[_CHANNELS])
+        offset = int(first.ty.shape.values[CHANNEL_AXIS])
         src = static_shape(new.ty.shape.values)
         kernel = add_kernel(self.builder_, copy_kernel(src, channels, offset, dtype, True),
                             "concat_slice_copy")
         buffer = self.builder_.emit(relax.call_tir_inplace(
             kernel, [self.buffers[key], new], [0], full))
         self.buffers[key] = buffer
-        width = int(binding.var.ty.shape.values[_CHANNELS])
+        width = int(binding.var.ty.shape.values[CHANNEL_AXIS])
         value = buffer if position == len(chain) - 1 else relax.op.strided_slice(
-            buffer, axes=[_CHANNELS], begin=[0], end=[width])
+            buffer, axes=[CHANNEL_AXIS], begin=[0], end=[width])
         self.builder_.emit_normalized(relax.VarBinding(binding.var,
                                                        self.builder_.normalize(value)))

@@ -43,13 +43,17 @@ from tvm import relax, tirx
 
 from schedules.kernel_buffers import redirect
 
-from .concat_chain import copy_kernel
-from .scaffold import add_kernel, is_call_to, readers, rewrite_static_functions, static_shape
+from .concat_chain import CHANNEL_AXIS, copy_kernel
+from .scaffold import (
+    add_kernel,
+    is_call_to,
+    only_reader,
+    readers,
+    rewrite_static_functions,
+    static_shape,
+)
 
 __all__ = ["sliced_output", "write_concat_slices"]
-
-_CHANNELS = 3  # NHWC
-
 
 def sliced_output(func: tirx.PrimFunc, channels: int, offset: int) -> tirx.PrimFunc | None:
     """``func`` writing its ``[..., C]`` output into channels ``[offset, offset + C)`` of a
@@ -150,7 +154,7 @@ class _ConcatSlices(relax.PyExprMutator):
             return None
         ty = concat.ty
         nhwc = static_shape(ty.shape.values) if isinstance(ty, relax.TensorType) else None
-        if nhwc is None or len(nhwc) != 4 or int(concat.attrs.axis) % 4 != _CHANNELS:
+        if nhwc is None or len(nhwc) != 4 or int(concat.attrs.axis) % 4 != CHANNEL_AXIS:
             return None
         parts = list(concat.args[0].fields)
         if any(not isinstance(p.ty, relax.TensorType) or p.ty.dtype != ty.dtype
@@ -158,31 +162,31 @@ class _ConcatSlices(relax.PyExprMutator):
             return None
         producers, copies, offset = [], [], 0
         for part in parts:
-            found = self._producer(part, parts, nhwc[_CHANNELS], offset, bound, read_by)
+            found = self._producer(part, concat, nhwc[CHANNEL_AXIS], offset, bound, read_by)
             if found is None:
                 copies.append((part, offset))
             else:
                 producers.append(found)
-            offset += int(part.ty.shape.values[_CHANNELS])
+            offset += int(part.ty.shape.values[CHANNEL_AXIS])
         return _Plan(producers, copies, nhwc, str(ty.dtype)) if producers else None
 
-    def _producer(self, part: relax.Expr, parts: list[relax.Expr], channels: int, offset: int,
+    def _producer(self, part: relax.Expr, concat: relax.Call, channels: int, offset: int,
                   bound, read_by) -> _Producer | None:
         """``part`` as an input its kernel can write, or None (module doc): the kernel's
         ``[N*H*W, C]`` output viewed as NHWC (a conv's, a dense layer's), or its NHWC output
-        itself (an elementwise kernel's, a lookup table's)."""
+        itself (an elementwise kernel's, a lookup table's), read by ``concat`` alone."""
         value = bound.get(part) if isinstance(part, relax.Var) else None
-        if sum(p.same_as(part) for p in parts) != 1:
+        if (sum(p.same_as(part) for p in concat.args[0].fields) != 1
+                or not only_reader(read_by(value), concat)):
             return None
         n, h, w, c = static_shape(part.ty.shape.values)
         if is_call_to(value, "relax.reshape") and isinstance(value.args[0], relax.Var):
-            var, wrote = value.args[0], (n * h * w, c)
-            call, readers_ok = bound.get(var), _one_reader(read_by(value))
+            var, wrote, call = value.args[0], (n * h * w, c), bound.get(value.args[0])
+            if not only_reader(read_by(call), value):
+                return None
         else:
-            var, wrote, call, readers_ok = part, (n, h, w, c), value, True
+            var, wrote, call = part, (n, h, w, c), value
         if not is_call_to(call, "relax.call_tir") or len(call.args) > 2:
-            return None
-        if not (readers_ok and _one_reader(read_by(call))):
             return None
         func = self.mod[call.args[0]]
         args = tuple(call.args[1].fields)
@@ -220,11 +224,7 @@ class _ConcatSlices(relax.PyExprMutator):
         for part, offset in plan.copies:
             src = self.visit_expr(part)
             kernel = add_kernel(self.builder_, copy_kernel(
-                static_shape(src.ty.shape.values), plan.nhwc[_CHANNELS], offset, plan.dtype,
+                static_shape(src.ty.shape.values), plan.nhwc[CHANNEL_AXIS], offset, plan.dtype,
                 in_place=True), "concat_slice_copy")
             buffer = self.builder_.emit(relax.call_tir_inplace(kernel, [buffer, src], [0], full))
         self.builder_.emit_normalized(relax.VarBinding(var, buffer))
-
-
-def _one_reader(reads: list[relax.Expr] | None) -> bool:
-    return reads is not None and len(reads) == 1

@@ -45,6 +45,7 @@ from schedules.kernel_buffers import redirect
 from .scaffold import (
     add_kernel,
     is_call_to,
+    only_reader,
     readers,
     rewrite_static_functions,
     static_shape,
@@ -140,10 +141,6 @@ def write_padded_outputs(mod: tvm.IRModule) -> tvm.IRModule:
         rewrite_static_functions(mod, rewriter, rewriter.replace))
 
 
-def _only_reader(reads: list[relax.Expr] | None, value: relax.Expr) -> bool:
-    return reads is not None and len(reads) == 1 and reads[0].same_as(value)
-
-
 def _pad_widths(pad: relax.Call) -> Padding | None:
     """(top, bottom, left, right) of a constant pad of NHWC's H and W axes only, or None."""
     if str(pad.attrs.pad_mode) != "constant":
@@ -181,7 +178,7 @@ class _PaddedOutputs(relax.PyExprMutator):
             return None
         call = bound.get(view.args[0]) if isinstance(view.args[0], relax.Var) else None
         if (not is_call_to(call, "relax.call_tir") or len(call.args) > 2
-                or not _only_reader(read_by(call), view) or not _only_reader(read_by(view), pad)):
+                or not only_reader(read_by(call), view) or not only_reader(read_by(view), pad)):
             return None
         kernel, args = call.args[0], list(call.args[1].fields)
         func = self.mod[kernel]

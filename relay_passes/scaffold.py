@@ -61,6 +61,7 @@ __all__ = [
     "with_config",
     "offload_name",
     "offload_patterns",
+    "only_reader",
     "report_leftovers",
     "same_dims",
     "tpp_flops_fraction",
@@ -373,6 +374,18 @@ def readers(func: relax.Function) -> Callable[[relax.Expr], list[relax.Expr] | N
         return None if var is None or var in returned else reads[var]
 
     return of
+
+
+def only_reader(reads: list[relax.Expr] | None, value: relax.Expr) -> bool:
+    """Whether ``reads`` (a :func:`readers` answer) is ``value`` alone: nothing else, and not
+    the function's result, sees what was read.
+
+    >>> x = relax.Var("x", relax.TensorType((2,), "float32"))
+    >>> y = relax.op.add(x, x)
+    >>> only_reader([y], y), only_reader([y, y], y), only_reader(None, y)
+    (True, False, False)
+    """
+    return reads is not None and len(reads) == 1 and reads[0].same_as(value)
 
 
 def reads_through_bf16_cast(reader: relax.Expr) -> bool:

@@ -92,6 +92,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -799,7 +800,7 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     shape = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
                         layout=problem.brgemm_layout(isa_name), isa=isa_name)
-    border = _Border.of(problem, config.bq)
+    border = _Border(problem, config.bq)
     if single_call or not border.skips or border.every_tile_live():
         shape = zeroing_kernel(sch, init, shape, whole=single_call)
     call = sch.blockize(inner[0][0])
@@ -883,26 +884,27 @@ class _Border:
     lies in the left or right border for a whole block of ``bq`` output columns
     (``columns``: a dilated filter on a small map, DeepLab's).
 
-    >>> dilated = _Border.of(ConvProblem(1, 8, 16, 16, 8, 3, 3, padding=12, dilation=12), 4)
+    >>> dilated = _Border(ConvProblem(1, 8, 16, 16, 8, 3, 3, padding=12, dilation=12), 4)
     >>> dilated.rows, dilated.columns
     (True, True)
-    >>> _Border.of(ConvProblem(1, 8, 16, 16, 8, 3, 3, padding=1), bq=4).columns
+    >>> _Border(ConvProblem(1, 8, 16, 16, 8, 3, 3, padding=1), bq=4).columns
     False
     """
 
     problem: ConvProblem
     bq: int
-    rows: bool
-    columns: bool
 
-    @classmethod
-    def of(cls, problem: ConvProblem, bq: int) -> _Border:
-        top, left, bottom, right = problem.padding
-        rows = problem.zero_border and problem.r > 1 and (top > 0 or bottom > 0)
-        columns = problem.zero_border and problem.s > 1 and any(
-            not _live_columns(problem, bq, block, tap)
-            for block in range(problem.q // bq) for tap in range(problem.s))
-        return cls(problem, bq, rows, columns)
+    @functools.cached_property
+    def rows(self) -> bool:
+        top, _, bottom, _ = self.problem.padding
+        return self.problem.zero_border and self.problem.r > 1 and (top > 0 or bottom > 0)
+
+    @functools.cached_property
+    def columns(self) -> bool:
+        p = self.problem
+        return p.zero_border and p.s > 1 and any(
+            not _live_columns(p, self.bq, block, tap)
+            for block in range(p.q // self.bq) for tap in range(p.s))
 
     @property
     def skips(self) -> bool:
@@ -921,9 +923,9 @@ class _Border:
         """Whether every output tile has a call over real input: a call then starts each C
         block's reduction where the border's calls are skipped.
 
-        >>> _Border.of(ConvProblem(1, 8, 4, 4, 8, 3, 3, padding=1), 4).every_tile_live()
+        >>> _Border(ConvProblem(1, 8, 4, 4, 8, 3, 3, padding=1), 4).every_tile_live()
         True
-        >>> _Border.of(ConvProblem(1, 8, 4, 4, 8, 3, 3, padding=(5, 1, 5, 1)), 4
+        >>> _Border(ConvProblem(1, 8, 4, 4, 8, 3, 3, padding=(5, 1, 5, 1)), 4
         ...            ).every_tile_live()
         False
         """
