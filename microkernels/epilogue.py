@@ -83,6 +83,8 @@ __all__ = [
     "Epilogue",
     "apply_te",
     "expression_isa",
+    "to_bf16",
+    "from_bf16",
     "vector_lanes",
     "reference",
     "register_expr",
@@ -434,12 +436,23 @@ def _like(x: PrimExpr, v: float) -> PrimExpr:
 @register_expr("bias")
 @register_expr("residual")
 def _add(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
-    if op.dtype == "bfloat16":  # widened on the bits: a bf16 is a float32's upper half
-        from tvm import tirx
+    return x + (from_bf16(arg) if op.dtype == "bfloat16" else arg)
 
-        bits = tirx.reinterpret("uint16", arg).astype("uint32") << tirx.const(16, "uint32")
-        return x + tirx.reinterpret("float32", bits)
-    return x + arg
+
+def from_bf16(x: PrimExpr) -> PrimExpr:
+    """A bfloat16 value as float32, widened on the bits (a bf16 is a float32's upper half;
+    TVM's own cast goes through its bf16 legalization)."""
+    from tvm import tirx
+
+    bits = tirx.reinterpret("uint16", x).astype("uint32") << tirx.const(16, "uint32")
+    return tirx.reinterpret("float32", bits)
+
+
+def to_bf16(x: PrimExpr, isa: str = "generic") -> PrimExpr:
+    """A float32 value rounded to bfloat16 (to nearest even, NaNs kept) as the ``convert``
+    epilogue op computes it on ``isa`` (one ``vcvtneps2bf16`` where the ISA has it and the
+    loop is vectorized by its 16 lanes: :func:`expression_isa`)."""
+    return _builder("convert", isa)(EpilogueOp("convert", dtype="bfloat16"), x, None)
 
 
 @register_expr("relu")

@@ -1,4 +1,4 @@
-"""Winograd convolution: a float32 3x3 conv as transforms around a batch of BRGEMMs.
+"""Winograd convolution: a float32 or bf16 3x3 conv as transforms around a batch of BRGEMMs.
 
 ``Y = epilogue(conv2d(X, W))`` for a float32 3x3 conv of stride 1 padded by one pixel, by
 Lavin and Gray's minimal filtering ``F(m x m, 3 x 3)``: each ``m x m`` tile of output pixels
@@ -21,6 +21,9 @@ epilogue's) but for the weight's layout, so a graph pass swaps one kernel for th
 The transform matrices are Cook-Toom's over TVM's interpolation points (Barabasz et al.,
 whose points keep the error of ``F(4, 3)`` near 3e-7 relative); this is float32 arithmetic
 throughout, with a rounding error a few times a direct conv's, never a lower precision.
+A bf16 conv (``precision="bf16"``) transforms in float32 too and rounds V and U to bf16
+for the GEMMs (the bf16 VNNI-2 BRGEMM, float32 accumulation): half the GEMM stage's time
+and operand bytes, with bf16's rounding where the direct bf16 conv has it.
 
 Where a tile does not divide the output, the last tiles of a row or column reach past its
 edge: they read zeros past the padded input and their pixels past the edge are never
@@ -46,28 +49,36 @@ import numpy as np
 
 from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
-from microkernels.epilogue import Epilogue, expression_isa
+from microkernels.epilogue import Epilogue, expression_isa, from_bf16, to_bf16
 from microkernels.machine import Machine
 
 from .blocking import divisors
 from .conv import ConvProblem
 from .nest import zeroing_kernel
+from .operands import OPERANDS
 
 if TYPE_CHECKING:
     from tvm import s_tir, te, tirx
     from tvm.tirx import PrimFunc
 
-__all__ = ["WinogradProblem", "WinogradConfig", "TILES", "tile_size", "winograd_pays",
+__all__ = ["WinogradProblem", "WinogradConfig", "TILES", "BF16_TILES", "tile_size", "winograd_pays",
            "MIN_CHANNELS", "MIN_TILES", "DIRECT_KEY", "transform_matrices",
            "pack_weight", "weight_shape", "workload", "schedule", "default_config",
            "candidates"]
 
 #: Output tile sizes: F(4x4, 3x3) (36 products for 16 outputs) and F(2x2, 3x3) (16 for 4).
 TILES = (4, 2)
+#: The tiles a bf16 conv takes: F(4)'s transforms amplify the rounding of V and U to bf16 to
+#: ~10x the direct bf16 conv's error (2.5e-2 of the output's largest value on random data),
+#: F(2)'s to ~2x (4e-3); VGG-19's convs in bf16 F(2) alone ran 1.0-2.0x the direct bf16
+#: conv on a Zen 5 (BENCHMARKS.md).
+BF16_TILES = (2,)
 
 
 def _eligible(problem: ConvProblem) -> bool:
-    return (problem.dtype == "float32" and (problem.r, problem.s) == (3, 3)
+    # bf16: whole VNNI-2 pairs of channels, so that V needs no padded channels.
+    return ((problem.dtype == "float32" or problem.dtype == "bfloat16" and problem.c % 2 == 0)
+            and (problem.r, problem.s) == (3, 3)
             and problem.stride == (1, 1) and problem.dilation == (1, 1)
             and problem.padding == (1, 1, 1, 1) and problem.groups == 1
             and not problem.prologue.ops)
@@ -87,19 +98,23 @@ def _products(problem: ConvProblem, tile: int) -> float:
 
 def tile_size(problem: ConvProblem, min_tiles: int = 1) -> int | None:
     """The output tile of the Winograd form of ``problem``, or None where it has none: a
-    float32 3x3 conv of stride 1 padded by one pixel, ungrouped, undilated, without a
-    prologue.  Of :data:`TILES` giving at least ``min_tiles`` tiles over all the images, the
-    one with the fewest products per output, counting the tiles' pixels past the edges (a
-    14x14 map takes 4: 2.94 products to 2's 4; a 6x6 map 2, exactly).
+    float32 (or bf16) 3x3 conv of stride 1 padded by one pixel, ungrouped, undilated,
+    without a prologue.  Of :data:`TILES` (:data:`BF16_TILES`) giving at least ``min_tiles``
+    tiles over all the images, the one with the fewest products per output, counting the
+    tiles' pixels past the edges (a 14x14 map takes 4: 2.94 products to 2's 4; a 6x6 map 2,
+    exactly).
 
     >>> [tile_size(ConvProblem(1, 64, h, h, 64, 3, 3, padding=1)) for h in (56, 14, 7, 6)]
     [4, 4, 4, 2]
+    >>> tile_size(ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1, dtype="bfloat16"))
+    2
     >>> tile_size(ConvProblem(1, 64, 56, 56, 64, 3, 3, stride=2, padding=1)) is None
     True
     """
     if not _eligible(problem):
         return None
-    usable = [m for m in sorted(TILES) if problem.n * math.prod(_grid(problem, m)) >= min_tiles]
+    tiles = BF16_TILES if problem.dtype == "bfloat16" else TILES
+    usable = [m for m in sorted(tiles) if problem.n * math.prod(_grid(problem, m)) >= min_tiles]
     return min(usable, key=lambda m: _products(problem, m)) if usable else None
 
 
@@ -130,7 +145,9 @@ def winograd_pays(problem: ConvProblem, machine: Machine) -> int | None:
     ...  for n, h in ((1, 14), (8, 14), (1, 7), (8, 7))]
     [2, 4, None, 4]
     """
-    return tile_size(problem, MIN_TILES) if problem.c >= MIN_CHANNELS else None
+    if problem.c < MIN_CHANNELS or problem.dtype == "bfloat16" and machine.isa.has("amx_tile"):
+        return None  # AMX tiles run the direct bf16 conv at ~10x its float32 (unmeasured here)
+    return tile_size(problem, MIN_TILES)
 
 
 @dataclass(frozen=True)
@@ -153,8 +170,9 @@ class WinogradProblem:
         if not isinstance(self.conv, ConvProblem):
             raise TypeError(f"conv must be a ConvProblem, got {type(self.conv).__name__}")
         if not _eligible(self.conv):
-            raise ValueError("Winograd takes float32 3x3 convs of stride 1 padded by 1, "
-                             "ungrouped and without a prologue")
+            raise ValueError("Winograd takes float32 (or bfloat16, with an even number of "
+                             "channels) 3x3 convs of stride 1 padded by 1, ungrouped and "
+                             "without a prologue")
         if self.tile not in TILES:
             raise ValueError(f"tile={self.tile} must be one of {TILES}")
 
@@ -230,18 +248,21 @@ def transform_matrices(tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tuple(np.asarray(x, dtype=np.float64) for x in (a, b, g))
 
 
-def weight_shape(problem: WinogradProblem, bk: int) -> tuple[int, int, int, int]:
+def weight_shape(problem: WinogradProblem, bk: int) -> tuple[int, ...]:
     """``U[alpha^2][K/bk][C][bk]``: per transform point, a contiguous ``[C, bk]`` panel per
-    K block (the flat BRGEMM's B)."""
+    K block (the flat BRGEMM's B); bfloat16: ``U[alpha^2][K/bk][C/2][bk][2]``, the panel in
+    VNNI-2 pairs of channels."""
     c, k = problem.conv.c, problem.conv.k
     if k % bk:
         raise ValueError(f"bk={bk} does not divide K={k}")
+    if problem.dtype == "bfloat16":
+        return (problem.points, k // bk, c // 2, bk, 2)
     return (problem.points, k // bk, c, bk)
 
 
 def pack_weight(w: np.ndarray, problem: WinogradProblem, bk: int) -> np.ndarray:
     """OIHW float32 ``w`` -> ``U`` (:func:`weight_shape`): ``G g G^T`` of each filter,
-    computed in float64.
+    computed in float64 (then rounded to bfloat16, to nearest even, for a bf16 problem).
 
     >>> p = WinogradProblem(ConvProblem(1, 2, 4, 4, 4, 3, 3, padding=1), tile=2)
     >>> pack_weight(np.ones((4, 2, 3, 3), "float32"), p, 4).shape
@@ -254,6 +275,11 @@ def pack_weight(w: np.ndarray, problem: WinogradProblem, bk: int) -> np.ndarray:
     alpha = problem.alpha
     u = np.einsum("xr,kcrs,ys->xyck", g, np.asarray(w, np.float64), g)
     u = u.reshape(alpha * alpha, c, k // bk, bk).transpose(0, 2, 1, 3)
+    if problem.dtype == "bfloat16":
+        import ml_dtypes
+
+        pairs = u.reshape(alpha * alpha, k // bk, c // 2, 2, bk).transpose(0, 1, 2, 4, 3)
+        return np.ascontiguousarray(pairs.astype(np.float32).astype(ml_dtypes.bfloat16))
     return np.ascontiguousarray(u, dtype=np.float32)
 
 
@@ -272,16 +298,18 @@ def _linear(coefficients: np.ndarray, terms: list[tirx.PrimExpr]) -> tirx.PrimEx
 
 def _load_within(x: te.Tensor, index: tuple, bounds: tuple[int, int], reach: tuple[int, int]
                  ) -> tirx.PrimExpr:
-    """``x[index]``, or 0 where a tile past the output's edge reads past the padded input's
-    rows and columns (``index[1:3]`` within ``bounds``): guarded in a dimension only where
-    the last tile's input, ``reach`` ahead of its first row or column, ends beyond it."""
+    """``x[index]`` in float32, or 0 where a tile past the output's edge reads past the
+    padded input's rows and columns (``index[1:3]`` within ``bounds``): guarded in a
+    dimension only where the last tile's input, ``reach`` ahead of its first row or column,
+    ends beyond it."""
     from tvm import te, tirx
 
     _, row, col, _ = index
+    value = x[index] if x.dtype == "float32" else from_bf16(x[index])
     beyond = [i < b for i, r, b in zip((row, col), reach, bounds, strict=True) if r >= b]
     if not beyond:
-        return x[index]
-    return te.if_then_else(tirx.all(*beyond), x[index], tirx.const(0.0, "float32"))
+        return value
+    return te.if_then_else(tirx.all(*beyond), value, tirx.const(0.0, "float32"))
 
 
 def _select(index: tirx.PrimExpr, values: list[tirx.PrimExpr], first: int = 0
@@ -301,8 +329,10 @@ def _select(index: tirx.PrimExpr, values: list[tirx.PrimExpr], first: int = 0
 def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFunc:
     """The unscheduled PrimFunc ``(X, U, *epilogue operands, Y)``: X the direct conv's
     padded NHWC input, Y its ``[N*P*Q, K]`` output (module doc); stages ``V_rows`` and ``V``
-    (the input transform's two passes), ``M`` (the GEMMs), ``view`` and ``epilogue`` (the
-    output transform, the conv's epilogue)."""
+    (the input transform's two passes; V rounded to bfloat16 for a bf16 problem), ``M``
+    (the GEMMs, float32 accumulation), ``view`` and ``epilogue`` (the output transform, the
+    conv's epilogue).  ``isa`` picks the expressions of the epilogue (over ``bk`` columns)
+    and of V's rounding (over vectors of :func:`_lanes` channels): :func:`expression_isa`."""
     from tvm import te
 
     from microkernels.epilogue import apply_te
@@ -312,8 +342,10 @@ def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFun
     th, tw = problem.tile_grid
     rows, k = conv.n * conv.p * conv.q, conv.k
     _, hp, wq, _ = conv.input_shape
-    x = te.placeholder(conv.input_shape, "float32", name="X")
-    u = te.placeholder(weight_shape(problem, bk), "float32", name="U")
+    x = te.placeholder(conv.input_shape, conv.dtype, name="X")
+    u = te.placeholder(weight_shape(problem, bk), conv.dtype, name="U")
+    bf16 = conv.dtype == "bfloat16"
+    v_isa = expression_isa(isa, _lanes(conv.c))
 
     def input_rows(i, col, t, c):  # (d B)[i, col] of tile t
         n, ty, tx = t // (th * tw), t // tw % th, t % tw
@@ -323,16 +355,22 @@ def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFun
         return _select(col, [_linear(b[:, j], d_i) for j in range(alpha)])
 
     rows_of_v = te.compute((alpha, alpha, problem.tiles, conv.c), input_rows, name="V_rows")
-    v = te.compute(  # (B^T d B)[xi // alpha, xi % alpha]
-        (problem.points, problem.tiles, conv.c),
-        lambda xi, t, c: _select(xi, [_linear(b[:, row], [rows_of_v[i, col, t, c]
-                                                          for i in range(alpha)])
-                                      for row in range(alpha) for col in range(alpha)]),
-        name="V")
+    def transformed(xi, t, c):  # (B^T d B)[xi // alpha, xi % alpha]
+        value = _select(xi, [_linear(b[:, row], [rows_of_v[i, col, t, c] for i in range(alpha)])
+                             for row in range(alpha) for col in range(alpha)])
+        return to_bf16(value, v_isa) if bf16 else value
+
+    v = te.compute((problem.points, problem.tiles, conv.c), transformed, name="V")
     rc = te.reduce_axis((0, conv.c), name="c")
+
+    def product(xi, t, o):
+        if not bf16:
+            return v[xi, t, rc] * u[xi, o // bk, rc, o % bk]
+        weight = u[xi, o // bk, rc // 2, o % bk, rc % 2]
+        return v[xi, t, rc].astype("float32") * weight.astype("float32")
+
     gemm = te.compute((problem.points, problem.tiles, k),
-                      lambda xi, t, o: te.sum(v[xi, t, rc] * u[xi, o // bk, rc, o % bk],
-                                              axis=rc), name="M")
+                      lambda xi, t, o: te.sum(product(xi, t, o), axis=rc), name="M")
 
     def output_transform(row, o):  # (A^T M A)[row's pixel within its tile]
         n, p, q = row // (conv.p * conv.q), row // conv.q % conv.p, row % conv.q
@@ -347,7 +385,7 @@ def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFun
     view = te.compute((rows, k), output_transform, name="view")
     extra = {op.name: te.placeholder(op.shape(rows, k), op.dtype, name=op.name)
              for op in conv.epilogue.inputs(conv.epilogue_dtype)}
-    y = (apply_te(conv.epilogue, view, extra, isa=isa) if conv.epilogue.ops
+    y = (apply_te(conv.epilogue, view, extra, isa=expression_isa(isa, bk)) if conv.epilogue.ops
          else te.compute((rows, k), lambda i, o: view[i, o], name="epilogue"))
     return te.create_prim_func([x, u, *extra.values(), y])
 
@@ -369,7 +407,7 @@ def schedule(problem: WinogradProblem, config: WinogradConfig, isa: str | _isa.I
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
     config.check(problem)
     conv, m = problem.conv, problem.tile
-    sch = s_tir.Schedule(workload(problem, config.bk, expression_isa(isa_name, config.bk)))
+    sch = s_tir.Schedule(workload(problem, config.bk, isa_name))
 
     v = sch.get_sblock("V")
     xi, t, c = sch.get_loops(v)
@@ -403,8 +441,8 @@ def schedule(problem: WinogradProblem, config: WinogradConfig, isa: str | _isa.I
     sch.reorder(xi, t_out, o_out, t_in, o_in, c)
     sch.parallel(sch.fuse(xi, t_out))
     init = sch.decompose_reduction(gemm, t_in)
-    shape = BrgemmShape(m=config.bt, n=config.bk, k=conv.c, dtype_a="float32",
-                        dtype_acc="float32", layout="flat", isa=isa_name)
+    shape = BrgemmShape(m=config.bt, n=config.bk, k=conv.c, dtype_a=conv.dtype,
+                        dtype_acc="float32", layout=OPERANDS[conv.dtype][1], isa=isa_name)
     shape = zeroing_kernel(sch, init, shape, whole=True)
     sch.tensorize(sch.blockize(t_in), dispatch(shape))
     return sch

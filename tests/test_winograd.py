@@ -7,11 +7,13 @@ filter transform; which convs take it; and the graph rewrite: a 64-channel conv 
 Winograd kernel (a 32-channel one stays direct), checked against ONNX Runtime.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import pixel_rows
+from conftest import isa_target, pixel_rows, runs_here
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -46,9 +48,10 @@ BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
 BIAS_RESIDUAL_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("residual"), EpilogueOp("relu")))
 
 
-def _run(problem: WinogradProblem, config: WinogradConfig, seed: int = 0
-         ) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel's ``[N*P*Q, K]`` output and numpy's, on random data."""
+def _run(problem: WinogradProblem, config: WinogradConfig, seed: int = 0, isa_name: str = "avx2",
+         target: tvm.target.Target = AVX2) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's ``[N*P*Q, K]`` output and numpy's (the exact conv of the float32 data,
+    whatever the problem's dtype), on random data."""
     conv = problem.conv
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((conv.n, conv.c, conv.h, conv.w)).astype("float32")
@@ -57,10 +60,10 @@ def _run(problem: WinogradProblem, config: WinogradConfig, seed: int = 0
                 "residual": rng.standard_normal((conv.rows, conv.k)).astype("float32")}
     used = [operands[op.name] for op in conv.epilogue.inputs(conv.epilogue_dtype)]
     out = tvm.runtime.tensor(np.full((conv.rows, conv.k), np.nan, "float32"))
-    kernel = tvm.compile(schedule(problem, config, "avx2").mod, target=AVX2)
+    kernel = tvm.compile(schedule(problem, config, isa_name).mod, target=target)
     kernel(*map(tvm.runtime.tensor, (pack_input(x, conv), pack_weight(w, problem, config.bk),
                                      *used)), out)
-    direct = pixel_rows(conv_reference(conv, x, w)).astype("float32")
+    direct = pixel_rows(conv_reference(replace(conv, dtype="float32"), x, w)).astype("float32")
     return out.numpy(), epilogue_reference(conv.epilogue, direct, operands)
 
 
@@ -78,6 +81,52 @@ def test_kernel_against_numpy(n, c, h, w, k, tile, epilogue):
                               tile)
     got, want = _run(problem, default_config(problem, MACHINE))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+BF16_ISAS = [pytest.param("avx2", id="avx2-emulated"),
+             pytest.param("avx512_bf16", id="avx512_bf16", marks=pytest.mark.skipif(
+                 not runs_here("avx512_bf16"), reason="host lacks AVX512-BF16: its kernel's "
+                 "vdpbf16ps is checked in znver4 assembly instead"))]
+
+
+@pytest.mark.parametrize("isa_name", BF16_ISAS)
+@pytest.mark.parametrize("n,c,h,w,k,tile,epilogue", [
+    (2, 14, 8, 12, 24, 2, BIAS_RELU),           # channels of no whole vector, two images
+    (1, 64, 7, 7, 48, 2, BIAS_RESIDUAL_RELU),   # tiles past the edges
+    (1, 20, 6, 10, 32, 2, Epilogue()),
+])
+def test_bf16_kernel_against_numpy(n, c, h, w, k, tile, epilogue, isa_name):
+    """V and U rounded to bf16: F(2)'s error is about twice the direct bf16 conv's (bf16's
+    roundings of the operands), on random data 4e-3 of the output's largest value."""
+    conv = ConvProblem(n, c, h, w, k, 3, 3, padding=1, epilogue=epilogue, dtype="bfloat16")
+    problem = WinogradProblem(conv, tile)
+    target = AVX2 if isa_name == "avx2" else isa_target(isa_name, "znver4")
+    machine = Machine(isa.from_name(isa_name), isa.DEFAULT_CACHES, threads=2)
+    got, want = _run(problem, default_config(problem, machine), 4, isa_name, target)
+    np.testing.assert_allclose(got, want, rtol=0, atol=8e-3 * np.abs(want).max())
+    assert np.abs(got - want).max() > 1e-6 * np.abs(want).max()  # bf16, not float32, products
+
+
+def test_bf16_kernel_multiplies_with_vdpbf16ps():
+    conv = ConvProblem(1, 64, 8, 8, 64, 3, 3, padding=1, dtype="bfloat16", epilogue=BIAS_RELU)
+    problem = WinogradProblem(conv, 2)
+    machine = Machine(isa.from_name("avx512_bf16"), isa.DEFAULT_CACHES, threads=2)
+    sch = schedule(problem, default_config(problem, machine), "avx512_bf16")
+    asm = tvm.compile(sch.mod, target=isa_target("avx512_bf16", "znver4")).mod \
+        .inspect_source("asm")
+    assert "vdpbf16ps" in asm and "vcvtneps2bf16" in asm
+
+
+def test_bf16_filter_transform_in_vnni_pairs():
+    problem = WinogradProblem(ConvProblem(1, 4, 8, 8, 4, 3, 3, padding=1, dtype="bfloat16"), 2)
+    w = np.random.default_rng(2).standard_normal((4, 4, 3, 3)).astype("float32")
+    u = pack_weight(w, problem, 2)
+    flat = pack_weight(w, WinogradProblem(replace(problem.conv, dtype="float32"), 2), 2)
+    assert u.shape == (16, 2, 2, 2, 2) and str(u.dtype) == "bfloat16"
+    # U[xi, o // bk, c // 2, o % bk, c % 2] = the float32 U[xi, o // bk, c, o % bk], rounded
+    np.testing.assert_array_equal(u.astype("float32"),
+                                  flat.reshape(16, 2, 2, 2, 2).transpose(0, 1, 2, 4, 3)
+                                  .astype(u.dtype).astype("float32"))
 
 
 def test_every_candidate_computes_the_conv():
@@ -119,12 +168,15 @@ def test_which_convs_take_it():
     assert [tile_size(ConvProblem(1, 128, h, h, 64, 3, 3, padding=1))
             for h in (14, 7, 6, 2)] == [4, 4, 2, 2]
     assert winograd_pays(ConvProblem(1, 32, 56, 56, 64, 3, 3, padding=1), MACHINE) is None
+    bf16 = ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=1, dtype="bfloat16")
+    assert winograd_pays(bf16, Machine(isa.from_name("avx512_bf16"), isa.DEFAULT_CACHES)) == 2
+    assert winograd_pays(bf16, Machine(isa.from_name("amx"), isa.DEFAULT_CACHES)) is None
     for other in (ConvProblem(1, 128, 56, 56, 64, 3, 3, stride=2, padding=1),
                   ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=2, dilation=2),
                   ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=1, groups=2),
                   ConvProblem(1, 128, 56, 56, 64, 3, 3),                        # unpadded
                   ConvProblem(1, 128, 56, 56, 64, 1, 1),
-                  ConvProblem(1, 128, 56, 56, 64, 3, 3, padding=1, dtype="bfloat16")):
+                  ConvProblem(1, 127, 56, 56, 64, 3, 3, padding=1, dtype="bfloat16")):
         assert tile_size(other) is None
         with pytest.raises(ValueError, match="Winograd takes"):
             WinogradProblem(other, 2)
@@ -178,6 +230,24 @@ def test_graph_takes_winograd_where_it_pays(c, winograd):
     assert any("winograd" in (r.kernel or "") for r in compiled.report) == winograd
     _, rel = max_errors(compiled.run(x=x), run_onnxruntime(model, {"x": x}))
     assert rel <= 1e-5
+
+
+def test_bf16_graph_takes_winograd_in_bf16():
+    """``precision="bf16"`` on a CPU with bf16 arithmetic: the 64-channel conv's Winograd
+    kernel multiplies in bf16 (checked against ONNX Runtime where the host runs it)."""
+    model = _model(64)
+    mod = rewrite_conv(prepare()(import_model(model)[0]), make_target("tpp -isa=avx512_bf16"),
+                       [], precision="bf16")
+    assert [gv.name_hint for gv in mod.functions if "conv2d" in gv.name_hint] == [
+        "tpp_conv2d_2x64x8x12_64x3x3_s1x1_winograd2_bias_relu_bf16"]
+    if not runs_here("avx512_bf16"):
+        pytest.skip("host lacks AVX512-BF16: the rewrite is checked, the numbers are not")
+    x = np.random.default_rng(5).standard_normal((2, 64, 8, 12)).astype("float32")
+    compiled = tvm_tpp.compile(model, target="tpp -isa=avx512_bf16", precision="bf16")
+    assert any("winograd" in (r.kernel or "") and "bfloat16" in (r.dtypes or "")
+               for r in compiled.report)
+    _, rel = max_errors(compiled.run(x=x), run_onnxruntime(model, {"x": x}))
+    assert 1e-5 < rel <= 1e-2
 
 
 def test_graph_rewrite_structurally():

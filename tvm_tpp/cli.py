@@ -669,7 +669,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the --after conv's epilogue (default bias,relu)")
     p.add_argument("--winograd", action="store_true",
                    help="also time the conv's Winograd forms, F(4x4, 3x3) and F(2x2, 3x3), "
-                   "each in its default blocks (float32 3x3 convs of stride 1 padded by 1)")
+                   "each in its default blocks (float32 or bfloat16 3x3 convs of stride 1 "
+                   "padded by 1)")
 
     p = add("bench-dense", cmd_bench_configs, "one dense layer's kernel time under its default "
             "and other configurations, interleaved (warm, or --cold as the tuner times)")
