@@ -51,6 +51,7 @@ from microkernels import isa as _isa
 from microkernels.brgemm import BrgemmShape, dispatch
 from microkernels.epilogue import Epilogue, expression_isa, from_bf16, to_bf16
 from microkernels.machine import Machine
+from microkernels.pack import Packing
 
 from .blocking import divisors
 from .conv import ConvProblem
@@ -146,7 +147,7 @@ def winograd_pays(problem: ConvProblem, machine: Machine) -> int | None:
     [2, 4, None, 4]
     """
     if problem.c < MIN_CHANNELS or problem.dtype == "bfloat16" and machine.isa.has("amx_tile"):
-        return None  # AMX tiles run the direct bf16 conv at ~10x its float32 (unmeasured here)
+        return None  # AMX runs the direct bf16 conv on tiles; Winograd there is unmeasured
     return tile_size(problem, MIN_TILES)
 
 
@@ -271,16 +272,17 @@ def pack_weight(w: np.ndarray, problem: WinogradProblem, bk: int) -> np.ndarray:
     k, c = problem.conv.k, problem.conv.c
     if tuple(w.shape) != (k, c, 3, 3):
         raise ValueError(f"W must be OIHW {[k, c, 3, 3]}, got {list(w.shape)}")
+    shape = weight_shape(problem, bk)
     _, _, g = transform_matrices(problem.tile)
-    alpha = problem.alpha
-    u = np.einsum("xr,kcrs,ys->xyck", g, np.asarray(w, np.float64), g)
-    u = u.reshape(alpha * alpha, c, k // bk, bk).transpose(0, 2, 1, 3)
+    u = np.einsum("xr,kcrs,ys->xyck", g, np.asarray(w, np.float64), g).astype(np.float32)
     if problem.dtype == "bfloat16":
         import ml_dtypes
 
-        pairs = u.reshape(alpha * alpha, k // bk, c // 2, 2, bk).transpose(0, 1, 2, 4, 3)
-        return np.ascontiguousarray(pairs.astype(np.float32).astype(ml_dtypes.bfloat16))
-    return np.ascontiguousarray(u, dtype=np.float32)
+        u, packing = u.astype(ml_dtypes.bfloat16), Packing.vnni_blocked_b(2, bk)
+    else:
+        packing = Packing.blocked_b(bk)
+    # Each point's [C, K] matrix is the BRGEMM's B, packed as the direct conv packs its own.
+    return np.stack([packing.pack(b) for b in u.reshape(problem.points, c, k)]).reshape(shape)
 
 
 def _linear(coefficients: np.ndarray, terms: list[tirx.PrimExpr]) -> tirx.PrimExpr:
@@ -355,6 +357,7 @@ def workload(problem: WinogradProblem, bk: int, isa: str = "generic") -> PrimFun
         return _select(col, [_linear(b[:, j], d_i) for j in range(alpha)])
 
     rows_of_v = te.compute((alpha, alpha, problem.tiles, conv.c), input_rows, name="V_rows")
+
     def transformed(xi, t, c):  # (B^T d B)[xi // alpha, xi % alpha]
         value = _select(xi, [_linear(b[:, row], [rows_of_v[i, col, t, c] for i in range(alpha)])
                              for row in range(alpha) for col in range(alpha)])
