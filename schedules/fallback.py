@@ -122,9 +122,29 @@ def _width(extent: tirx.PrimExpr, lanes: int) -> int | None:
     return next((w for w in (lanes, lanes // 2, 4) if w > 1 and extent.value % w == 0), None)
 
 
+def _interleave(block: s_tir.SBlock, var: tirx.Var) -> int | None:
+    """``G`` where ``block`` reads at ``floormod(var, G)`` and ``floordiv(var, G)`` (a
+    channel shuffle's ``c % G * C/G + c // G``), for a few groups: consecutive ``var`` read
+    ``G`` separate streams."""
+    import tvm_ffi
+
+    found = {tirx.FloorMod: set(), tirx.FloorDiv: set()}
+
+    def visit(op: tirx.PrimExpr) -> None:
+        if op.a.same_as(var) and isinstance(op.b, tirx.IntImm) and 1 < op.b.value <= 16:
+            found[type(op)].add(op.b.value)
+
+    tvm_ffi.structural_walk(block.body, [(tirx.FloorMod, visit), (tirx.FloorDiv, visit)])
+    return min(found[tirx.FloorMod] & found[tirx.FloorDiv], default=None)
+
+
 class ParallelLoops(dl.ScheduleRule):
     """Inlined elementwise chains, parallel leading spatial loops, vectorized injective inner
-    loops (a 1-D injective block: split into a parallel outer and a vector inner loop)."""
+    loops (a 1-D injective block: split into a parallel outer and a vector inner loop).
+
+    An inner loop that interleaves ``G`` input streams (a channel shuffle) is split by ``G``
+    and the ``G`` copies unrolled instead: LLVM's loop vectorizer turns the interleaved
+    stores into contiguous loads and vector shuffles (4-10x a vector of per-lane gathers)."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
         if not isinstance(func, tirx.PrimFunc):
@@ -144,8 +164,15 @@ class ParallelLoops(dl.ScheduleRule):
             outer = loops[:spatial]
             if info.is_injective():
                 inner = loops[spatial - 1]
-                width = _width(sch.get(inner).extent, lanes)
-                if width is not None:
+                extent = sch.get(inner).extent
+                width = _width(extent, lanes)
+                streams = _interleave(sch.get(info.block_rv),
+                                      sch.get(info.block_rv).iter_vars[spatial - 1].var)
+                if streams is not None and isinstance(extent, tirx.IntImm) \
+                        and extent.value % streams == 0 and spatial >= 2:
+                    sch.unroll(sch.split(inner, [None, streams])[1])
+                    outer = loops[: spatial - 1]
+                elif width is not None:
                     split = sch.split(inner, [None, width])
                     sch.vectorize(split[1])
                     outer = loops[: spatial - 1] if spatial >= 2 else [split[0]]
@@ -239,8 +266,10 @@ class ChannelsLastReduction(dl.ScheduleRule):
 
     ``S..S c R..R`` (every access's innermost index ``c``) becomes ``parallel(S..S)``, the
     reductions, then ``c`` in vectors: each output pixel's channels accumulate in vector
-    registers.  DLight and :class:`ParallelLoops` would instead reduce each output element
-    by scalar steps.  Functions with other blocks than injective ones are left alone.
+    registers, and an injective block reading them (an average's division) runs in the same
+    parallel loop on each finished vector.  DLight and :class:`ParallelLoops` would instead
+    reduce each output element by scalar steps.  Functions with other blocks than injective
+    ones are left alone.
     """
 
     def apply(self, func: tirx.PrimFunc, target: Target, _tunable: bool):
@@ -276,6 +305,14 @@ class ChannelsLastReduction(dl.ScheduleRule):
         sch.parallel(outer)
         sch.vectorize(channels[1])
         sch.decompose_reduction(info.block_rv, loops[spatial])
+        for consumer in sch.get_consumers(info.block_rv):  # an average's division
+            try:
+                sch.reverse_compute_at(consumer, outer)
+            except s_tir.ScheduleError:
+                continue
+            inner = sch.get_loops(consumer)[-1]
+            if _width(sch.get(inner).extent, lanes) == sch.get(inner).extent:
+                sch.vectorize(inner)
         return sch
 
 

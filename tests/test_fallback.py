@@ -174,6 +174,10 @@ def test_channels_last_pooling_reduces_whole_vectors(dtype, kind):
     # channels (8 floats, or all 32 bytes).
     assert loops[0].kind == ForKind.PARALLEL and loops[-1].kind == ForKind.VECTORIZED
     assert [int(loop.extent) for loop in loops[1:]] == [3, 3, 8 if dtype == "float32" else 32]
+    if kind == "avg":  # the division on each finished vector, in the same parallel loop
+        divide = [sch.get(loop) for loop in sch.get_loops(sch.get_sblock("pool_avg"))]
+        assert [(loop.kind, int(loop.extent)) for loop in divide] == [
+            (ForKind.PARALLEL, int(loops[0].extent)), (ForKind.VECTORIZED, 8)]
     f = tvm.compile(tvm.IRModule({"main": out_func}), target=TARGET)
     rng = np.random.default_rng(0)
     a = (rng.integers(0, 256, (2, 9, 11, 32)) if dtype == "uint8"
@@ -182,6 +186,35 @@ def test_channels_last_pooling_reduces_whole_vectors(dtype, kind):
     f(tvm.runtime.tensor(a), out)
     np.testing.assert_allclose(out.numpy(), _numpy_pool(a, kind).astype(dtype), rtol=1e-6,
                                atol=1e-6)
+
+
+def _channel_shuffle_pad(groups: int, per_group: int, dtype: str):
+    """ShuffleNet's channel shuffle of an NHWC tensor (viewed ``[pixels, C]``) and the pad of
+    the depthwise conv after it, as TVM fuses them: ``c % G * C/G + c // G`` per channel."""
+    n, h, w, c = 2, 5, 3, groups * per_group
+    x = te.placeholder((n * h * w, c), dtype, name="x")
+    y = te.compute((n, h + 2, w + 2, c), lambda b, i, j, k: tvm.tirx.if_then_else(
+        tvm.tirx.all(i >= 1, i <= h, j >= 1, j <= w),
+        x[(b * h + i - 1) * w + j - 1, k % groups * per_group + k // groups],
+        tvm.tirx.const(0, dtype)), name="y")
+    return te.create_prim_func([x, y]), (n, h, w, c)
+
+
+@pytest.mark.parametrize("groups, per_group, dtype", [(4, 17, "float32"), (3, 7, "uint8"),
+                                                      (2, 24, "float32")])
+def test_channel_shuffle_unrolls_its_groups(groups, per_group, dtype):
+    func, (n, h, w, c) = _channel_shuffle_pad(groups, per_group, dtype)
+    sch = ParallelLoops().apply(func, TARGET, False)
+    # Pixels in parallel, then C/G steps, each copying one channel of every group (unrolled,
+    # for LLVM to vectorize the steps into loads and shuffles), not vectors of gathers.
+    assert _loops(sch.mod["main"]) == [(ForKind.PARALLEL, n * (h + 2) * (w + 2)),
+                                       (ForKind.SERIAL, per_group), (ForKind.UNROLLED, groups)]
+    f = tvm.compile(sch.mod, target=TARGET)
+    a = np.random.default_rng(1).integers(0, 100, (n * h * w, c)).astype(dtype)
+    out = tvm.runtime.empty((n, h + 2, w + 2, c), dtype)
+    f(tvm.runtime.tensor(a), out)
+    shuffled = a.reshape(n, h, w, groups, per_group).transpose(0, 1, 2, 4, 3).reshape(n, h, w, c)
+    np.testing.assert_array_equal(out.numpy(), np.pad(shuffled, ((0, 0), (1, 1), (1, 1), (0, 0))))
 
 
 def test_channels_last_reduction_leaves_channels_first_pooling():
