@@ -323,6 +323,16 @@ def _read_by_convs_only(value: relax.Expr | None,
     return bool(found) and all(_reads_as_bf16_conv(r, value, read_by, bound) for r in found)
 
 
+def _read_by_convs_or_average_pools(value: relax.Expr,
+                                    read_by: Callable[[relax.Expr], list[relax.Expr] | None],
+                                    bound: Mapping[relax.Var, relax.Expr]) -> bool:
+    """:func:`_read_by_convs_only`, average pools allowed too: they read a bf16 max pool's
+    result widened as they load it (ShuffleNet's shortcut, beside the branch's conv)."""
+    found = read_by(value)
+    return bool(found) and all(is_call_to(r, "relax.nn.avg_pool2d")
+                               or _reads_as_bf16_conv(r, value, read_by, bound) for r in found)
+
+
 def _reads_as_bf16_conv(reader: relax.Expr, value: relax.Expr,
                         read_by: Callable[[relax.Expr], list[relax.Expr] | None],
                         bound: Mapping[relax.Var, relax.Expr]) -> bool:
@@ -330,7 +340,8 @@ def _reads_as_bf16_conv(reader: relax.Expr, value: relax.Expr,
         return isinstance(reader.args[0], relax.Var) and _routes_in_bf16(reader)
     if is_call_to(reader, "relax.nn.max_pool2d"):  # a max commutes with the widening cast
         # relay_passes.bf16_pools then pools the bf16 tensor itself.
-        return max_pool_in_bf16(reader) and _read_by_convs_only(reader, read_by, bound)
+        return max_pool_in_bf16(reader) and _read_by_convs_or_average_pools(reader, read_by,
+                                                                            bound)
     if moves_data(reader):  # simplify_layouts moves it onto the bf16 data
         return _read_by_convs_only(reader, read_by, bound)
     if is_call_to(reader, "relax.add"):  # a residual add: the other side a conv (+ bias)

@@ -3,8 +3,9 @@
 The kernel compares bf16 values through order-preserving int16 keys: checked against numpy on
 random values with every special one (signed zeros, infinities, subnormals), padding,
 strides, windows and channel counts that do and do not fill a vector.  The pass: Before /
-Expected on the layout it rewrites, the conv before such a pool writing bf16, a pool read by
-anything but a bf16 conv left in float32, and whole networks against ONNX Runtime.
+Expected on the layout it rewrites, the conv before such a pool writing bf16 (an average pool
+beside the next conv reading it widened), a pool that is a graph output left in float32, and
+whole networks against ONNX Runtime.
 """
 
 from __future__ import annotations
@@ -95,20 +96,29 @@ def test_pass_leaves_a_float32_pool():
     tvm.ir.assert_structural_equal(max_pools_in_bf16(before)["main"], before["main"])
 
 
-def _net(pool_is_output: bool = False):
-    """conv -> relu -> max pool (3x3, stride 2, padding 1: ResNet's stem) -> conv, and with
-    ``pool_is_output`` the pool also a graph output."""
+def _net(beside: str | None = None):
+    """conv -> relu -> max pool (3x3, stride 2, padding 1: ResNet's stem) -> conv; with
+    ``beside="output"`` the pool also a graph output, with ``beside="average"`` also read by
+    an average pool concatenated with the conv (stride 2 then: ShuffleNet's shortcut)."""
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((rng.standard_normal((32, c, 3, 3)) * 0.2)
                                      .astype("float32"), f"w{i}") for i, c in ((1, 3), (2, 32))]
+    stride = 2 if beside == "average" else 1
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1] * 4),
              helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("MaxPool", ["r1"], ["p"], kernel_shape=[3, 3], strides=[2, 2],
                               pads=[1] * 4),
-             helper.make_node("Conv", ["p", "w2"], ["y"], pads=[1] * 4)]
-    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32, 6, 6])]
-    if pool_is_output:
+             helper.make_node("Conv", ["p", "w2"], ["y" if beside != "average" else "b"],
+                              pads=[1] * 4, strides=[stride] * 2)]
+    side = 6 // stride
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                             [2, 64 if beside == "average" else 32, side, side])]
+    if beside == "output":
         outputs.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, [2, 32, 6, 6]))
+    if beside == "average":
+        nodes += [helper.make_node("AveragePool", ["p"], ["a"], kernel_shape=[3, 3],
+                                   strides=[2, 2], pads=[1] * 4),
+                  helper.make_node("Concat", ["a", "b"], ["y"], axis=1)]
     graph = helper.make_graph(
         nodes, "pooled", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 11, 11])],
         outputs, inits)
@@ -125,18 +135,20 @@ def _calls(model) -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.parametrize("pool_is_output", [False, True])
-def test_conv_before_the_pool_writes_bf16(pool_is_output):
-    calls = _calls(_net(pool_is_output))
+@pytest.mark.parametrize("beside", [None, "output", "average"])
+def test_conv_before_the_pool_writes_bf16(beside):
+    # An average pool beside the next conv reads the bf16 pool's result widened; a graph
+    # output must stay float32.
+    calls = _calls(_net(beside))
     pools = [dtype for name, dtype in calls if name.startswith("max_pool2d_bf16")]
     first_conv = next(dtype for name, dtype in calls if name.startswith("tpp_conv2d"))
-    assert (pools, first_conv) == (([], "float32") if pool_is_output
+    assert (pools, first_conv) == (([], "float32") if beside == "output"
                                    else (["bfloat16"], "bfloat16")), calls
 
 
-@pytest.mark.parametrize("pool_is_output", [False, True])
-def test_network_matches_onnxruntime(pool_is_output):
-    model = _net(pool_is_output)
+@pytest.mark.parametrize("beside", [None, "output", "average"])
+def test_network_matches_onnxruntime(beside):
+    model = _net(beside)
     x = {"x": np.random.default_rng(1).standard_normal((2, 3, 11, 11)).astype("float32")}
     got = tvm_tpp.compile(model, target="tpp", precision="bf16").run(**x)
     _, rel = max_errors(got, run_onnxruntime(model, x))
