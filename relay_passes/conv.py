@@ -313,23 +313,16 @@ def _prologue_pays(problem: ConvProblem, machine: Machine) -> bool:
 
 def _read_by_convs_only(value: relax.Expr | None,
                         read_by: Callable[[relax.Expr], list[relax.Expr] | None],
-                        bound: Mapping[relax.Var, relax.Expr]) -> bool:
+                        bound: Mapping[relax.Var, relax.Expr], averages: bool = False) -> bool:
     """Whether every reader of ``value`` is a conv this pass routes in bf16: reading it as
     its data, or as the residual its epilogue adds (ResNet's shortcut), or one it has routed
     in bf16 already (reading it only through ``astype(., bfloat16)``, or a cast to bfloat16
     on its own), or a max pool only such convs read (VGG's, ResNet's stem), or a reshape or
-    permute of the channels only such convs read (ShuffleNet's channel shuffle)."""
+    permute of the channels only such convs read (ShuffleNet's channel shuffle); with
+    ``averages`` also an average pool, which reads a bf16 max pool's result widened as it
+    loads it (ShuffleNet's shortcut, beside the branch's conv)."""
     found = None if value is None else read_by(value)
-    return bool(found) and all(_reads_as_bf16_conv(r, value, read_by, bound) for r in found)
-
-
-def _read_by_convs_or_average_pools(value: relax.Expr,
-                                    read_by: Callable[[relax.Expr], list[relax.Expr] | None],
-                                    bound: Mapping[relax.Var, relax.Expr]) -> bool:
-    """:func:`_read_by_convs_only`, average pools allowed too: they read a bf16 max pool's
-    result widened as they load it (ShuffleNet's shortcut, beside the branch's conv)."""
-    found = read_by(value)
-    return bool(found) and all(is_call_to(r, "relax.nn.avg_pool2d")
+    return bool(found) and all(averages and is_call_to(r, "relax.nn.avg_pool2d")
                                or _reads_as_bf16_conv(r, value, read_by, bound) for r in found)
 
 
@@ -340,8 +333,8 @@ def _reads_as_bf16_conv(reader: relax.Expr, value: relax.Expr,
         return isinstance(reader.args[0], relax.Var) and _routes_in_bf16(reader)
     if is_call_to(reader, "relax.nn.max_pool2d"):  # a max commutes with the widening cast
         # relay_passes.bf16_pools then pools the bf16 tensor itself.
-        return max_pool_in_bf16(reader) and _read_by_convs_or_average_pools(reader, read_by,
-                                                                            bound)
+        return max_pool_in_bf16(reader) and _read_by_convs_only(reader, read_by, bound,
+                                                                averages=True)
     if moves_data(reader):  # simplify_layouts moves it onto the bf16 data
         return _read_by_convs_only(reader, read_by, bound)
     if is_call_to(reader, "relax.add"):  # a residual add: the other side a conv (+ bias)

@@ -166,8 +166,8 @@ class ParallelLoops(dl.ScheduleRule):
                 inner = loops[spatial - 1]
                 extent = sch.get(inner).extent
                 width = _width(extent, lanes)
-                streams = _interleave(sch.get(info.block_rv),
-                                      sch.get(info.block_rv).iter_vars[spatial - 1].var)
+                block = sch.get(info.block_rv)
+                streams = _interleave(block, block.iter_vars[spatial - 1].var)
                 if streams is not None and isinstance(extent, tirx.IntImm) \
                         and extent.value % streams == 0 and spatial >= 2:
                     sch.unroll(sch.split(inner, [None, streams])[1])
