@@ -32,19 +32,21 @@ def pick_divisor(n: int, limit: int, multiple: int = 1) -> int:
 def vector_block(n: int, lanes: int, limit: int = 64) -> int:
     """A block of ``n`` output columns for vectors of ``lanes``: the largest divisor within
     ``limit`` that is a multiple of ``lanes`` and spans two vectors or more; else (ShuffleNet's
-    groups of 68 or 136 channels) the divisor within ``2 * limit``, of two vectors or more
-    where there is one, whose last vector is fullest (the larger on ties), since each
-    partial vector costs a whole one.
+    groups of 68 or 136 channels) the divisor within ``2 * limit`` whose last vector is
+    fullest, since each partial vector costs a whole one, then of two vectors or more, then
+    the larger.  So 136 columns take blocks of one vector, not 68 (8 full vectors and a
+    half): ShuffleNet's 544-channel 1x1 conv in 4 groups, AVX2, 1.20-1.95x with ``bk=8``
+    (``tvm-tpp bench-conv 1x544x7x7x544x1x1/s1x1p0x0x0x0g4``, warm and ``--cold``, batch 1
+    and 8, BENCHMARKS.md thirty-second session).
 
     >>> vector_block(256, 8), vector_block(68, 8), vector_block(136, 8), vector_block(21, 8)
-    (64, 68, 68, 21)
+    (64, 68, 8, 21)
     """
     aligned = [d for d in divisors(n) if d <= limit and d % lanes == 0]
     if aligned and max(aligned) >= 2 * lanes:
         return max(aligned)
     fitting = [d for d in divisors(n) if d <= 2 * limit]
-    wide = [d for d in fitting if d >= 2 * lanes] or fitting
-    return max(wide, key=lambda d: (d / (lanes * -(-d // lanes)), d))
+    return max(fitting, key=lambda d: (d / (lanes * -(-d // lanes)), d >= 2 * lanes, d))
 
 
 def near_divisors(n: int, current: int, count: int, lo: int = 1, hi: int | None = None,

@@ -207,6 +207,8 @@ def test_default_config_choices(caches):
     assert (expand.bk, expand.spec) == (64, "ADEcbfg")
     # A width the register tile does not divide keeps vector_block's wider block.
     assert default_config(ConvProblem(1, 64, 8, 8, 24, 1, 1), machine).bk == 24
+    # 136 channels a group (ShuffleNet's 544 in 4 groups): whole vectors, not 68 (8.5 vectors).
+    assert default_config(ConvProblem(1, 544, 7, 7, 544, 1, 1, groups=4), machine).bk == 8
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,8 @@ FLOAT32 = {
     "d2-stem": ConvProblem(1, 3, 15, 15, 16, 3, 3, padding=2, dilation=2),  # taps apart
     "g5-d3-5x3": ConvProblem(1, 40, 13, 12, 25, 5, 3, padding=(6, 3, 6, 3), dilation=3,
                              groups=5),
+    # 136 channels a group: one-vector K blocks on AVX2 (vector_block), 17 of them a group.
+    "g4-136": ConvProblem(1, 544, 5, 3, 544, 1, 1, groups=4, epilogue=BIAS_RELU),
 }
 
 
