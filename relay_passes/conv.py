@@ -318,7 +318,9 @@ def _read_by_convs_only(value: relax.Expr | None,
     its data, or as the residual its epilogue adds (ResNet's shortcut), or one it has routed
     in bf16 already (reading it only through ``astype(., bfloat16)``, or a cast to bfloat16
     on its own), or a max pool only such convs read (VGG's, ResNet's stem), or a reshape or
-    permute of the channels only such convs read (ShuffleNet's channel shuffle); with
+    permute of the channels only such convs read (ShuffleNet's channel shuffle), or a
+    channel concat only such convs read (a DeepLab head's branches: the concat joins bf16
+    parts, :func:`~relay_passes.layouts.simplify_layouts` casting the others); with
     ``averages`` also an average pool, which reads a bf16 max pool's result widened as it
     loads it (ShuffleNet's shortcut, beside the branch's conv)."""
     found = None if value is None else read_by(value)
@@ -335,7 +337,8 @@ def _reads_as_bf16_conv(reader: relax.Expr, value: relax.Expr,
         # relay_passes.bf16_pools then pools the bf16 tensor itself.
         return max_pool_in_bf16(reader) and _read_by_convs_only(reader, read_by, bound,
                                                                 averages=True)
-    if moves_data(reader):  # simplify_layouts moves it onto the bf16 data
+    if moves_data(reader) or is_call_to(reader, "relax.concat"):
+        # simplify_layouts moves it onto the bf16 data (a concat: onto each part)
         return _read_by_convs_only(reader, read_by, bound)
     if is_call_to(reader, "relax.add"):  # a residual add: the other side a conv (+ bias)
         others = [a for a in reader.args if not bound.get(a, a).same_as(value)]

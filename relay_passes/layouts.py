@@ -75,7 +75,8 @@ class _Layouts(relax.PyExprMutator):
       concatenated along their last axis; ShuffleNet's channel shuffle of one shuffles the
       NHWC channels;
     * ``astype(astype(x, float32), bfloat16)`` of a bf16 ``x`` is ``x`` (a bf16 producer's
-      output handed to a bf16 consumer), also with reshapes and permutes between the casts.
+      output handed to a bf16 consumer), also with reshapes and permutes between the casts,
+      and through a concat: each part's widening cancels, the other parts cast on their own.
     """
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -251,8 +252,9 @@ def _undo_widening(inner: relax.Expr, dtype: str,
                    bound: Callable[[relax.Expr], relax.Expr]) -> relax.Expr | None:
     """``x`` for ``astype(astype(x, wide), dtype)`` when ``x`` is ``dtype`` and the inner
     cast only widened it (exact both ways), else None; through reshapes and permutes between
-    them (ShuffleNet's channel shuffle), the same data movement of ``x`` (``bound`` resolves
-    variables to their values)."""
+    them (ShuffleNet's channel shuffle), the same data movement of ``x``; through a concat
+    with a widened part, the concat of the parts in ``dtype`` (``bound`` resolves variables
+    to their values)."""
     if moves_data(inner):
         source = _undo_widening(bound(inner.args[0]), dtype, bound)
         if source is None:
@@ -260,6 +262,16 @@ def _undo_widening(inner: relax.Expr, dtype: str,
         if is_call_to(inner, "relax.reshape"):
             return relax.op.reshape(source, inner.args[1])
         return relax.op.permute_dims(source, _axes(inner))
+    if is_call_to(inner, "relax.concat"):  # a cast commutes with a concat, part by part
+        parts = bound(inner.args[0])
+        if not isinstance(parts, relax.Tuple):
+            return None
+        undone = [_undo_widening(bound(part), dtype, bound) for part in parts.fields]
+        if all(part is None for part in undone):
+            return None
+        return relax.op.concat([relax.op.astype(part, dtype) if source is None else source
+                                for part, source in zip(parts.fields, undone, strict=True)],
+                               axis=int(inner.attrs.axis))
     if not is_call_to(inner, "relax.astype"):
         return None
     source = inner.args[0]

@@ -3,10 +3,11 @@ relay_passes.dense).
 
 A bf16 conv whose every reader is a conv routed in bf16 (as its input, or as the residual its
 epilogue adds: a ResNet's stream; also through reshapes and permutes: ShuffleNet's channel
-shuffle) writes bfloat16 itself, read through a float32 view that
-``simplify_layouts`` cancels against the reader's own cast; a conv read by anything else (an
-add of no conv, the graph's output) keeps float32.  Checked on the rewritten IR, on the
-layout rule alone (Before/Expected), and numerically against ONNX Runtime float32.
+shuffle; and through a channel concat: a DeepLab head's branches) writes bfloat16 itself,
+read through a float32 view that ``simplify_layouts`` cancels against the reader's own cast;
+a conv read by anything else (an add of no conv, the graph's output) keeps float32.  Checked
+on the rewritten IR, on the layout rule alone (Before/Expected), and numerically against ONNX
+Runtime float32.
 """
 
 from __future__ import annotations
@@ -226,6 +227,77 @@ def test_a_widening_round_trip_cancels_through_a_permute():
         bb2.emit_func_output(y)
     after = relax.transform.DeadCodeElimination()(simplify_layouts(bb.get()))
     tvm.ir.assert_structural_equal(after, bb2.get())
+
+
+def _aspp():
+    """A DeepLab-style concat: two conv branches (one dilated) and a computed one (a scaled
+    copy of the input: no conv) concatenated on channels, then a 1x1 conv."""
+    rng = np.random.default_rng(6)
+
+    def weight(name, shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype("float32"),
+                                       name)
+
+    inits = [weight("w1", (8, 8, 1, 1)), weight("w2", (8, 8, 3, 3)), weight("wp", (5, 24, 1, 1)),
+             numpy_helper.from_array(np.array(0.5, "float32"), "half")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["x", "w2"], ["c2"], pads=[2] * 4, dilations=[2, 2]),
+             helper.make_node("Relu", ["c2"], ["r2"]),
+             helper.make_node("Mul", ["x", "half"], ["scaled"]),
+             helper.make_node("Concat", ["r1", "r2", "scaled"], ["cat"], axis=1),
+             helper.make_node("Conv", ["cat", "wp"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "aspp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 7, 9])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 7, 9])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_convs_concatenated_for_a_bf16_conv_write_bf16():
+    """Both branch convs write bf16, the concat joins bf16 tensors and the branch of no conv
+    is cast to bf16 before it: no float32 concat is written and cast for the 1x1 conv."""
+    mod, _ = import_model(_aspp())
+    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
+    kernels, concats = [], []
+
+    def visit(e):
+        if is_call_to(e, "relax.call_tir") and e.args[0].name_hint.startswith("tpp_"):
+            kernels.append(str(e.ty.dtype))
+        elif is_call_to(e, "relax.concat") or is_call_to(e, "relax.call_tir_inplace"):
+            concats.append(str(e.ty.dtype))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    assert kernels == ["bfloat16", "bfloat16", "float32"]
+    assert concats and set(concats) == {"bfloat16"}
+
+
+def test_a_bf16_concat_matches_onnxruntime_float32():
+    model = _aspp()
+    x = np.random.default_rng(7).standard_normal((2, 8, 7, 9)).astype("float32")
+    got = tvm_tpp.compile(model, target="tpp", precision="bf16-strict").run(x=x)
+    assert max_errors(got, run_onnxruntime(model, {"x": x}))[1] <= TOLERANCES["bf16"]
+
+
+def test_a_narrowing_cast_of_a_concat_moves_into_its_parts():
+    """``astype(concat([astype(a, f32), b]), bf16)`` -> ``concat([a, astype(b, bf16)])``: the
+    widened part cancels, the other is cast on its own (exact: a cast is elementwise)."""
+    a = relax.Var("a", relax.TensorType((1, 2, 2, 4), "bfloat16"))
+    b = relax.Var("b", relax.TensorType((1, 2, 2, 3), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            wide = bb.emit(relax.op.astype(a, "float32"))
+            joined = bb.emit(relax.op.concat([wide, b], axis=3))
+            y = bb.emit_output(relax.op.astype(joined, "bfloat16"))
+        bb.emit_func_output(y)
+    expected = relax.BlockBuilder()
+    with expected.function("main", [a, b]):
+        with expected.dataflow():
+            y = expected.emit_output(relax.op.concat([a, relax.op.astype(b, "bfloat16")],
+                                                     axis=3))
+        expected.emit_func_output(y)
+    after = relax.transform.DeadCodeElimination()(simplify_layouts(bb.get()))
+    tvm.ir.assert_structural_equal(after, relax.transform.Normalize()(expected.get()))
 
 
 def test_dense_layers_hand_bf16_to_dense_layers():

@@ -251,8 +251,15 @@ def test_int8_vpdpbusd_avx_vnni():
 
 
 @needs_isa("avx512_bf16")
-def test_bf16_vdpbf16ps():
-    _check(_shape(7, 37, 8, 3, "avx512_bf16", "bfloat16"))
+@pytest.mark.parametrize("m,n,k,batch", [(7, 37, 8, 3), (5, 21, 6, 2), (3, 3, 4, 2)])
+def test_bf16_vdpbf16ps(m, n, k, batch):
+    _check(_shape(m, n, k, batch, "avx512_bf16", "bfloat16"))
+
+
+@needs_isa("avx512_vnni")
+@pytest.mark.parametrize("m,n,k,batch", [(5, 21, 8, 2), (3, 3, 4, 2)])
+def test_int8_vpdpbusd_column_tails(m, n, k, batch):
+    _check(_shape(m, n, k, batch, "avx512_vnni", "uint8"))
 
 
 # ------------------------------------------------------------- instructions, for every ISA
@@ -284,6 +291,21 @@ def test_asm_fp32_avx512_zmm(mcpu):
 def test_asm_vpdpbusd(isa, mcpu, pattern):
     asm = _asm(_shape(6, 64, 16, 2, isa, "uint8"), mcpu)
     assert _count(pattern, asm) >= 6 and "vpmaddwd" not in asm
+
+
+@pytest.mark.parametrize("isa,dtype,mcpu,n,instruction", [
+    ("avx512_bf16", "bfloat16", "znver4", 21, r"vdpbf16ps\s+.*%zmm"),
+    ("avx512_vnni", "uint8", "cascadelake", 21, r"vpdpbusd\s+.*%zmm"),
+    ("avx_vnni", "uint8", "alderlake", 13, r"vpdpbusd\s+.*%ymm"),
+])
+def test_asm_dot_kernels_tail_columns_in_one_vector(isa, dtype, mcpu, n, instruction):
+    """The columns past the last whole vector take the dot instruction too (zero-padded), not
+    scalar widening arithmetic: 6 rows x (1 whole vector + the tail) per K step."""
+    asm = _asm(_shape(6, n, 8, 1, isa, dtype), mcpu)
+    assert _count(rf"^\s*(\{{vex\}}\s*)?{instruction}", asm) >= 12
+    # The scalar tail's byte/half loads and multiplies, one per row and column at least (24
+    # and more before); an index computation may keep one.
+    assert _count(r"^\s*(movz[bw]l|imull|vpmulld|v(fmadd\d+|mul)ss)\s", asm) < 6
 
 
 def test_asm_int8_avx2_exact_uses_vpmaddwd_not_vpmaddubsw():
