@@ -76,7 +76,9 @@ class _Layouts(relax.PyExprMutator):
       NHWC channels;
     * ``astype(astype(x, float32), bfloat16)`` of a bf16 ``x`` is ``x`` (a bf16 producer's
       output handed to a bf16 consumer), also with reshapes and permutes between the casts,
-      and through a concat: each part's widening cancels, the other parts cast on their own.
+      and through a concat: each part's widening cancels, the other parts cast on their own;
+      a concat of widened bf16 parts widens once, after it (Inception's branches, joined
+      for the bf16 max pool after them).
     """
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
@@ -172,13 +174,27 @@ class _Layouts(relax.PyExprMutator):
         """``concat([permute_dims(a, NCHW), ...], axis=1)`` -> ``permute_dims(concat([a, ...],
         axis=3), NCHW)`` when every part is such a permute."""
         parts = self._bound(call.args[0])
-        if not isinstance(parts, relax.Tuple) or int(call.attrs.axis) % 4 != 1 \
-                or call.ty.ndim != 4:
+        if not isinstance(parts, relax.Tuple):
             return call
         nhwc = [self._nhwc(part) for part in parts.fields]
-        if any(part is None for part in nhwc):
-            return call
-        return relax.op.permute_dims(relax.op.concat(nhwc, axis=3), TO_NCHW)
+        if int(call.attrs.axis) % 4 != 1 or call.ty.ndim != 4 \
+                or any(part is None for part in nhwc):
+            joined = self._join(list(parts.fields), int(call.attrs.axis))
+            return call if joined is None else joined
+        joined = self._join(nhwc, 3)
+        return relax.op.permute_dims(relax.op.concat(nhwc, axis=3) if joined is None
+                                     else joined, TO_NCHW)
+
+    def _join(self, parts: list[relax.Expr], axis: int) -> relax.Expr | None:
+        """``concat([astype(a, float32), ...])`` of bf16 parts all widened ->
+        ``astype(concat([a, ...]), float32)`` (None: some part is no such widening): bf16
+        convs' branches joined in bf16, for the bf16 max pool or conv after the concat."""
+        narrow = [self._bound(part) for part in parts]
+        if not all(is_call_to(part, "relax.astype") and str(part.attrs.dtype) == "float32"
+                   and str(part.args[0].ty.dtype) == "bfloat16" for part in narrow):
+            return None
+        return relax.op.astype(relax.op.concat([part.args[0] for part in narrow], axis=axis),
+                               "float32")
 
     def _elementwise(self, call: relax.Call) -> relax.Expr:
         """``op(permute_dims(a, NCHW), ...)`` -> ``permute_dims(op(a, ...), NCHW)`` when every

@@ -300,6 +300,72 @@ def test_a_narrowing_cast_of_a_concat_moves_into_its_parts():
     tvm.ir.assert_structural_equal(after, relax.transform.Normalize()(expected.get()))
 
 
+def test_a_concat_of_widened_bf16_parts_widens_once_after_it():
+    """``concat([astype(a, f32), astype(b, f32)])`` -> ``astype(concat([a, b]), f32)``: the
+    bf16 max pool after it (Inception's) then pools the bf16 concat."""
+    a = relax.Var("a", relax.TensorType((1, 2, 2, 4), "bfloat16"))
+    b = relax.Var("b", relax.TensorType((1, 2, 2, 3), "bfloat16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            parts = [bb.emit(relax.op.astype(v, "float32")) for v in (a, b)]
+            y = bb.emit_output(relax.op.concat(parts, axis=3))
+        bb.emit_func_output(y)
+    expected = relax.BlockBuilder()
+    with expected.function("main", [a, b]):
+        with expected.dataflow():
+            y = expected.emit_output(relax.op.astype(relax.op.concat([a, b], axis=3),
+                                                     "float32"))
+        expected.emit_func_output(y)
+    after = relax.transform.DeadCodeElimination()(simplify_layouts(bb.get()))
+    tvm.ir.assert_structural_equal(after, relax.transform.Normalize()(expected.get()))
+
+
+def _inception_block():
+    """Two conv branches concatenated, a stride-2 max pool of the concat, then a 1x1 conv."""
+    rng = np.random.default_rng(8)
+    inits = [numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype("float32"), n)
+             for n, shape in (("w1", (8, 8, 1, 1)), ("w3", (16, 8, 3, 3)),
+                              ("wp", (5, 24, 1, 1)))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["x", "w3"], ["c3"], pads=[1] * 4),
+             helper.make_node("Relu", ["c3"], ["r3"]),
+             helper.make_node("Concat", ["r1", "r3"], ["cat"], axis=1),
+             helper.make_node("MaxPool", ["cat"], ["pool"], kernel_shape=[3, 3],
+                              strides=[2, 2], pads=[1] * 4),
+             helper.make_node("Conv", ["pool", "wp"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "inception", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                           [2, 8, 9, 10])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 5, 5])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_branches_concatenated_before_a_max_pool_stay_bf16():
+    mod, _ = import_model(_inception_block())
+    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
+    kernels, casts = [], []
+
+    def visit(e):
+        if is_call_to(e, "relax.call_tir") or is_call_to(e, "relax.call_tir_inplace"):
+            kernels.append((e.args[0].name_hint.split("_")[0], str(e.ty.dtype)))
+        elif is_call_to(e, "relax.astype"):
+            casts.append(str(e.ty.dtype))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    assert ("max", "bfloat16") in kernels  # max_pool2d_bf16
+    assert [d for k, d in kernels if k == "tpp"] == ["bfloat16", "bfloat16", "float32"]
+    assert casts == ["bfloat16"]  # the graph's input
+
+
+def test_a_bf16_concat_before_a_max_pool_matches_onnxruntime_float32():
+    model = _inception_block()
+    x = np.random.default_rng(9).standard_normal((2, 8, 9, 10)).astype("float32")
+    got = tvm_tpp.compile(model, target="tpp", precision="bf16-strict").run(x=x)
+    assert max_errors(got, run_onnxruntime(model, {"x": x}))[1] <= TOLERANCES["bf16"]
+
+
 def test_dense_layers_hand_bf16_to_dense_layers():
     from tvm_tpp import models
 
