@@ -25,7 +25,9 @@ bfloat16     vnni2   avx512_bf16         ``vdpbf16ps``
 Tails: rows are split into near-equal register tiles (``m = 7`` on AVX2 runs tiles of 4 and
 3 rows, not 6 and 1); columns that do not fill a SIMD register run in a narrower vector
 (``n % lanes`` lanes, never touching memory past the block).  Dot-product instructions have
-no narrow form, so their tail columns use plain widening arithmetic.
+no narrow form, so their tail columns run the whole-register instruction on zero-padded
+copies of their accumulators and B values and keep the first lanes (``vdpbf16ps`` and
+``vpdpbusd``; the emulated and ``vpmadd*`` families widen them scalar by scalar).
 
 Without VNNI, full-range int8 (``vnni4``) cannot use ``vpmaddubsw``: that instruction
 saturates its 16-bit pair sums (``255 * -128 * 2 < -32768``), which silently corrupts results.
