@@ -27,26 +27,38 @@ from tvm_tpp.reference import TOLERANCES, max_errors, run_onnxruntime
 from tvm_tpp.tpp_target import target as tpp_target
 
 
+def _weights(seed: int, scale: float, shapes: dict[str, tuple[int, ...]]) -> list:
+    """Random float32 initializers of ``shapes``, N(0, ``scale``)."""
+    rng = np.random.default_rng(seed)
+    return [numpy_helper.from_array((rng.standard_normal(shape) * scale).astype("float32"),
+                                    name) for name, shape in shapes.items()]
+
+
+def _model(name: str, nodes: list, inits: list, x_shape: list[int],
+           outputs: dict[str, list[int]]):
+    """An opset-17 model of ``nodes`` from the float32 input ``x`` to ``outputs``."""
+    graph = helper.make_graph(
+        nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, shape)
+         for out, shape in outputs.items()], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
 def _convs(extra_reader: bool, residual: bool = False):
     """x -> conv1 -> relu -> conv2 -> y, and with ``extra_reader`` also y2 = relu1 + x; with
     ``residual``, y = relu(conv2 + x) (ResNet's 3x3 conv -> 1x1 conv with the shortcut)."""
-    rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal((8, 8, 3, 3)) * 0.2)
-                                     .astype("float32"), f"w{i}") for i in (1, 2)]
+    inits = _weights(0, 0.2, {f"w{i}": (8, 8, 3, 3) for i in (1, 2)})
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1] * 4),
              helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("Conv", ["r1", "w2"], ["c2" if residual else "y"], pads=[1] * 4)]
     if residual:
         nodes += [helper.make_node("Add", ["c2", "x"], ["s"]),
                   helper.make_node("Relu", ["s"], ["y"])]
-    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 9, 9])]
+    outputs = {"y": [1, 8, 9, 9]}
     if extra_reader:
         nodes.append(helper.make_node("Add", ["r1", "x"], ["y2"]))
-        outputs.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, [1, 8, 9, 9]))
-    graph = helper.make_graph(
-        nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 9, 9])],
-        outputs, inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        outputs["y2"] = [1, 8, 9, 9]
+    return _model("convs", nodes, inits, [1, 8, 9, 9], outputs)
 
 
 def _kernel_outputs(model) -> list[str]:
@@ -84,9 +96,7 @@ def test_handoff_matches_onnxruntime_float32(residual):
 def _residual_blocks():
     """``s0 = relu(conv0(x))``, then two blocks ``s = relu(conv(relu(conv(s))) + s)``: a
     residual stream between convs, the last block's output the graph's."""
-    rng = np.random.default_rng(2)
-    inits = [numpy_helper.from_array((rng.standard_normal((8, 8, 3, 3)) * 0.15)
-                                     .astype("float32"), f"w{i}") for i in range(5)]
+    inits = _weights(2, 0.15, {f"w{i}": (8, 8, 3, 3) for i in range(5)})
     nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], pads=[1] * 4),
              helper.make_node("Relu", ["c0"], ["s0"])]
     for block, (first, second) in enumerate(((1, 2), (3, 4))):
@@ -97,10 +107,7 @@ def _residual_blocks():
                                    pads=[1] * 4),
                   helper.make_node("Add", [f"c{second}", stream], [f"a{second}"]),
                   helper.make_node("Relu", [f"a{second}"], [out])]
-    graph = helper.make_graph(
-        nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 9, 9])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 9, 9])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return _model("blocks", nodes, inits, [1, 8, 9, 9], {"y": [1, 8, 9, 9]})
 
 
 def test_a_residual_stream_between_bf16_convs_stays_bf16():
@@ -161,13 +168,7 @@ def test_a_narrowing_round_trip_stays():
 def _shuffle_unit():
     """ShuffleNet's ``relu(group conv)``, channel shuffle (reshape, transpose, reshape), then
     a depthwise 3x3 conv and a 1x1 conv."""
-    rng = np.random.default_rng(4)
-
-    def weight(name, shape):
-        return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype("float32"),
-                                       name)
-
-    inits = [weight("wg", (8, 4, 1, 1)), weight("wd", (8, 1, 3, 3)), weight("wp", (8, 8, 1, 1)),
+    inits = [*_weights(4, 0.3, {"wg": (8, 4, 1, 1), "wd": (8, 1, 3, 3), "wp": (8, 8, 1, 1)}),
              numpy_helper.from_array(np.array([1, 2, 4, 6, 5], "int64"), "split"),
              numpy_helper.from_array(np.array([1, 8, 6, 5], "int64"), "merged")]
     nodes = [helper.make_node("Conv", ["x", "wg"], ["g"], group=2),
@@ -177,10 +178,7 @@ def _shuffle_unit():
              helper.make_node("Reshape", ["t", "merged"], ["m"]),
              helper.make_node("Conv", ["m", "wd"], ["d"], group=8, pads=[1] * 4),
              helper.make_node("Conv", ["d", "wp"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "shuffle", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 6, 5])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 6, 5])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return _model("shuffle", nodes, inits, [1, 8, 6, 5], {"y": [1, 8, 6, 5]})
 
 
 def test_a_channel_shuffle_between_bf16_convs_moves_bf16():
@@ -232,13 +230,7 @@ def test_a_widening_round_trip_cancels_through_a_permute():
 def _aspp():
     """A DeepLab-style concat: two conv branches (one dilated) and a computed one (a scaled
     copy of the input: no conv) concatenated on channels, then a 1x1 conv."""
-    rng = np.random.default_rng(6)
-
-    def weight(name, shape):
-        return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype("float32"),
-                                       name)
-
-    inits = [weight("w1", (8, 8, 1, 1)), weight("w2", (8, 8, 3, 3)), weight("wp", (5, 24, 1, 1)),
+    inits = [*_weights(6, 0.3, {"w1": (8, 8, 1, 1), "w2": (8, 8, 3, 3), "wp": (5, 24, 1, 1)}),
              numpy_helper.from_array(np.array(0.5, "float32"), "half")]
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]),
              helper.make_node("Relu", ["c1"], ["r1"]),
@@ -247,10 +239,7 @@ def _aspp():
              helper.make_node("Mul", ["x", "half"], ["scaled"]),
              helper.make_node("Concat", ["r1", "r2", "scaled"], ["cat"], axis=1),
              helper.make_node("Conv", ["cat", "wp"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "aspp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 7, 9])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 7, 9])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return _model("aspp", nodes, inits, [2, 8, 7, 9], {"y": [2, 5, 7, 9]})
 
 
 def test_convs_concatenated_for_a_bf16_conv_write_bf16():
@@ -323,10 +312,7 @@ def test_a_concat_of_widened_bf16_parts_widens_once_after_it():
 
 def _inception_block():
     """Two conv branches concatenated, a stride-2 max pool of the concat, then a 1x1 conv."""
-    rng = np.random.default_rng(8)
-    inits = [numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype("float32"), n)
-             for n, shape in (("w1", (8, 8, 1, 1)), ("w3", (16, 8, 3, 3)),
-                              ("wp", (5, 24, 1, 1)))]
+    inits = _weights(8, 0.3, {"w1": (8, 8, 1, 1), "w3": (16, 8, 3, 3), "wp": (5, 24, 1, 1)})
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]),
              helper.make_node("Relu", ["c1"], ["r1"]),
              helper.make_node("Conv", ["x", "w3"], ["c3"], pads=[1] * 4),
@@ -335,11 +321,7 @@ def _inception_block():
              helper.make_node("MaxPool", ["cat"], ["pool"], kernel_shape=[3, 3],
                               strides=[2, 2], pads=[1] * 4),
              helper.make_node("Conv", ["pool", "wp"], ["y"])]
-    graph = helper.make_graph(
-        nodes, "inception", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
-                                                           [2, 8, 9, 10])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 5, 5])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return _model("inception", nodes, inits, [2, 8, 9, 10], {"y": [2, 5, 5, 5]})
 
 
 def test_branches_concatenated_before_a_max_pool_stay_bf16():
