@@ -189,12 +189,15 @@ class _Layouts(relax.PyExprMutator):
         """``concat([astype(a, float32), ...])`` of bf16 parts all widened ->
         ``astype(concat([a, ...]), float32)`` (None: some part is no such widening): bf16
         convs' branches joined in bf16, for the bf16 max pool or conv after the concat."""
-        narrow = [self._bound(part) for part in parts]
-        if not all(is_call_to(part, "relax.astype") and str(part.attrs.dtype) == "float32"
-                   and str(part.args[0].ty.dtype) == "bfloat16" for part in narrow):
+        widened = [self._bound(part) for part in parts]
+        narrow = [_widened(part) for part in widened]
+        if any(source is None for source in narrow):
             return None
-        return relax.op.astype(relax.op.concat([part.args[0] for part in narrow], axis=axis),
-                               "float32")
+        casts = {(str(source.ty.dtype), str(part.ty.dtype))
+                 for source, part in zip(narrow, widened, strict=True)}
+        if len(casts) != 1:  # parts of one dtype, widened to one
+            return None
+        return relax.op.astype(relax.op.concat(narrow, axis=axis), casts.pop()[1])
 
     def _elementwise(self, call: relax.Call) -> relax.Expr:
         """``op(permute_dims(a, NCHW), ...)`` -> ``permute_dims(op(a, ...), NCHW)`` when every
@@ -288,13 +291,18 @@ def _undo_widening(inner: relax.Expr, dtype: str,
         return relax.op.concat([relax.op.astype(part, dtype) if source is None else source
                                 for part, source in zip(parts.fields, undone, strict=True)],
                                axis=int(inner.attrs.axis))
-    if not is_call_to(inner, "relax.astype"):
+    source = _widened(inner)
+    return source if source is not None and str(source.ty.dtype) == dtype else None
+
+
+def _widened(expr: relax.Expr) -> relax.Expr | None:
+    """``x`` for ``astype(x, wide)`` that only widens ``x`` (:data:`_WIDENINGS`), else None."""
+    if not is_call_to(expr, "relax.astype"):
         return None
-    source = inner.args[0]
+    source = expr.args[0]
     if not isinstance(source.ty, relax.TensorType):
         return None
-    narrow, wide = str(source.ty.dtype), str(inner.attrs.dtype)
-    return source if narrow == dtype and (narrow, wide) in _WIDENINGS else None
+    return source if (str(source.ty.dtype), str(expr.attrs.dtype)) in _WIDENINGS else None
 
 
 def simplify_layouts(mod: tvm.IRModule) -> tvm.IRModule:

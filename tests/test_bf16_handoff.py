@@ -61,15 +61,32 @@ def _convs(extra_reader: bool, residual: bool = False):
     return _model("convs", nodes, inits, [1, 8, 9, 9], outputs)
 
 
+def _main_calls(mod: tvm.IRModule) -> list[relax.Call]:
+    """The calls of the module's main function, in graph order."""
+    found = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
+                                    if isinstance(e, relax.Call) else None)
+    return found
+
+
+def _calls(model) -> list[relax.Call]:
+    """The calls of the model's main function after the bf16 rewrites, in graph order."""
+    mod, _ = import_model(model)
+    return _main_calls(tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod))
+
+
+def _is_kernel(call: relax.Call) -> bool:
+    return is_call_to(call, "relax.call_tir") and call.args[0].name_hint.startswith("tpp_")
+
+
+def _dtypes(calls: list[relax.Call], op: str) -> list[str]:
+    """The output dtypes of the calls to ``op``, in graph order."""
+    return [str(call.ty.dtype) for call in calls if is_call_to(call, op)]
+
+
 def _kernel_outputs(model) -> list[str]:
     """The output dtypes of the TPP kernel calls, in graph order."""
-    mod, _ = import_model(model)
-    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
-    found = []
-    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(str(e.ty.dtype))
-                                    if is_call_to(e, "relax.call_tir")
-                                    and e.args[0].name_hint.startswith("tpp_") else None)
-    return found
+    return [str(call.ty.dtype) for call in _calls(model) if _is_kernel(call)]
 
 
 def test_a_conv_read_only_by_a_bf16_conv_writes_bf16():
@@ -113,20 +130,12 @@ def _residual_blocks():
 def test_a_residual_stream_between_bf16_convs_stays_bf16():
     """Every conv writes bf16 but the last, the graph's output; the blocks' convs add their
     shortcut in bf16, and nothing casts between them."""
-    mod, _ = import_model(_residual_blocks())
-    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
-    kernels, casts = [], []
-
-    def visit(e):
-        if is_call_to(e, "relax.call_tir") and e.args[0].name_hint.startswith("tpp_"):
-            kernels.append((e.args[0].name_hint, str(e.ty.dtype)))
-        elif is_call_to(e, "relax.astype"):
-            casts.append(str(e.ty.dtype))
-
-    relax.analysis.post_order_visit(mod["main"], visit)
-    assert [dtype for _, dtype in kernels] == ["bfloat16"] * 4 + ["float32"]
-    assert ["residual_bf16" in name for name, _ in kernels] == [False, False, True, False, True]
-    assert casts == ["bfloat16"]  # the graph's input, once
+    calls = _calls(_residual_blocks())
+    kernels = [call for call in calls if _is_kernel(call)]
+    assert [str(call.ty.dtype) for call in kernels] == ["bfloat16"] * 4 + ["float32"]
+    assert ["residual_bf16" in call.args[0].name_hint for call in kernels] \
+        == [False, False, True, False, True]
+    assert _dtypes(calls, "relax.astype") == ["bfloat16"]  # the graph's input, once
 
 
 def test_a_bf16_residual_stream_matches_onnxruntime_float32():
@@ -148,10 +157,7 @@ def _casts(first: str, second: str) -> tvm.IRModule:
 
 
 def _astypes(mod: tvm.IRModule) -> int:
-    found = []
-    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
-                                    if is_call_to(e, "relax.astype") else None)
-    return len(found)
+    return len(_dtypes(_main_calls(mod), "relax.astype"))
 
 
 def test_a_widening_round_trip_cancels():
@@ -184,22 +190,13 @@ def _shuffle_unit():
 def test_a_channel_shuffle_between_bf16_convs_moves_bf16():
     """The group conv writes bf16 and the shuffle moves those bf16 values, and the depthwise
     conv hands bf16 to the 1x1 conv: no cast but the graph input's."""
-    mod, _ = import_model(_shuffle_unit())
-    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
-    kernels, moves, casts = [], [], []
-
-    def visit(e):
-        if is_call_to(e, "relax.call_tir") and e.args[0].name_hint.startswith("tpp_"):
-            kernels.append(str(e.ty.dtype))
-        elif is_call_to(e, "relax.permute_dims") and e.ty.ndim == 5:  # the shuffle's
-            moves.append(str(e.ty.dtype))
-        elif is_call_to(e, "relax.astype"):
-            casts.append(str(e.ty.dtype))
-
-    relax.analysis.post_order_visit(mod["main"], visit)
-    assert kernels == ["bfloat16", "bfloat16", "float32"]
-    assert moves == ["bfloat16"]
-    assert casts == ["bfloat16"]  # the graph's input
+    calls = _calls(_shuffle_unit())
+    assert [str(call.ty.dtype) for call in calls if _is_kernel(call)] \
+        == ["bfloat16", "bfloat16", "float32"]
+    shuffles = [call for call in calls if is_call_to(call, "relax.permute_dims")
+                and call.ty.ndim == 5]
+    assert [str(call.ty.dtype) for call in shuffles] == ["bfloat16"]
+    assert _dtypes(calls, "relax.astype") == ["bfloat16"]  # the graph's input
 
 
 def test_a_bf16_channel_shuffle_matches_onnxruntime_float32():
@@ -245,18 +242,10 @@ def _aspp():
 def test_convs_concatenated_for_a_bf16_conv_write_bf16():
     """Both branch convs write bf16, the concat joins bf16 tensors and the branch of no conv
     is cast to bf16 before it: no float32 concat is written and cast for the 1x1 conv."""
-    mod, _ = import_model(_aspp())
-    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
-    kernels, concats = [], []
-
-    def visit(e):
-        if is_call_to(e, "relax.call_tir") and e.args[0].name_hint.startswith("tpp_"):
-            kernels.append(str(e.ty.dtype))
-        elif is_call_to(e, "relax.concat") or is_call_to(e, "relax.call_tir_inplace"):
-            concats.append(str(e.ty.dtype))
-
-    relax.analysis.post_order_visit(mod["main"], visit)
-    assert kernels == ["bfloat16", "bfloat16", "float32"]
+    calls = _calls(_aspp())
+    assert [str(call.ty.dtype) for call in calls if _is_kernel(call)] \
+        == ["bfloat16", "bfloat16", "float32"]
+    concats = _dtypes(calls, "relax.concat") + _dtypes(calls, "relax.call_tir_inplace")
     assert concats and set(concats) == {"bfloat16"}
 
 
@@ -325,20 +314,12 @@ def _inception_block():
 
 
 def test_branches_concatenated_before_a_max_pool_stay_bf16():
-    mod, _ = import_model(_inception_block())
-    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
-    kernels, casts = [], []
-
-    def visit(e):
-        if is_call_to(e, "relax.call_tir") or is_call_to(e, "relax.call_tir_inplace"):
-            kernels.append((e.args[0].name_hint.split("_")[0], str(e.ty.dtype)))
-        elif is_call_to(e, "relax.astype"):
-            casts.append(str(e.ty.dtype))
-
-    relax.analysis.post_order_visit(mod["main"], visit)
-    assert ("max", "bfloat16") in kernels  # max_pool2d_bf16
-    assert [d for k, d in kernels if k == "tpp"] == ["bfloat16", "bfloat16", "float32"]
-    assert casts == ["bfloat16"]  # the graph's input
+    calls = _calls(_inception_block())
+    tir = [(call.args[0].name_hint.split("_")[0], str(call.ty.dtype)) for call in calls
+           if is_call_to(call, "relax.call_tir") or is_call_to(call, "relax.call_tir_inplace")]
+    assert ("max", "bfloat16") in tir  # max_pool2d_bf16
+    assert [d for k, d in tir if k == "tpp"] == ["bfloat16", "bfloat16", "float32"]
+    assert _dtypes(calls, "relax.astype") == ["bfloat16"]  # the graph's input
 
 
 def test_a_bf16_concat_before_a_max_pool_matches_onnxruntime_float32():
@@ -351,17 +332,10 @@ def test_a_bf16_concat_before_a_max_pool_matches_onnxruntime_float32():
 def test_dense_layers_hand_bf16_to_dense_layers():
     from tvm_tpp import models
 
-    mod, _ = import_model(models.load("mlp"))
-    mod = tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod)
-    kernels, casts = [], []
-
-    def visit(e):
-        if is_call_to(e, "relax.call_tir") and e.args[0].name_hint.startswith("tpp_"):
-            kernels.append(str(e.ty.dtype))
-        elif is_call_to(e, "relax.astype"):
-            casts.append((str(e.args[0].ty.dtype), str(e.attrs.dtype)))
-
-    relax.analysis.post_order_visit(mod["main"], visit)
+    calls = _calls(models.load("mlp"))
+    kernels = [str(call.ty.dtype) for call in calls if _is_kernel(call)]
+    casts = [(str(call.args[0].ty.dtype), str(call.attrs.dtype)) for call in calls
+             if is_call_to(call, "relax.astype")]
     # Layers 1 and 2 write bf16 for the next; the last writes the float32 output; only the
     # graph's input is cast (no bf16 -> float32 -> bf16 round trip is left).
     assert kernels == ["bfloat16", "bfloat16", "float32"]
