@@ -176,11 +176,13 @@ _CONV_TEXT = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)x(\d+)"
 
 
 def conv_problem(text: str, dtype: str = "float32", epilogue: Epilogue | None = None
-                 ) -> ConvProblem:
+                 ) -> ConvProblem | DepthwiseProblem:
     """The convolution a tuning key's shape text names (as :func:`problem_text` shows it):
     ``NxCxHxWxKxRxS``, then optionally ``/s{sh}x{sw}p{top}x{left}x{bottom}x{right}`` with
     ``d{dh}x{dw}`` and ``g{groups}`` where not 1 (stride 1, no padding without it); ``dtype``
-    as the key spells it (``uint8_w7``: u8 input, 7-bit weights).
+    as the key spells it (``uint8_w7``: u8 input, 7-bit weights).  A depthwise conv
+    (``groups = C = K``) is the :class:`~schedules.depthwise.DepthwiseProblem` a network's
+    depthwise conv becomes.
 
     >>> p = ConvProblem(1, 3, 224, 224, 64, 7, 7, stride=2, padding=3)
     >>> conv_problem("1x3x224x224x64x7x7/s2x2p3x3x3x3") == p
@@ -189,6 +191,8 @@ def conv_problem(text: str, dtype: str = "float32", epilogue: Epilogue | None = 
     (2, 2)
     >>> conv_problem("1x8x9x9x8x3x3", "uint8_w7").narrow_weights
     True
+    >>> type(conv_problem("8x32x112x112x32x3x3/s1x1p1x1x1x1g32")).__name__
+    'DepthwiseProblem'
     >>> conv_problem("1x64x56x56x64")
     Traceback (most recent call last):
     ...
@@ -203,6 +207,13 @@ def conv_problem(text: str, dtype: str = "float32", epilogue: Epilogue | None = 
         d if v is None else int(v) for v, d in zip(match.groups()[7:], defaults, strict=True)]
     n, c, h, w, k, r, s, sh, sw, top, left, bottom, right, dh, dw, groups = values
     narrow = dtype.endswith(_NARROW_SUFFIX)
+    if groups > 1 and groups == c == k:
+        if narrow:
+            raise ValueError("a depthwise conv has no 7-bit-weight kernel: give its dtype "
+                             f"without {_NARROW_SUFFIX}")
+        return DepthwiseProblem(n, c, h, w, r, s, stride=(sh, sw),
+                                padding=(top, left, bottom, right), dtype=dtype,
+                                epilogue=epilogue or Epilogue(), dilation=(dh, dw))
     return ConvProblem(n, c, h, w, k, r, s, stride=(sh, sw), padding=(top, left, bottom, right),
                        dtype=dtype.removesuffix(_NARROW_SUFFIX), epilogue=epilogue or Epilogue(),
                        dilation=(dh, dw), groups=groups, narrow_weights=narrow)

@@ -7,6 +7,7 @@ import tvm_ffi
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from schedules.conv import ConvProblem
+from schedules.depthwise import DepthwiseProblem
 from schedules.ops import conv_problem, problem_text
 from tvm_tpp.cli import main
 
@@ -67,6 +68,24 @@ def test_winograd_rows_beside_the_direct_conv(tmp_path, capsys):
     assert "winograd bt=" in table
 
 
+def test_a_depthwise_conv_times_the_depthwise_kernel(tmp_path, capsys):
+    """``g = C = K``: the kernel a network's depthwise conv runs, not a grouped conv."""
+    shape = "2x24x9x7x24x3x3/s2x1p1x1x1x1g24"
+    assert conv_problem(shape, "bfloat16") == DepthwiseProblem(
+        2, 24, 9, 7, 3, 3, stride=(2, 1), padding=1, dtype="bfloat16")
+    out = tmp_path / "dw.json"
+    assert main(["bench-conv", shape, "--dtype", "bfloat16", "--epilogue", "bias,relu",
+                 "--vs", "bc=8", "--candidates", "--warmup", "0", "--rounds", "1",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("conv 2x24x9x7 -> 24 3x3 depthwise, bfloat16")
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert all(r["seconds"] > 0 and not r["error"] for r in rows)
+    assert {"bq", "bc"} <= set(rows[0]["config"]) and rows[1]["config"]["bc"] == 8
+    assert data["flops"] == 2 * 2 * 5 * 7 * 24 * 9
+
+
 @pytest.mark.parametrize("args, message", [
     (["1x64x56x56x64"], "a conv is NxCxHxWxKxRxS"),
     (["1x3x4x4x8x5x5"], "does not fit"),
@@ -76,6 +95,9 @@ def test_winograd_rows_beside_the_direct_conv(tmp_path, capsys):
     (["1x8x7x7x16x3x3", "--vs", "spec=ZZZ"], "--vs spec=ZZZ"),
     (["1x8x7x7x16x3x3", "--epilogue", "bias,sparkle"], "unknown epilogue op 'sparkle'"),
     (["1x8x7x7x16x3x3/s2x2p1x1x1x1", "--winograd"], "--winograd: Winograd takes"),
+    (["1x8x7x7x8x3x3/s1x1p1x1x1x1g8", "--winograd"], "depthwise conv has no Winograd form"),
+    (["1x8x7x7x8x3x3/s1x1p1x1x1x1g8", "--vs", "bc=3"], "bc=3 does not divide C=8"),
+    (["1x8x7x7x8x3x3/s1x1p1x1x1x1g8", "--dtype", "uint8_w7"], "no 7-bit-weight kernel"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     assert main(["bench-conv", *args, "--warmup", "0", "--rounds", "1"]) == 2

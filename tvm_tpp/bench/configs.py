@@ -3,7 +3,8 @@ configurations, side by side in one process.
 
 The kernel is named as the tuner names it (``tvm-tpp tune --explain``, the tuning database):
 a conv ``NxCxHxWxKxRxS/s{sh}x{sw}p{top}x{left}x{bottom}x{right}`` (:func:`schedules.ops.
-conv_problem`), a dense layer ``MxNxK``.  Its rows: the untuned default (its template's
+conv_problem`; ``g{C}`` with ``K = C``: the depthwise kernel a network's depthwise conv
+runs), a dense layer ``MxNxK``.  Its rows: the untuned default (its template's
 ``default_config``), each ``--vs`` variant (fields of the default replaced, e.g.
 ``fold_taps=false`` or ``bq=14,bk=32`` of a conv, ``bm=64`` of a dense layer) and, with
 ``--candidates``, the tuner's list.  They are built together and timed as the tuner times
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 from microkernels.epilogue import DTYPE_TAGS, Epilogue, EpilogueOp
 from microkernels.machine import machine_of
 from schedules.conv import ConvProblem
+from schedules.depthwise import DepthwiseProblem
 from schedules.gemm import GemmConfig, GemmProblem
 from schedules.measure import measure, time_runs
 from schedules.ops import Config, Problem, config_text, conv_problem, op_of, problem_text
@@ -171,7 +173,9 @@ def variant(config: Config, text: str, problem: Problem) -> Config:
             candidate = Candidate(changes.pop("spec", config.spec), {}, steps)
             changes["candidate"] = candidate
         changed = replace(config, **changes)
-        changed.parse(problem)  # blocks that tile the problem, a loop_spec that fits them
+        # Blocks that tile the problem, a loop_spec that fits them (a depthwise conv's config
+        # has blocks only).
+        getattr(changed, "parse", changed.check)(problem)
     except Exception as err:  # ValueError, LoopSpecError: the user's variant does not fit
         raise UsageError(f"--vs {text}: {err}") from None
     return changed
@@ -237,7 +241,8 @@ def _producer(after: ConvProblem, problem: ConvProblem, runs: list, target: Targ
     """``after``'s kernel writing into the input the ``runs`` share (their first argument)."""
     feeds = (after.n, after.p, after.q, after.k, after.out_dtype) == (
         problem.n, problem.h, problem.w, problem.c, problem.dtype)
-    if not (feeds and problem.pointwise and not problem.prologue.ops):
+    if not (feeds and isinstance(problem, ConvProblem) and problem.pointwise
+            and not problem.prologue.ops):
         raise ValueError(f"the output of {problem_text(after)} is not the packed input of "
                          f"{problem_text(problem)}: --after takes the conv before a 1x1 conv "
                          "of stride 1 without padding, its P x Q x K that conv's H x W x C")
@@ -265,9 +270,10 @@ def format_rows(problem: Problem, rows: Sequence[ConfigRow], cold: bool, threads
     first row."""
     unit = "GFLOPS" if problem.dtype == "float32" else "GOPS"
     width = max([14, *(len(row.label) for row in rows)])
-    what = (f"conv {problem.n}x{problem.c}x{problem.h}x{problem.w} -> {problem.k} "
-            f"{problem.r}x{problem.s}" if isinstance(problem, ConvProblem)
-            else f"dense {problem.m}x{problem.n}x{problem.k}")
+    what = (f"dense {problem.m}x{problem.n}x{problem.k}" if isinstance(problem, GemmProblem)
+            else f"conv {problem.n}x{problem.c}x{problem.h}x{problem.w} -> {problem.k} "
+            f"{problem.r}x{problem.s}" + ("" if isinstance(problem, ConvProblem)
+                                          else " depthwise"))
     lines = [f"{what}, {problem.dtype}, epilogue "
              f"{problem.epilogue.name or '-'}; {threads} thread{'s' if threads > 1 else ''}, "
              f"{'operands flushed before each run' if cold else 'warm'}"
@@ -320,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
         variants += tuner_candidates(problem, tpp)
     forms = []
     if getattr(args, "winograd", False):
+        if isinstance(problem, DepthwiseProblem):
+            raise UsageError("--winograd: a depthwise conv has no Winograd form")
         try:
             forms = [(f"winograd F{m}", WinogradProblem(problem, m)) for m in TILES]
         except (TypeError, ValueError) as err:
