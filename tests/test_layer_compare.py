@@ -115,10 +115,16 @@ def test_kernel_names_keyed_as_their_layers():
 
 def test_cli_prints_and_writes_both_sides(tmp_path, capsys):
     out = tmp_path / "p.json"
-    assert main(["profile", "mlp", "--against", "onnxruntime", "--repeat", "2", "--rounds", "1",
+    assert main(["profile", "mlp", "--against", "onnxruntime", "--repeat", "2", "--rounds", "2",
                  "--warmup", "0", "--json", str(out)]) == 0
-    assert "layers against ONNX Runtime" in capsys.readouterr().out
-    layers = json.loads(out.read_text())["against_onnxruntime"]["layers"]
+    table = capsys.readouterr().out
+    assert "layers against ONNX Runtime" in table
+    against = json.loads(out.read_text())["against_onnxruntime"]
+    ratios = against["round_ratios"]  # each round's ratio, their median the run's
+    assert len(ratios) == 2 and against["run_ratio"] == pytest.approx(sum(ratios) / 2)
+    run_row = next(line for line in table.splitlines() if "a run (unprofiled" in line)
+    assert f"({min(ratios):.2f}-{max(ratios):.2f})" in run_row
+    layers = against["layers"]
     dense = [layer for layer in layers if layer["key"].startswith("dense")]
     assert dense and all(x["tpp_seconds"] and x["their_seconds"] for x in dense)
 

@@ -341,7 +341,8 @@ def _print_against(console, compiled: CompiledModel, model, inputs,
                          "'tvm-tpp[openvino]')") from None
     them = cmp.against
     table = Table(title=f"layers against {them} ({cmp.threads} threads each, one process, "
-                  f"{args.rounds} alternating rounds of {args.repeat} runs; medians of the rounds)")
+                  f"{args.rounds} alternating rounds of {args.repeat} runs; medians of the rounds, "
+                  "a run's ratio with the rounds' range)")
     for name in ("layer", "count tpp/them", "tpp ms", f"{them} ms", f"{them} / tpp"):
         table.add_column(name, justify="left" if name == "layer" else "right")
     ms = 1e3
@@ -354,7 +355,8 @@ def _print_against(console, compiled: CompiledModel, model, inputs,
     table.add_section()
     table.add_row("a run (unprofiled, median)", "", f"{cmp.tpp_run_seconds * ms:.3f}",
                   f"{cmp.their_run_seconds * ms:.3f}",
-                  f"{cmp.run_ratio:.2f}x")
+                  f"{cmp.run_ratio:.2f}x ({min(cmp.round_ratios):.2f}-"
+                  f"{max(cmp.round_ratios):.2f})")
     console.print(table)
     return cmp.to_json()
 

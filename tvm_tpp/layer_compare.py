@@ -167,22 +167,29 @@ class Layer:
 @dataclass(frozen=True)
 class LayerComparison:
     """Matched layers (slowest on either side first), the unmatched rest per kind, each
-    side's median wall time of an unprofiled run and the median of the rounds' ratios of
-    those (the other runtime's over tpp's); ``against`` names that runtime (:data:`AGAINST`)."""
+    side's median wall time of an unprofiled run and each round's ratio of those (the other
+    runtime's over tpp's); ``against`` names that runtime (:data:`AGAINST`)."""
 
     against: str
     layers: tuple[Layer, ...]
     tpp_run_seconds: float
     their_run_seconds: float
-    run_ratio: float
+    round_ratios: tuple[float, ...]
     threads: int
     rounds: int
     repeat: int
+
+    @property
+    def run_ratio(self) -> float:
+        """The median of the rounds' ratios: where the rounds disagree (a noisy host) it can
+        differ from the ratio of the two medians, so the rounds' spread is shown beside it."""
+        return statistics.median(self.round_ratios)
 
     def to_json(self) -> dict[str, Any]:
         return {"against": self.against, "layers": [vars(layer) for layer in self.layers],
                 "tpp_run_seconds": self.tpp_run_seconds,
                 "their_run_seconds": self.their_run_seconds, "run_ratio": self.run_ratio,
+                "round_ratios": list(self.round_ratios),
                 "threads": self.threads, "rounds": self.rounds, "repeat": self.repeat}
 
 
@@ -420,6 +427,5 @@ def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
                                    -max(layer.tpp_seconds or 0.0, layer.their_seconds or 0.0)))
     return LayerComparison(them.name, tuple(layers), statistics.median(tpp_runs),
                            statistics.median(their_runs),
-                           statistics.median(o / t for t, o in zip(tpp_runs, their_runs,
-                                                                   strict=True)),
+                           tuple(o / t for t, o in zip(tpp_runs, their_runs, strict=True)),
                            threads, rounds, repeat)
