@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from microkernels import isa as _isa
-from microkernels.epilogue import Epilogue
+from microkernels.epilogue import Epilogue, expression_isa, vector_lanes
 from microkernels.machine import Machine
 
 from .blocking import divisors, near_divisors
@@ -169,10 +169,12 @@ class DepthwiseConfig:
                 raise ValueError(f"{name}={block} does not divide {what}={dim}")
 
 
-def workload(problem: DepthwiseProblem, batch: tirx.Var | None = None) -> PrimFunc:
+def workload(problem: DepthwiseProblem, batch: tirx.Var | None = None,
+             epilogue_isa: str = "generic") -> PrimFunc:
     """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc);
     with a run-time ``batch`` (a symbolic batch: the parameter before the output) it has
-    ``batch * problem.n`` images."""
+    ``batch * problem.n`` images; the epilogue's expressions are ``epilogue_isa``'s
+    (:func:`microkernels.epilogue.apply_te`)."""
     from tvm import te
 
     from microkernels.epilogue import apply_te
@@ -210,14 +212,15 @@ def workload(problem: DepthwiseProblem, batch: tirx.Var | None = None) -> PrimFu
         return value if start == acc else value.astype(start)
 
     view = te.compute((rows, c), view_value, name="view")
-    y = apply_te(problem.epilogue, view, extra)
+    y = apply_te(problem.epilogue, view, extra, isa=epilogue_isa)
     return te.create_prim_func([x, w, *extra.values(), *scalars, y])
 
 
 def schedule(problem: DepthwiseProblem, config: DepthwiseConfig,
              isa: str | _isa.Isa = "avx2", batch: tirx.Var | None = None) -> s_tir.Schedule:
-    """The scheduled depthwise convolution (module doc).  ``isa`` is accepted for the tuner's
-    interface; the code is plain vectorized TIR, LLVM picks the instructions of the target.
+    """The scheduled depthwise convolution (module doc): plain vectorized TIR, LLVM picks
+    the instructions of the target, but for the epilogue's ISA-specific expressions
+    (``isa``'s one-instruction bf16 conversion where whole 16-lane vectors tile ``bc``).
     With a run-time ``batch`` (a symbolic batch: the parameter before the output) the
     images loop runs ``batch * problem.n`` times.
 
@@ -228,11 +231,10 @@ def schedule(problem: DepthwiseProblem, config: DepthwiseConfig,
     """
     from tvm import s_tir
 
-    if not isinstance(isa, _isa.Isa):
-        _isa.from_name(isa)  # a known ISA
+    isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
     config.check(problem)
     pq = problem.p * problem.q
-    sch = s_tir.Schedule(workload(problem, batch))
+    sch = s_tir.Schedule(workload(problem, batch, expression_isa(isa_name, config.bc)))
     conv = sch.get_sblock("conv")
     sch.transform_layout(conv, ("write", 0),
                          lambda n, i, j, o: (n * pq + i * problem.q + j, o))
@@ -250,6 +252,9 @@ def schedule(problem: DepthwiseProblem, config: DepthwiseConfig,
         epilogue = sch.get_sblock("epilogue")
         sch.reverse_compute_at(epilogue, q_blocks)
         *_, e_rows, e_cols = sch.get_loops(epilogue)
+        lanes = vector_lanes(sch.get(epilogue).body)  # a 16-lane conversion instruction's
+        if lanes is not None and config.bc > lanes:
+            e_cols = sch.split(e_cols, [None, lanes])[1]
         sch.vectorize(e_cols)
         sch.unroll(e_rows)
     else:

@@ -17,7 +17,7 @@ from tvm import s_tir, te
 from microkernels import isa as isa_module
 from microkernels.epilogue import Epilogue, EpilogueOp, apply_te, reference, vector_lanes
 from microkernels.machine import Machine
-from schedules import gemm
+from schedules import depthwise, gemm
 from schedules.conv import (
     ConvConfig,
     ConvProblem,
@@ -147,5 +147,31 @@ def test_dense_epilogue_converts_in_16_lanes(isa):
     func(tvm.runtime.tensor(x), tvm.runtime.tensor(gemm.pack_weight(w, config.bn, problem)),
          tvm.runtime.tensor(bias), y)
     acc = x.astype(np.float64) @ w.astype(np.float64)
+    want = np.maximum(acc + bias, 0).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(y.numpy().astype(np.float32), want, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512_bf16"])
+@pytest.mark.parametrize("bc, instruction", [(16, True), (32, True), (8, False)])
+def test_depthwise_epilogue_converts_in_16_lanes(isa, bc, instruction):
+    """MobileNet's depthwise convs writing bf16 for the next conv: the instruction where the
+    channel block is whole vectors of 16 (a 32-channel block in two), the bits where not;
+    natively against numpy where the CPU runs ``isa``."""
+    problem = depthwise.DepthwiseProblem(2, 32, 7, 9, 3, 3, stride=(2, 1), padding=1,
+                                         dtype="bfloat16", epilogue=BIAS_RELU_CONVERT)
+    config = depthwise.DepthwiseConfig(bq=9, bc=bc)
+    func = tvm.compile(depthwise.schedule(problem, config, isa).mod,
+                       target=isa_target(isa, SPR))
+    assert ("vcvtneps2bf16" in func.mod.inspect_source("asm")) == instruction
+    if not runs_here(isa):
+        return
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 32, 7, 9)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    w = rng.standard_normal((32, 1, 3, 3)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    bias = rng.standard_normal(32).astype(np.float32)
+    y = tvm.runtime.empty((problem.rows, 32), "bfloat16")
+    func(tvm.runtime.tensor(depthwise.pack_input(x, problem)),
+         tvm.runtime.tensor(depthwise.pack_weight(w, problem)), tvm.runtime.tensor(bias), y)
+    acc = depthwise.reference(problem, x, w).transpose(0, 2, 3, 1).reshape(problem.rows, -1)
     want = np.maximum(acc + bias, 0).astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_allclose(y.numpy().astype(np.float32), want, rtol=2 ** -7, atol=1e-6)
