@@ -13,7 +13,10 @@ the interior of the padded buffer (:func:`padded_output`) and fills the border i
   only element by element (no kernel matches the output as a tile: a conv with an epilogue,
   which every conv before a pad here has, writes it from its epilogue's point stores);
 * the pad is a constant pad of the H and W axes only;
-* nothing but the reshape reads ``f``'s output and nothing but the pad reads the reshape.
+* nothing but the pad reads the reshape, and nothing but the reshape reads ``f``'s output
+  -- or kernels that read it element by element too (MobileNet-V2's first block: the stem
+  conv's output padded for the depthwise conv and read unpadded as the project conv's
+  residual), which then read the interior of the padded buffer (:func:`reading_padded`).
 
 ``p`` becomes ``reshape(call_tir(f', args))``: ``f'`` writes the ``[N*Hp*Wp, C]`` buffer whose
 NHWC view is ``p``.  Functions with symbolic shapes (a run-time batch) are left as they are.
@@ -33,6 +36,8 @@ Examples
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import tvm
@@ -55,7 +60,7 @@ from .scaffold import (
 # The TVMScript builders below parse the text this module was imported from.
 pin_source(__name__)
 
-__all__ = ["padded_output", "write_padded_outputs"]
+__all__ = ["padded_output", "reading_padded", "write_padded_outputs"]
 
 #: (top, bottom, left, right) rows and columns of a pad around the H and W axes of NHWC.
 Padding = tuple[int, int, int, int]
@@ -82,15 +87,54 @@ def padded_output(func: tirx.PrimFunc, images: tuple[int, int, int], padding: Pa
     dtype = str(out.ty.dtype)
     fill = _border_fill(n, hp, wp, channels, (top, top + h, left, left + w), dtype, pad_value)
     into = fill.params[0]
+    body = redirect(func, out, into, _interior_row(images, padding), [fill.body])
+    return None if body is None else tirx.PrimFunc([*inputs, into], body, func.ret_type,
+                                                   func.attrs)
+
+
+def reading_padded(func: tirx.PrimFunc, index: int, images: tuple[int, int, int],
+                   padding: Padding) -> tirx.PrimFunc | None:
+    """``func`` reading its ``[N*H*W, C]`` parameter ``index`` (``images`` = ``(N, H, W)``)
+    from the interior of the ``[N*Hp*Wp, C]`` buffer of the image padded by ``padding``, or
+    None when ``func`` does not read it element by element.
+
+    >>> from tvm.script import tirx as T
+    >>> @T.prim_func(s_tir=True)
+    ... def add(x: T.Buffer((6, 8), "float32"), r: T.Buffer((6, 8), "float32"),
+    ...         y: T.Buffer((6, 8), "float32")):
+    ...     for i, j in T.grid(6, 8):
+    ...         with T.sblock("add"):
+    ...             vi, vj = T.axis.remap("SS", [i, j])
+    ...             y[vi, vj] = x[vi, vj] + r[vi, vj]
+    >>> [tuple(int(d) for d in p.ty.shape) for p in reading_padded(add, 1, (1, 2, 3),
+    ...                                                            (1, 1, 1, 1)).params]
+    [(6, 8), (20, 8), (6, 8)]
+    """
+    param = func.params[index]
+    n, h, w = images
+    top, bottom, left, right = padding
+    channels = int(param.ty.shape[-1])
+    padded = tirx.decl_buffer((n * (h + top + bottom) * (w + left + right), channels),
+                              param.ty.dtype, param.name)
+    body = redirect(func, param, padded, _interior_row(images, padding))
+    if body is None:
+        return None
+    return tirx.PrimFunc([padded if p.same_as(param) else p for p in func.params], body,
+                         func.ret_type, func.attrs)
+
+
+def _interior_row(images: tuple[int, int, int], padding: Padding
+                  ) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """Row ``i`` of the unpadded ``[N*H*W, C]`` image as a row of the padded one's."""
+    n, h, w = images
+    top, bottom, left, right = padding
+    hp, wp = h + top + bottom, w + left + right
 
     def row(i: tirx.PrimExpr) -> tirx.PrimExpr:
-        """Row ``i`` of the unpadded output in the padded buffer."""
         image, pixel = i // (h * w), i % (h * w)
         return (image * hp + pixel // w + top) * wp + pixel % w + left
 
-    body = redirect(func, out, into, row, [fill.body])
-    return None if body is None else tirx.PrimFunc([*inputs, into], body, func.ret_type,
-                                                   func.attrs)
+    return row
 
 
 def _border_fill(n: int, hp: int, wp: int, channels: int, interior: tuple[int, int, int, int],
@@ -161,24 +205,32 @@ class _PaddedOutputs(relax.PyExprMutator):
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         bound = relax.analysis.get_var2val(func)
         read_by = readers(func)
+        rewritten: set[relax.Var] = set()  # kernel calls a rewrite changes: one rewrite each
         for var, value in bound.items():
             if is_call_to(value, "relax.nn.pad"):
-                found = self._padded_call(value, bound, read_by)
-                if found is not None:
-                    self.replace[var] = found
+                found = self._padded_call(var, value, bound, read_by)
+                if found is not None and not rewritten & found.keys():
+                    self.replace |= found
+                    rewritten |= found.keys()
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         visit_binding_replaced(self, binding, self.replace)
 
-    def _padded_call(self, pad: relax.Call, bound, read_by) -> relax.Expr | None:
+    def _padded_call(self, pad_var: relax.Var, pad: relax.Call, bound, read_by
+                     ) -> dict[relax.Var, relax.Expr] | None:
+        """The bindings to replace for ``pad_var = pad``'s kernel writing it: the pad's, and
+        those of the kernels reading the unpadded output too (None: no such rewrite)."""
         padding = _pad_widths(pad)
         view = bound.get(pad.args[0]) if isinstance(pad.args[0], relax.Var) else None
         if padding is None or not is_call_to(view, "relax.reshape"):
             return None
-        call = bound.get(view.args[0]) if isinstance(view.args[0], relax.Var) else None
-        if (not is_call_to(call, "relax.call_tir") or len(call.args) > 2
-                or not only_reader(read_by(call), view) or not only_reader(read_by(view), pad)):
+        produced = view.args[0]
+        call = bound.get(produced) if isinstance(produced, relax.Var) else None
+        reads = read_by(call) if call is not None else None
+        if (not is_call_to(call, "relax.call_tir") or len(call.args) > 2 or reads is None
+                or sum(r.same_as(view) for r in reads) != 1
+                or not only_reader(read_by(view), pad)):
             return None
         kernel, args = call.args[0], list(call.args[1].fields)
         func = self.mod[kernel]
@@ -195,6 +247,36 @@ class _PaddedOutputs(relax.PyExprMutator):
             return None
         top, bottom, left, right = padding
         hp, wp = h + top + bottom, w + left + right
+        others = [r for r in reads if not r.same_as(view)]
+        flat = relax.op.reshape(pad_var, (n * hp * wp, c))  # for the other readers
+        replaced = {}
+        for reader in others:
+            var = next((v for v, value in bound.items() if value.same_as(reader)), None)
+            found = self._reading_padded(reader, produced, flat, (n, h, w), padding)
+            if found is None or var is None:
+                return None
+            replaced[var] = found
         gv = add_kernel(self.builder_, padded, f"{kernel.name_hint}_padded")
         out = relax.call_tir(gv, args, relax.TensorType((n * hp * wp, c), view.ty.dtype))
-        return relax.op.reshape(out, (n, hp, wp, c))
+        # The producer's binding kept as it is (dead once its readers read the padded
+        # buffer), listed so that no other rewrite changes it.
+        return {produced: call, pad_var: relax.op.reshape(out, (n, hp, wp, c)), **replaced}
+
+    def _reading_padded(self, reader: relax.Expr, produced: relax.Var, flat: relax.Expr,
+                        images: tuple[int, int, int], padding: Padding) -> relax.Expr | None:
+        """``reader``, a kernel call taking ``produced`` (an unpadded output), reading
+        ``flat`` (the padded buffer) in its place, or None where it cannot."""
+        if not is_call_to(reader, "relax.call_tir") or len(reader.args) > 2:
+            return None
+        kernel, args = reader.args[0], list(reader.args[1].fields)
+        func = self.mod[kernel]
+        if not isinstance(func, tirx.PrimFunc) or len(func.params) != len(args) + 1:
+            return None
+        for i, arg in enumerate(args):
+            if arg.same_as(produced):
+                func = reading_padded(func, i, images, padding)
+                if func is None:
+                    return None
+                args[i] = flat
+        gv = add_kernel(self.builder_, func, f"{kernel.name_hint}_from_padded")
+        return relax.call_tir(gv, args, reader.ty)

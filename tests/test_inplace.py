@@ -224,7 +224,8 @@ def test_symbolic_functions_kept():
     pytest.param("mobilenet_v2", marks=pytest.mark.slow),  # 13 s; resnet_small's 7 s suffice
 ])
 def test_networks_with_residuals(name, monkeypatch):
-    """Each residual block's conv writes over its dead residual; outputs match ONNX Runtime."""
+    """Each residual block's conv writes over its dead residual, but the first's (below);
+    outputs match ONNX Runtime."""
     import relay_passes.pipeline as pipeline
 
     written_over = []
@@ -248,4 +249,6 @@ def test_networks_with_residuals(name, monkeypatch):
     errors = max_errors(got, run_onnxruntime(model, feeds))
     assert max(errors) < 1e-5, errors
     residual_convs = [k for k in written_over if k.startswith("tpp_conv2d") and "residual" in k]
-    assert len(residual_convs) == {"resnet_small": 3, "mobilenet_v2": 4}[name], written_over
+    # The first block's shortcut reads the stem conv's padded output (relay_passes.
+    # padded_outputs), which its conv cannot write over: a buffer of another shape.
+    assert len(residual_convs) == {"resnet_small": 2, "mobilenet_v2": 3}[name], written_over

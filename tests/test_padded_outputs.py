@@ -24,7 +24,7 @@ import tvm_tpp
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.epilogue import reference as epilogue_reference
 from microkernels.machine import host
-from relay_passes.padded_outputs import padded_output, write_padded_outputs
+from relay_passes.padded_outputs import padded_output, reading_padded, write_padded_outputs
 from relay_passes.pipeline import tpp_rewrites
 from relay_passes.scaffold import is_call_to
 from schedules.conv import ConvProblem, default_config, pack_input, pack_weight, reference, schedule
@@ -227,6 +227,63 @@ def test_pad_written_by_the_kernel():
         np.testing.assert_array_equal(got, reference_)
 
 
+@functools.cache
+def _add_ir():
+    @T.prim_func(private=True, s_tir=True)
+    def add(x: T.Buffer((6, 8), F32), r: T.Buffer((6, 8), F32), y: T.Buffer((6, 8), F32)):
+        for i, j in T.grid(6, 8):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] + r[vi, vj]
+    return add
+
+
+def test_a_kernel_reading_the_unpadded_output_reads_the_padded_one():
+    """The pad's producer is read by another kernel too (a conv's residual): the producer
+    writes the padded buffer, the reader reads its interior, and no copy is left."""
+    def before(bb, kernel, x):
+        add = bb.add_func(_add_ir(), "add")
+        y = bb.emit(relax.call_tir(kernel, [x], relax.TensorType((6, 8), F32)))
+        padded = relax.op.nn.pad(bb.emit(relax.op.reshape(y, (2, 1, 3, 8))), PAD)
+        return [padded, relax.call_tir(add, [x, y], relax.TensorType((6, 8), F32))]
+
+    bb = relax.BlockBuilder()
+    attrs = {"op_pattern": 8, "tirx.is_scheduled": True}
+    writes = bb.add_func(_relu_padded_ir().with_attrs(attrs), "relu_padded")
+    reads = bb.add_func(reading_padded(_add_ir(), 1, (2, 1, 3), (1, 0, 0, 2))
+                        .with_attrs(attrs), "add_from_padded")
+    x = relax.Var("x", relax.TensorType((6, 8), F32))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.call_tir(writes, [x], relax.TensorType((20, 8), F32)))
+            padded = bb.emit_output(relax.op.reshape(y, (2, 2, 5, 8)))
+            flat = bb.emit(relax.op.reshape(padded, (20, 8)))
+            added = bb.emit_output(relax.call_tir(reads, [x, flat],
+                                                  relax.TensorType((6, 8), F32)))
+        bb.emit_func_output(relax.Tuple([padded, added]))
+
+    mod = _module(before)
+    after = write_padded_outputs(mod)
+    dce = relax.transform.DeadCodeElimination(["main"])
+    tvm.ir.assert_structural_equal(dce(after), dce(bb.get()))
+    assert not [e for e in _calls(after) if is_call_to(e, "relax.nn.pad")]
+    x = np.random.default_rng(1).standard_normal((6, 8)).astype(F32)
+    relu = np.maximum(x, 0)
+    want = [np.pad(relu.reshape(2, 1, 3, 8), [(0, 0), (1, 0), (0, 2), (0, 0)]), x + relu]
+    for built in (mod, after):
+        ex = tvm.compile(built, LLVM)
+        got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x))
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g.numpy(), w)
+
+
+def _calls(mod: tvm.IRModule) -> list[relax.Call]:
+    found = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
+                                    if isinstance(e, relax.Call) else None)
+    return found
+
+
 def _read_twice(bb, kernel, x):  # the kernel's output is read by the pad and by a relu
     view = _relu_nhwc(bb, kernel, x)
     return [relax.op.nn.pad(view, PAD), relax.op.nn.relu(view)]
@@ -280,10 +337,15 @@ def _kernels_and_pads(model: onnx.ModelProto, spec: str = "tpp"
 @pytest.mark.slow  # 8 s; the int8 block below checks the pass through a network by default
 def test_resnet_convs_write_their_padded_outputs():
     """The first conv of each of the three residual blocks writes the padded tensor the
-    second one reads; the blocks' outputs, read by the shortcut too, are padded by a copy."""
+    second one reads; so does the stem, whose output the first block's identity shortcut
+    reads from the padded buffer; the other blocks' inputs, read by a strided 1x1 shortcut
+    conv too (tiles, no element reads), are padded by a copy."""
     model = models.load("resnet_small")
     kernels, pads = _kernels_and_pads(model)
-    assert sum(name.endswith("_padded") for name in kernels) == 3 and len(pads) == 3, kernels
+    writers = [name for name in kernels if name.endswith("_padded") and "_from_" not in name]
+    assert len(writers) == 4 and len(pads) == 2, kernels
+    assert [name for name in kernels if name.endswith("_from_padded")] == [
+        "tpp_conv2d_1x32x32x32_32x3x3_s1x1_bias_residual_relu_from_padded"]
     feeds = models.random_inputs(model, seed=3)
     got = compiler.compile(model, "tpp", untuned=True).run(**feeds)
     errors = max_errors(got, run_onnxruntime(model, feeds))
