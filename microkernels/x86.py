@@ -466,24 +466,36 @@ def _dot_tail_step(alpha: int, lane_dtype: str, out_dtype: str, dot: Callable[..
     B values padded with zeros to a whole register, the result's first ``w`` lanes kept.  B
     is read only within the block (no load past its last column); the scalar widening tail
     it replaces took a conv of 21 output channels (a segmentation head's classifier, 16 bf16
-    lanes) to half the float32 kernel's speed."""
+    lanes) to half the float32 kernel's speed.  Of a 512-bit ISA's, up to 8 columns take the
+    256-bit instruction (AVX512-VL): Zen 4 runs a zmm one as two ymm halves, so a half
+    register costs half (a 24-channel bf16 conv 1.3x), and Intel's cores no more than a
+    whole one."""
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
     def padded(value: Any, count: int, width: int, dtype: str) -> Any:
-        zeros = tirx.Broadcast(tirx.const(0, dtype), width - count)
+        if count == width:  # a tail of 8 columns in a ymm register
+            return value
+        zero = tirx.const(0, dtype)  # a Broadcast has two lanes at least
+        zeros = zero if width - count == 1 else tirx.Broadcast(zero, width - count)
         return tirx.Shuffle([value, zeros], list(range(width)))
 
     def step(A, B, acc, row0, rows, col0, acc0, nvec, w, kb, kq):
+        width = lanes // 2 if lanes == _ZMM_LANES and w <= lanes // 2 else lanes
         b = T.Bind(padded(B.vload([kq, col0, 0], f"{lane_dtype}x{alpha * w}"), alpha * w,
-                          alpha * lanes, lane_dtype))
+                          alpha * width, lane_dtype))
         for r in range(rows):
-            a = _a_group(A, row0 + r, kq, alpha, lanes, lane_dtype)
+            a = _a_group(A, row0 + r, kq, alpha, width, lane_dtype)
             idx = [r, _vec(acc0, w)]
-            total = dot(f"{out_dtype}x{lanes}", padded(acc[tuple(idx)], w, lanes, out_dtype), a, b)
+            total = dot(f"{out_dtype}x{width}", padded(acc[tuple(idx)], w, width, out_dtype),
+                        a, b)
             _store(acc, idx, tirx.Shuffle([total], list(range(w))))
 
     return step
+
+
+#: 32-bit lanes of a zmm register: the dot kernels' tails of 512-bit ISAs take ymm ones.
+_ZMM_LANES = 16
 
 
 def _int8_dot_steps(shape: BrgemmShape) -> tuple[Step, Step]:
@@ -491,10 +503,9 @@ def _int8_dot_steps(shape: BrgemmShape) -> tuple[Step, Step]:
     from tvm import tirx
 
     # LLVM >= 21 types the byte operands as vXi8 (not vXi32 as TVM's own VNNI intrinsic has it).
-    intrin = f"llvm.x86.avx512.vpdpbusd.{_isa.from_name(shape.isa).vector_bits}"
-
     def dot(dtype, *args):
-        return tirx.call_llvm_pure_intrin(dtype, intrin, *args)
+        bits = 32 * int(dtype.split("x")[1])  # a tail's register may be half the ISA's
+        return tirx.call_llvm_pure_intrin(dtype, f"llvm.x86.avx512.vpdpbusd.{bits}", *args)
 
     lanes = _isa.from_name(shape.isa).vector_bits // 32
     return _dot_step(4, "int8", "int32", dot), _dot_tail_step(4, "int8", "int32", dot, lanes)
@@ -607,18 +618,26 @@ def _bf16_emulated_steps(shape: BrgemmShape) -> tuple[Step, Step]:
 
 #: ``vdpbf16ps`` takes <32 x bfloat> operands, which TVM cannot produce (its bf16
 #: legalization widens bf16 vectors to fp32), so a tiny LLVM function bitcasts uint16 lanes.
+def _dpbf16ps_ll(lanes: int) -> str:
+    """``tpp_dpbf16ps_{bits}``: ``vdpbf16ps`` of ``lanes`` float32 lanes on i16 operands."""
+    bits, halves = 32 * lanes, 2 * lanes
+    return "\n".join([
+        f"define linkonce_odr <{lanes} x float> @tpp_dpbf16ps_{bits}(",
+        f"    <{lanes} x float> %c, <{halves} x i16> %a, <{halves} x i16> %b) #0 {{",
+        f"  %a1 = bitcast <{halves} x i16> %a to <{halves} x bfloat>",
+        f"  %b1 = bitcast <{halves} x i16> %b to <{halves} x bfloat>",
+        f"  %r = call <{lanes} x float> @llvm.x86.avx512bf16.dpbf16ps.{bits}(",
+        f"      <{lanes} x float> %c, <{halves} x bfloat> %a1, <{halves} x bfloat> %b1)",
+        f"  ret <{lanes} x float> %r",
+        "}",
+        f"declare <{lanes} x float> @llvm.x86.avx512bf16.dpbf16ps.{bits}(",
+        f"    <{lanes} x float>, <{halves} x bfloat>, <{halves} x bfloat>)"])
+
+
 _DPBF16PS_LL = "\n".join([
-    "define linkonce_odr <16 x float> @tpp_dpbf16ps_512(",
-    "    <16 x float> %c, <32 x i16> %a, <32 x i16> %b) #0 {",
-    "  %a1 = bitcast <32 x i16> %a to <32 x bfloat>",
-    "  %b1 = bitcast <32 x i16> %b to <32 x bfloat>",
-    "  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(",
-    "      <16 x float> %c, <32 x bfloat> %a1, <32 x bfloat> %b1)",
-    "  ret <16 x float> %r",
-    "}",
-    "declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(",
-    "    <16 x float>, <32 x bfloat>, <32 x bfloat>)",
-    'attributes #0 = { alwaysinline nounwind "target-features"="+avx512f,+avx512bf16" }',
+    _dpbf16ps_ll(16), _dpbf16ps_ll(8),  # the whole registers and tails of up to 8 columns
+    'attributes #0 = { alwaysinline nounwind "target-features"="+avx512f,+avx512vl,'
+    '+avx512bf16" }',
 ])
 
 
@@ -630,7 +649,8 @@ def _bf16_dot_steps(shape: BrgemmShape) -> tuple[Step, Step]:
     from tvm import tirx
 
     def dot(dtype, *args):
-        return tirx.call_pure_extern(dtype, "tpp_dpbf16ps_512", *args)
+        return tirx.call_pure_extern(dtype, f"tpp_dpbf16ps_{32 * int(dtype.split('x')[1])}",
+                                     *args)
 
     return (_dot_step(2, "uint16", "float32", dot),
             _dot_tail_step(2, "uint16", "float32", dot, 16))
