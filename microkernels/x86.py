@@ -460,6 +460,10 @@ def _dot_step(alpha: int, lane_dtype: str, out_dtype: str, dot: Callable[..., An
     return step
 
 
+#: 32-bit lanes of a zmm register: the dot kernels' tails of 512-bit ISAs take ymm ones.
+_ZMM_LANES = 16
+
+
 def _dot_tail_step(alpha: int, lane_dtype: str, out_dtype: str, dot: Callable[..., Any],
                    lanes: int) -> Step:
     """The dot-product instruction for the last ``w < lanes`` columns: their accumulators and
@@ -468,8 +472,8 @@ def _dot_tail_step(alpha: int, lane_dtype: str, out_dtype: str, dot: Callable[..
     it replaces took a conv of 21 output channels (a segmentation head's classifier, 16 bf16
     lanes) to half the float32 kernel's speed.  Of a 512-bit ISA's, up to 8 columns take the
     256-bit instruction (AVX512-VL): Zen 4 runs a zmm one as two ymm halves, so a half
-    register costs half (a 24-channel bf16 conv 1.3x), and Intel's cores no more than a
-    whole one."""
+    register costs half (MobileNet-V2's 24-channel bf16 project conv 1.20x), and on Intel's
+    cores a ymm instruction takes no more issue slots than a zmm one."""
     from tvm import tirx
     from tvm.script.ir_builder import tirx as T
 
@@ -492,10 +496,6 @@ def _dot_tail_step(alpha: int, lane_dtype: str, out_dtype: str, dot: Callable[..
             _store(acc, idx, tirx.Shuffle([total], list(range(w))))
 
     return step
-
-
-#: 32-bit lanes of a zmm register: the dot kernels' tails of 512-bit ISAs take ymm ones.
-_ZMM_LANES = 16
 
 
 def _int8_dot_steps(shape: BrgemmShape) -> tuple[Step, Step]:
@@ -616,8 +616,6 @@ def _bf16_emulated_steps(shape: BrgemmShape) -> tuple[Step, Step]:
     return step, _vnni_tail_step(shape)
 
 
-#: ``vdpbf16ps`` takes <32 x bfloat> operands, which TVM cannot produce (its bf16
-#: legalization widens bf16 vectors to fp32), so a tiny LLVM function bitcasts uint16 lanes.
 def _dpbf16ps_ll(lanes: int) -> str:
     """``tpp_dpbf16ps_{bits}``: ``vdpbf16ps`` of ``lanes`` float32 lanes on i16 operands."""
     bits, halves = 32 * lanes, 2 * lanes
@@ -634,6 +632,8 @@ def _dpbf16ps_ll(lanes: int) -> str:
         f"    <{lanes} x float>, <{halves} x bfloat>, <{halves} x bfloat>)"])
 
 
+#: ``vdpbf16ps`` takes <32 x bfloat> operands, which TVM cannot produce (its bf16
+#: legalization widens bf16 vectors to fp32), so a tiny LLVM function bitcasts uint16 lanes.
 _DPBF16PS_LL = "\n".join([
     _dpbf16ps_ll(16), _dpbf16ps_ll(8),  # the whole registers and tails of up to 8 columns
     'attributes #0 = { alwaysinline nounwind "target-features"="+avx512f,+avx512vl,'
