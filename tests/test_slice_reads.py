@@ -16,7 +16,7 @@ from tvm.script import tirx as T
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import host
-from relay_passes.scaffold import add_kernel
+from relay_passes.scaffold import add_kernel, is_call_to
 from relay_passes.slice_reads import read_slices_in_place, reading_wider
 from schedules.conv import ConvProblem, default_config, pack_weight, reference, schedule
 from tvm_tpp.tpp_target import target as tpp_target
@@ -142,11 +142,54 @@ def test_slice_read_in_place():
         np.testing.assert_array_equal(got, buf[..., :4] * 2)
 
 
+def _split_then(bb, buf):
+    kernel = bb.add_func(_double_ir(), "double")
+    parts = bb.emit(relax.op.split(buf, [2], axis=-1))  # channels [0, 2) and [2, 6)
+    part = bb.emit(relax.TupleGetItem(parts, 1))
+    return relax.call_tir(kernel, [part], relax.TensorType((2, 3, 4), F32))
+
+
+def _flat_split_then(bb, buf):  # GPT-2's Q: a split part reshaped to rows, channels kept
+    kernel = bb.add_func(_double_ir(), "double")
+    parts = bb.emit(relax.op.split(buf, [2], axis=-1))
+    part = bb.emit(relax.op.reshape(bb.emit(relax.TupleGetItem(parts, 1)), (6, 4)))
+    flat = bb.emit(relax.op.reshape(part, (2, 3, 4)))
+    return relax.call_tir(kernel, [flat], relax.TensorType((2, 3, 4), F32))
+
+
+@pytest.mark.parametrize("body", [_slice_then(begin=2, end=6), _split_then, _flat_split_then],
+                         ids=["slice", "split", "reshaped-split"])
+def test_channels_from_an_offset_read_in_place(body):
+    """A slice of channels [2, 6) of the 6 and a split's second part (GPT-2's K and V of one
+    dense's output), reshaped or not, are read where they lie: the kernel reads the whole
+    buffer with its channel index 2 further on."""
+    before = relax_main([_buffer()], body)
+    after = read_slices_in_place(before)
+    kernels = [gv.name_hint for gv in after.get_global_vars() if gv.name_hint != "main"]
+    assert kernels == ["double_from6at2"], kernels
+    wide = after["double_from6at2"]
+    want = reading_wider(_double_ir(), 0, 6, 2)
+    tvm.ir.assert_structural_equal(wide.body, want.body)
+    assert not [e for e in _calls(after) if is_call_to(e, "relax.split")
+                or is_call_to(e, "relax.strided_slice")]
+    buf = np.random.default_rng(1).standard_normal((2, 3, 6)).astype(F32)
+    for mod in (before, after):
+        ex = tvm.compile(mod, LLVM)
+        got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(buf)).numpy()
+        np.testing.assert_array_equal(got, buf[..., 2:] * 2)
+
+
+def _calls(mod: tvm.IRModule) -> list[relax.Call]:
+    found = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
+                                    if isinstance(e, relax.Call) else None)
+    return found
+
+
 @pytest.mark.parametrize("shape, slicing", [
-    ((2, 3, 8), dict(begin=1, end=5)),
     ((2, 3, 8), dict(step=2, end=8)),
     ((2, 6, 4), dict(axes=(1,), end=3)),
-], ids=["offset", "strided", "not-channels"])
+], ids=["strided", "not-channels"])
 def test_other_slices_kept(shape, slicing):
     mod = relax_main([relax.Var("buf", relax.TensorType(shape, F32))], _slice_then(**slicing))
     tvm.ir.assert_structural_equal(read_slices_in_place(mod), mod)
