@@ -194,6 +194,16 @@ def relax_main(params: list, body):
     return bb.get()
 
 
+def main_calls(mod) -> list:
+    """The calls of ``mod``'s main function, in graph order."""
+    from tvm import relax
+
+    found = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
+                                    if isinstance(e, relax.Call) else None)
+    return found
+
+
 def pixel_rows(nchw: np.ndarray) -> np.ndarray:
     """An NCHW tensor as the ``[N*H*W, C]`` matrix of pixels the conv kernels read and write."""
     return nchw.transpose(0, 2, 3, 1).reshape(-1, nchw.shape[1])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from conftest import main_calls
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -61,18 +62,10 @@ def _convs(extra_reader: bool, residual: bool = False):
     return _model("convs", nodes, inits, [1, 8, 9, 9], outputs)
 
 
-def _main_calls(mod: tvm.IRModule) -> list[relax.Call]:
-    """The calls of the module's main function, in graph order."""
-    found = []
-    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
-                                    if isinstance(e, relax.Call) else None)
-    return found
-
-
 def _calls(model) -> list[relax.Call]:
     """The calls of the model's main function after the bf16 rewrites, in graph order."""
     mod, _ = import_model(model)
-    return _main_calls(tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod))
+    return main_calls(tpp_rewrites(tpp_target("tpp"), precision="bf16")(mod))
 
 
 def _is_kernel(call: relax.Call) -> bool:
@@ -157,7 +150,7 @@ def _casts(first: str, second: str) -> tvm.IRModule:
 
 
 def _astypes(mod: tvm.IRModule) -> int:
-    return len(_dtypes(_main_calls(mod), "relax.astype"))
+    return len(_dtypes(main_calls(mod), "relax.astype"))
 
 
 def test_a_widening_round_trip_cancels():

@@ -15,7 +15,7 @@ import onnx
 import pytest
 import tvm
 import tvm_ffi
-from conftest import INT8_KERNELS, pixel_rows
+from conftest import INT8_KERNELS, main_calls, pixel_rows
 from test_qdq_conv import _qdq_reference, _quantized_residual_block
 from tvm import relax
 from tvm.script import tirx as T
@@ -266,7 +266,7 @@ def test_a_kernel_reading_the_unpadded_output_reads_the_padded_one():
     after = write_padded_outputs(mod)
     dce = relax.transform.DeadCodeElimination(["main"])
     tvm.ir.assert_structural_equal(dce(after), dce(bb.get()))
-    assert not [e for e in _calls(after) if is_call_to(e, "relax.nn.pad")]
+    assert not [e for e in main_calls(after) if is_call_to(e, "relax.nn.pad")]
     x = np.random.default_rng(1).standard_normal((6, 8)).astype(F32)
     relu = np.maximum(x, 0)
     want = [np.pad(relu.reshape(2, 1, 3, 8), [(0, 0), (1, 0), (0, 2), (0, 0)]), x + relu]
@@ -275,13 +275,6 @@ def test_a_kernel_reading_the_unpadded_output_reads_the_padded_one():
         got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x))
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g.numpy(), w)
-
-
-def _calls(mod: tvm.IRModule) -> list[relax.Call]:
-    found = []
-    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
-                                    if isinstance(e, relax.Call) else None)
-    return found
 
 
 def _read_twice(bb, kernel, x):  # the kernel's output is read by the pad and by a relu

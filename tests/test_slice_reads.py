@@ -10,7 +10,7 @@ import functools
 import numpy as np
 import pytest
 import tvm
-from conftest import pixel_rows, relax_main
+from conftest import main_calls, pixel_rows, relax_main
 from tvm import relax
 from tvm.script import tirx as T
 
@@ -170,20 +170,13 @@ def test_channels_from_an_offset_read_in_place(body):
     wide = after["double_from6at2"]
     want = reading_wider(_double_ir(), 0, 6, 2)
     tvm.ir.assert_structural_equal(wide.body, want.body)
-    assert not [e for e in _calls(after) if is_call_to(e, "relax.split")
+    assert not [e for e in main_calls(after) if is_call_to(e, "relax.split")
                 or is_call_to(e, "relax.strided_slice")]
     buf = np.random.default_rng(1).standard_normal((2, 3, 6)).astype(F32)
     for mod in (before, after):
         ex = tvm.compile(mod, LLVM)
         got = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(buf)).numpy()
         np.testing.assert_array_equal(got, buf[..., 2:] * 2)
-
-
-def _calls(mod: tvm.IRModule) -> list[relax.Call]:
-    found = []
-    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
-                                    if isinstance(e, relax.Call) else None)
-    return found
 
 
 @pytest.mark.parametrize("shape, slicing", [
