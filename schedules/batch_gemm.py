@@ -57,6 +57,15 @@ them) run AMX tiles, others the AVX-512 kernel (:func:`microkernels.brgemm.find_
 fallback); the bf16 kernels read the bf16 buffers the function allocates (``Xc``, ``Bp``,
 which TVM stores as float32) through uint16 views.
 
+Softmax over X (:attr:`BatchGemmProblem.softmax`).  Attention's ``P @ V`` reads ``P =
+softmax(scores)`` over the rows of X.  Instead of a pass of its own over the score tensor
+(written and read back, several MiB at batch 8), the rows an M block reads are normalized
+where ``Xc`` is made, under the loop that makes it (a task per batch element by default, so
+once per row): the row maxima (stage ``row_max``), ``exp(x - max)`` (``row_exp``), their
+sums (``row_sum``), then ``Xc = row_exp / row_sum``, rounded for bf16, all in cache; the
+reductions run as vector partial results.  A boolean mask (``mask_fill``: GPT-2's causal
+``where(mask, scores, -FLT_MAX)``) is applied as the rows are read.
+
 Examples
 --------
 >>> p = BatchGemmProblem(batch=12, m=128, n=128, k=64, b_transposed=True)
@@ -73,24 +82,25 @@ Examples
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from microkernels import amx as _amx
 from microkernels import isa as _isa
 from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
-from microkernels.epilogue import DTYPE_TAGS, Epilogue
+from microkernels.epilogue import DTYPE_TAGS, Epilogue, expression_isa, to_bf16, vector_lanes
 from microkernels.machine import Machine
 
 from .blocking import divisors, near_divisors
-from .nest import zeroing_kernel
+from .nest import loop_bound_to, zeroing_kernel
 from .operands import OPERANDS, TypedProblem
 
 if TYPE_CHECKING:
     import numpy as np
-    from tvm import s_tir, tirx
-    from tvm.s_tir import SBlockRV
-    from tvm.tirx import PrimExpr, PrimFunc
+    from tvm import s_tir, te, tirx
+    from tvm.s_tir import LoopRV, SBlockRV
+    from tvm.tirx import PrimFunc
 
 __all__ = ["OPERANDS", "BatchGemmProblem", "BatchGemmConfig", "default_config", "candidates",
            "workload", "schedule", "reference", "stored_shapes"]
@@ -127,6 +137,14 @@ class BatchGemmProblem(TypedProblem):
         (float32 X and B rounded while packed) or ``"uint8"`` (uint8 X and B).
     zero_points
         uint8: the zero points ``(za, zb)`` of X and B, folded in (module docstring).
+    softmax
+        X holds scores and the product reads ``softmax(X[b])`` over K (attention's ``P @ V``
+        with ``P = softmax(scores)``): the rows an M block reads are normalized in float32
+        into ``Xc`` (module docstring).  float32 and bfloat16 only.
+    mask_fill
+        With ``softmax``: the function takes a uint8 ``mask[m, k]``, the same for every
+        batch element, and an element of X whose mask is 0 reads as this value (a causal
+        mask's ``where(mask, scores, -FLT_MAX)`` before the softmax).
 
     Examples
     --------
@@ -147,11 +165,13 @@ class BatchGemmProblem(TypedProblem):
     y_interleaved: bool = False
     dtype: str = "float32"
     zero_points: tuple[int, int] = (0, 0)
+    softmax: bool = False
+    mask_fill: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "m", "n", "k", "heads"):
             _positive(getattr(self, name), f"BatchGemmProblem.{name}")
-        flags = ("b_transposed", "x_interleaved", "b_interleaved", "y_interleaved")
+        flags = ("b_transposed", "x_interleaved", "b_interleaved", "y_interleaved", "softmax")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BatchGemmProblem.{name} must be a bool")
@@ -174,6 +194,15 @@ class BatchGemmProblem(TypedProblem):
         object.__setattr__(self, "zero_points", zero_points)
         if self.dtype != "uint8" and zero_points != (0, 0):
             raise ValueError("zero points are for uint8 operands only")
+        if self.softmax and self.dtype == "uint8":
+            raise ValueError("a softmax over X needs float32 scores: not for uint8 operands")
+        if self.mask_fill is not None:
+            if not self.softmax:
+                raise ValueError("mask_fill masks the scores of a softmax: needs softmax=True")
+            if isinstance(self.mask_fill, bool) or not isinstance(self.mask_fill, (int, float)) \
+                    or math.isnan(self.mask_fill):
+                raise ValueError(f"mask_fill must be a number, got {self.mask_fill!r}")
+            object.__setattr__(self, "mask_fill", float(self.mask_fill))
         out = self.epilogue.out_dtype(self.epilogue_dtype)  # raises for ill-typed chains
         if self.dtype != "uint8" and out != "float32":
             raise ValueError(f"a {self.dtype} batch GEMM writes float32: the epilogue must "
@@ -239,7 +268,8 @@ class BatchGemmProblem(TypedProblem):
         'tx12'
         """
         tags = "".join(t for t, on in (("t", self.b_transposed), ("x", self.x_interleaved),
-                                       ("b", self.b_interleaved), ("y", self.y_interleaved))
+                                       ("b", self.b_interleaved), ("y", self.y_interleaved),
+                                       ("s", self.softmax), ("m", self.mask_fill is not None))
                        if on)
         tags += str(self.heads) if self.heads > 1 else ""
         if self.dtype != "float32":  # tuning keys tell the precisions apart by the layout
@@ -312,8 +342,9 @@ def default_config(problem: BatchGemmProblem, machine: Machine) -> BatchGemmConf
     """Blocks following :func:`schedules.blocking.default_config`'s rules (tiles of at most
     64 x 64, one register tile of columns (x86) or two vectors wide where possible, K whole
     in blocks of at most 512; on AMX uint8 and bf16 blocks are tile-shaped, as
-    :func:`schedules.gemm.whole_k_config` chooses them); low-precision problems with two
-    batch elements per thread or more run a task per batch element (``rows_outer``), the
+    :func:`schedules.gemm.whole_k_config` chooses them); low-precision problems and those
+    with a softmax over X with two batch elements per thread or more run a task per batch
+    element (``rows_outer``), the
     others parallel M blocks when the (batch, panel) tasks number fewer than two per thread.
 
     Examples
@@ -344,9 +375,10 @@ def default_config(problem: BatchGemmProblem, machine: Machine) -> BatchGemmConf
               else _block(n, 64, lanes))
         bm = _block(problem.m, 64)
         bk = _block(problem.padded_k, 512, step=problem.alpha)
-    if problem.dtype != "float32" and problem.batch >= 2 * machine.threads:
-        # A task per batch element: its rows converted once, not once per N panel.  BERT's
-        # attention on Sapphire Rapids, bf16 and uint8 tiles: 1.25-1.48x (float32 1.00x).
+    if (problem.dtype != "float32" or problem.softmax) and problem.batch >= 2 * machine.threads:
+        # A task per batch element: its rows converted (normalized, for a softmax) once, not
+        # once per N panel.  BERT's attention on Sapphire Rapids, bf16 and uint8 tiles:
+        # 1.25-1.48x (float32 without a softmax 1.00x).
         return BatchGemmConfig(bm, bn, bk, rows_outer=True)
     tasks = problem.batch * (n // bn)
     return BatchGemmConfig(bm, bn, bk,
@@ -403,22 +435,6 @@ def candidates(problem: BatchGemmProblem, machine: Machine) -> list[BatchGemmCon
     return found
 
 
-def _bf16(x: PrimExpr) -> PrimExpr:
-    """float32 -> bfloat16 on the bits, round to nearest even (NaNs stay quiet NaNs), as the
-    epilogue's ``convert`` computes it (TVM's own cast turns NaNs into infinities)."""
-    from tvm import tirx
-
-    from microkernels.fast_math import _isnan
-
-    def u32(v: int) -> PrimExpr:
-        return tirx.const(v, "uint32")
-
-    bits = tirx.reinterpret("uint32", x)
-    rne = (bits + u32(0x7FFF) + ((bits >> u32(16)) & u32(1))) >> u32(16)
-    half = tirx.Select(_isnan(x), (bits >> u32(16)) | u32(0x40), rne).astype("uint16")
-    return tirx.reinterpret("bfloat16", half)
-
-
 def stored_shapes(problem: BatchGemmProblem, batch: tirx.PrimExpr | None = None
                   ) -> tuple[tuple, tuple, tuple]:
     """The stored shapes of X, B and Y for ``batch`` copies of ``problem`` (a run-time batch:
@@ -435,7 +451,8 @@ def stored_shapes(problem: BatchGemmProblem, batch: tirx.PrimExpr | None = None
     return tuple((batch * shape[0], *shape[1:]) for shape in shapes)
 
 
-def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None) -> PrimFunc:
+def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None,
+             isa: str = "generic") -> PrimFunc:
     """The unscheduled PrimFunc ``(X, B, *epilogue operands, Y)`` with the packing stage ``Bp``,
     the GEMM ``C`` over the stored Y's ``[rows, cols]`` and the stage ``epilogue`` (if any);
     with a run-time ``batch`` (a symbolic batch: the parameter before the output) it
@@ -443,7 +460,10 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None) 
 
     bfloat16 problems add ``Xc``, X's rows converted to bf16 (K padded to even); uint8 ones
     ``Xc`` only for a K padded to whole VNNI-4 groups, and, for non-zero zero points, the sums
-    ``colsum`` (of B's columns) and ``rowsum`` (of X's rows) that the epilogue folds in."""
+    ``colsum`` (of B's columns) and ``rowsum`` (of X's rows) that the epilogue folds in.  A
+    softmax over X adds ``row_max``, ``row_exp`` and ``row_sum`` before ``Xc`` (of X's rows
+    normalized) and, with ``mask_fill``, the parameter ``mask`` after B.  ``Xc``'s rounding
+    to bf16 is ``isa``'s (:func:`microkernels.epilogue.to_bf16`)."""
     from tvm import te, tirx
 
     from microkernels.epilogue import apply_te
@@ -470,7 +490,7 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None) 
 
     def packed(v):  # a stored value as the kernel's B holds it
         if p.dtype == "bfloat16":
-            return _bf16(v)
+            return to_bf16(v)
         if p.dtype == "uint8":
             return (v.astype("int32") - _B_SHIFT).astype("int8")
         return v
@@ -487,14 +507,17 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None) 
                                                            tirx.const(0, b_dtype))
         bp = te.compute((gemms, n // bn, kp // alpha, bn, alpha), group, name="Bp")
 
-    # A: X in place, or its rows converted (bf16) / zero-padded (K not whole VNNI groups).
+    # A: X in place, or its rows normalized (softmax), converted (bf16) or zero-padded (K
+    # not whole VNNI groups).
+    mask = None if p.mask_fill is None else te.placeholder((m, k), "uint8", name="mask")
+    a_at = _softmax_rows(x_at, mask, p.mask_fill, gemms, m, k) if p.softmax else x_at
     xc = None
-    if p.dtype == "bfloat16" or kp != k:
+    if p.dtype == "bfloat16" or kp != k or p.softmax:
         a_dtype = "bfloat16" if p.dtype == "bfloat16" else p.io_dtype
 
         def row(b, i, r):
-            value = x_at(b, i, tirx.min(r, k - 1))
-            value = _bf16(value) if p.dtype == "bfloat16" else value
+            value = a_at(b, i, tirx.min(r, k - 1))
+            value = to_bf16(value, isa) if p.dtype == "bfloat16" else value
             return value if kp == k else tirx.if_then_else(r < k, value,
                                                            tirx.const(0, a_dtype))
         xc = te.compute((gemms, m, kp), row, name="Xc")
@@ -529,7 +552,50 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None) 
              for op in p.epilogue.inputs(start)}
     y = apply_te(p.epilogue, c, extra) if p.epilogue.ops else c
     scalars = [] if batch is None else [batch]
-    return te.create_prim_func([x, b_in, *extra.values(), *scalars, y])
+    masks = [] if mask is None else [mask]
+    return te.create_prim_func([x, b_in, *masks, *extra.values(), *scalars, y])
+
+
+def _softmax_rows(x_at, mask: te.Tensor | None, fill: float | None, gemms: tirx.PrimExpr,
+                  m: int, k: int):
+    """``at(b, i, r)``: element ``r`` of ``softmax(X[b][i, :])``, where ``x_at`` reads X and
+    an element whose ``mask[i, r]`` is 0 reads as ``fill``, as TOPI's softmax computes it
+    (``exp(x - max) / sum``; the stages ``row_max``, ``row_exp``, ``row_sum``).
+
+    A masked element's ``exp(fill - max)`` is the same for the whole row: one value a row
+    (stage ``row_fill``), selected, not computed per element (``exp(-FLT_MAX - max)``
+    would make every masked lane's exponent underflow through the subnormals: 0.28 ms of
+    GPT-2's 96 x 128 x 128 causal softmax on a Zen 4, against none)."""
+    from tvm import te, tirx
+
+    from microkernels.fast_math import exp
+
+    def masked(b, i, r):
+        return tirx.Select(mask[i, r] != tirx.const(0, "uint8"), x_at(b, i, r),
+                           tirx.const(fill, "float32"))
+
+    scores = x_at if mask is None else masked
+    r = te.reduce_axis((0, k), name="km")
+    row_max = te.compute((gemms, m), lambda b, i: te.max(scores(b, i, r), axis=r),
+                         name="row_max")
+
+    def exp_at(b, i, j):
+        return exp(x_at(b, i, j) - row_max[b, i])
+
+    if mask is not None:
+        row_fill = te.compute((gemms, m), lambda b, i: exp(
+            tirx.const(fill, "float32") - row_max[b, i]), name="row_fill")
+        unmasked = exp_at
+
+        def exp_at(b, i, j):
+            return tirx.Select(mask[i, j] != tirx.const(0, "uint8"), unmasked(b, i, j),
+                               row_fill[b, i])
+
+    row_exp = te.compute((gemms, m, k), exp_at, name="row_exp")
+    r = te.reduce_axis((0, k), name="ks")
+    row_sum = te.compute((gemms, m), lambda b, i: te.sum(row_exp[b, i, r], axis=r),
+                         name="row_sum")
+    return lambda b, i, j: row_exp[b, i, j] / row_sum[b, i]
 
 
 def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at, gemms, y_shape):
@@ -592,7 +658,7 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     config.check(problem)
     p, bm, bn = problem, config.bm, config.bn
     hy = p._h(p.y_interleaved)
-    sch = s_tir.Schedule(workload(p, bn, batch))
+    sch = s_tir.Schedule(workload(p, bn, batch, expression_isa(isa_name, p.padded_k)))
     stages = _stages(sch)
     if "zero_fold" in stages:
         # The accumulator starts from the fold; a new schedule sees the new dependency.
@@ -600,6 +666,9 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
         sch = s_tir.Schedule(sch.mod)
     if "dequantize" in stages:
         sch.compute_inline(sch.get_sblock("dequantize"))
+    lanes = _isa.from_name(isa_name).lanes("float32")
+    partials = [_partial_sums(sch, name, lanes) for name in ("row_sum", "row_max")
+                if name in stages]
     gemm = sch.get_sblock("C")
     row, col, kk = sch.get_loops(gemm)
     o, io, ii = sch.split(row, [None, p.m // bm, bm])
@@ -620,10 +689,24 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     pack = sch.get_sblock("Bp")
     sch.compute_at(pack, task)
     _pack_schedule(sch, pack, p.alpha, p.b_transposed)
-    if "Xc" in stages:  # the rows of X one M block reads, converted (or padded) for it
+    if "Xc" in stages:  # the rows of X one M block reads, normalized, converted or padded
         xc = sch.get_sblock("Xc")
         sch.compute_at(xc, rows_at)
-        sch.vectorize(sch.get_loops(xc)[-1])
+        inner = sch.get_loops(xc)[-1]
+        converts = vector_lanes(sch.get(xc))  # an instruction of so many lanes converts
+        sch.vectorize(sch.split(inner, [None, converts])[1] if converts else inner)
+    if "row_exp" in stages:  # the softmax's stages, consumers first
+        for name, partial in zip(("row_sum", "row_exp", "row_fill", "row_max"),
+                                 (partials[0], None, None, partials[1]), strict=True):
+            if name not in stages:
+                continue
+            sch.compute_at(sch.get_sblock(name), rows_at)
+            sch.set_scope(sch.get_sblock(name), 0, "local")
+            if partial is not None:
+                sch.compute_at(partial, rows_at)
+                sch.set_scope(partial, 0, "local")
+                _rows_then_vector(sch, partial, rows_at)
+        sch.vectorize(sch.get_loops(sch.get_sblock("row_exp"))[-1])
     if "epilogue" in stages:
         epilogue = sch.get_sblock("epilogue")
         sch.reverse_compute_at(epilogue, tile_at)
@@ -655,10 +738,39 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     return sch
 
 
+def _partial_sums(sch: s_tir.Schedule, name: str, lanes: int) -> SBlockRV | None:
+    """Reduce the row of stage ``name`` into a vector of partial results first (``rfactor``),
+    so that it vectorizes: the block of those (vectorized once placed), or None when no
+    vector of ``lanes``, half or 4 lanes divides the row."""
+    block = sch.get_sblock(name)
+    loop = sch.get_loops(block)[-1]
+    extent = sch.get(loop).extent.value
+    width = next((w for w in (lanes, lanes // 2, 4) if extent % w == 0 and extent > w), None)
+    if width is None:
+        return None
+    return sch.rfactor(sch.split(loop, [None, width])[1], factor_axis=2)
+
+
+def _rows_then_vector(sch: s_tir.Schedule, partial: SBlockRV, at: LoopRV) -> None:
+    """Order the loops of a partial reduction placed under ``at``: rows, reduction, the
+    vector of partial results, vectorized (each row's accumulator one register)."""
+    from tvm import tirx
+
+    lane, red = (loop_bound_to(sch, partial, kind)
+                 for kind in (tirx.IterVar.DataPar, tirx.IterVar.CommReduce))
+    loops = [sch.get(loop) for loop in sch.get_loops(partial)]
+    below = sch.get_loops(partial)[[s.same_as(sch.get(at)) for s in loops].index(True) + 1:]
+    ends = [sch.get(lane), sch.get(red)]
+    rows = [loop for loop in below if not any(sch.get(loop).same_as(e) for e in ends)]
+    sch.reorder(*rows, red, lane)
+    sch.vectorize(lane)
+
+
 def _stages(sch: s_tir.Schedule) -> set[str]:
     """Which of the workload's optional stages the scheduled function has."""
     found = set()
-    for name in ("Xc", "rowsum", "colsum", "zero_fold", "dequantize", "epilogue"):
+    for name in ("Xc", "rowsum", "colsum", "zero_fold", "dequantize", "epilogue",
+                 "row_max", "row_fill", "row_exp", "row_sum"):
         try:
             sch.get_sblock(name)
         except Exception:  # noqa: BLE001 - TVM's schedule error: no such block
@@ -721,7 +833,8 @@ def reference(problem: BatchGemmProblem, x: np.ndarray, b: np.ndarray,
 
     bfloat16 problems take float32 X and B and round them to bf16 (to nearest even) as the
     kernel does; uint8 problems compute ``sum_k (x - za)(b - zb)`` exactly in int32, then the
-    epilogue (from float32 when it starts with a float op).
+    epilogue (from float32 when it starts with a float op).  A softmax over X normalizes its
+    rows first, masked by ``extra["mask"]`` (``[m, k]``) with a ``mask_fill``.
 
     Examples
     --------
@@ -748,6 +861,8 @@ def reference(problem: BatchGemmProblem, x: np.ndarray, b: np.ndarray,
         return a.reshape(-1, rows, h, cols).transpose(0, 2, 1, 3).reshape(p.batch, rows, cols)
 
     x, b = np.asarray(x), np.asarray(b)
+    if p.softmax:
+        x = _softmax_reference(p, x, (extra or {}).get("mask"))
     if p.dtype == "bfloat16":
         import ml_dtypes
 
@@ -764,6 +879,21 @@ def reference(problem: BatchGemmProblem, x: np.ndarray, b: np.ndarray,
     if p.epilogue_dtype != p.acc_dtype:
         c = c.astype(p.epilogue_dtype)
     return epilogue_reference(p.epilogue, c, extra) if p.epilogue.ops else c
+
+
+def _softmax_reference(p: BatchGemmProblem, x: np.ndarray, mask: np.ndarray | None
+                       ) -> np.ndarray:
+    """The stored X with each batch element's rows replaced by their (masked) softmax."""
+    import numpy as np
+
+    h = p._h(p.x_interleaved)
+    rows = x.astype(np.float64).reshape(-1, p.m, h, p.k)  # [o, i, h, r]
+    if p.mask_fill is not None:
+        if mask is None or np.shape(mask) != (p.m, p.k):
+            raise ValueError(f"a masked softmax needs extra['mask'] of shape {(p.m, p.k)}")
+        rows = np.where(np.asarray(mask)[None, :, None, :] != 0, rows, p.mask_fill)
+    e = np.exp(rows - rows.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)).astype(np.float32).reshape(x.shape)
 
 
 def _pack_schedule(sch: s_tir.Schedule, pack: SBlockRV, alpha: int, transposed: bool) -> None:

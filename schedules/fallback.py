@@ -36,6 +36,8 @@ from tvm.target import Target
 
 from microkernels.machine import is_tpp, machine_of
 
+from .nest import loop_bound_to
+
 _log = logging.getLogger("tvm_tpp.fallback")
 
 __all__ = [
@@ -183,15 +185,6 @@ class ParallelLoops(dl.ScheduleRule):
         return sch
 
 
-def _loop_bound_to(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV, iter_type: int):
-    """The loop whose variable is bound to ``block``'s first iterator of ``iter_type``."""
-    loops = sch.get_loops(block)
-    realize = sch.get(loops[-1]).body
-    value = next(v for iv, v in zip(realize.block.iter_vars, realize.iter_values, strict=True)
-                 if iv.iter_type == iter_type)
-    return next(loop for loop in loops if sch.get(loop).loop_var.same_as(value))
-
-
 class RowReduction(dl.ScheduleRule):
     """Softmax / layer-norm style functions (row reductions and elementwise blocks sharing
     leading spatial axes), with vectorized reductions.
@@ -242,8 +235,8 @@ class RowReduction(dl.ScheduleRule):
         for block in blocks:
             stmt = sch.get(block)
             if stmt.name_hint in names:
-                across = _loop_bound_to(sch, block, tirx.IterVar.DataPar)
-                along = _loop_bound_to(sch, block, tirx.IterVar.CommReduce)
+                across = loop_bound_to(sch, block, tirx.IterVar.DataPar)
+                along = loop_bound_to(sch, block, tirx.IterVar.CommReduce)
                 sch.reorder(along, across)
                 sch.vectorize(across)
             elif all(iv.iter_type == tirx.IterVar.DataPar for iv in stmt.iter_vars):

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from microkernels.brgemm import BrgemmShape
 
 __all__ = ["check_exact", "check_run_time_loop", "nest_loops", "finish_nest", "guard",
-           "drop_zeroing", "zeroing_kernel", "bind_first_call", "bind_first_calls"]
+           "drop_zeroing", "zeroing_kernel", "bind_first_call", "bind_first_calls",
+           "block_realize", "loop_bound_to"]
 
 #: Lanes of 32-bit values in one AVX-512 register: the chunks of :func:`_vectorize`.
 _SPLIT_LANES = 16
@@ -162,6 +163,15 @@ def block_realize(sch: s_tir.Schedule, block: SBlockRV) -> s_tir.SBlockRealize:
     directly in its innermost loop."""
     stmts, at = _in_loop(sch, block)
     return stmts[at]
+
+
+def loop_bound_to(sch: s_tir.Schedule, block: SBlockRV, iter_type: int) -> LoopRV:
+    """The loop whose variable is bound to ``block``'s first iterator of ``iter_type``
+    (``tirx.IterVar.DataPar``, ``CommReduce``); ``block`` sits directly in its innermost
+    loop."""
+    value = next(v for iv, v in zip(sch.get(block).iter_vars, block_realize(sch, block)
+                                    .iter_values, strict=True) if iv.iter_type == iter_type)
+    return next(loop for loop in sch.get_loops(block) if sch.get(loop).loop_var.same_as(value))
 
 
 def _in_loop(sch: s_tir.Schedule, block: SBlockRV) -> tuple[list[tirx.Stmt], int]:
