@@ -29,6 +29,7 @@ from schedules.tuner import TaskCollector, Tuner
 
 from .batch_matmul import rewrite_batch_matmul
 from .bf16_pools import max_pools_in_bf16
+from .casts_first import casts_before_reshapes
 from .concat_chain import write_concat_chains
 from .concat_slices import write_concat_slices
 from .conv import rewrite_conv
@@ -92,7 +93,10 @@ def tpp_rewrites(
             relax.transform.RemoveRedundantReshape()(mod))
         # Kernels read channel prefixes of DenseNet's block buffers in place, and each conv
         # before a pad writes the padded tensor itself (both need the aliases gone).
-        return write_padded_outputs(read_slices_in_place(mod))
+        mod = write_padded_outputs(read_slices_in_place(mod))
+        # Last, as it changes the astype(reshape(x)) form the rewrites read: casts fuse into
+        # their producers (a layer norm writes the bf16 input of the dense after it).
+        return casts_before_reshapes(mod)
 
     return _rewrites
 

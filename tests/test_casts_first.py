@@ -1,0 +1,64 @@
+"""Casts before reshapes (relay_passes.casts_first): Before/Expected, the values unchanged
+through the VM, and a layer norm that now writes the bf16 input of the dense after it."""
+
+import numpy as np
+import tvm
+from conftest import relax_main
+from tvm import relax
+
+from relay_passes.casts_first import casts_before_reshapes
+from relay_passes.pipeline import tpp_pipeline
+from tvm_tpp.tpp_target import target as tpp_target
+
+TARGET = tpp_target("tpp")
+X = relax.Var("x", relax.TensorType((2, 3, 8), "float32"))
+
+
+def _norm(bb, x):
+    gamma, beta = (relax.const(np.full(8, v, np.float32)) for v in (1.5, 0.25))
+    return bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1]))
+
+
+def _before(bb, x):
+    flat = bb.emit(relax.op.reshape(_norm(bb, x), (6, 8)))
+    return relax.op.astype(flat, "bfloat16")
+
+
+def _expected(bb, x):
+    return relax.op.reshape(bb.emit(relax.op.astype(_norm(bb, x), "bfloat16")), (6, 8))
+
+
+def test_cast_moves_before_the_reshape():
+    after = casts_before_reshapes(relax_main([X], _before))
+    tvm.ir.assert_structural_equal(after, relax_main([X], _expected))
+
+
+def test_a_reshape_read_elsewhere_stays():
+    def body(bb, x):
+        flat = bb.emit(relax.op.reshape(x, (6, 8)))
+        cast = bb.emit(relax.op.astype(flat, "bfloat16"))
+        return relax.Tuple([cast, flat])
+
+    def expected(bb, x):
+        flat = bb.emit(relax.op.reshape(x, (6, 8)))
+        cast = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(x, "bfloat16")), (6, 8)))
+        return relax.Tuple([cast, flat])
+
+    tvm.ir.assert_structural_equal(casts_before_reshapes(relax_main([X], body)),
+                                   relax_main([X], expected))
+
+
+def test_values_unchanged_and_the_norm_writes_bf16():
+    # TVM's own lowering of the original graph against the tpp pipeline (which runs the pass).
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    before = relax_main([X], _before)
+    outs = []
+    for pipeline in (relax.get_default_pipeline(TARGET), tpp_pipeline(TARGET)):
+        vm = relax.VirtualMachine(tvm.compile(before, TARGET, relax_pipeline=pipeline),
+                                  tvm.cpu())
+        outs.append(vm["main"](tvm.runtime.tensor(x)).numpy().view(np.uint16))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    lowered = tpp_pipeline(TARGET)(before)
+    names = {gv.name_hint for gv, f in lowered.functions.items()
+             if isinstance(f, tvm.tirx.PrimFunc)}
+    assert "fused_layer_norm_cast" in names and "layer_norm" not in names
