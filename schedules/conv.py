@@ -44,7 +44,10 @@ A prologue (``ConvProblem.prologue``: per-channel scale, shift and ReLU, DenseNe
 BatchNorm and ReLU before each 1x1 conv) is computed inside the conv, once per pixel tile,
 into a local ``[bq, C]`` tile that the BRGEMM calls of every K block read: the spec keeps the
 K- and channel-block loops inside the pixel loops (:meth:`ConvConfig.parse`).  Only 1x1
-convs of stride 1 without padding take one, where input pixels are output pixels.
+convs of stride 1 without padding take one, where input pixels are output pixels.  A bf16
+conv with a prologue reads float32 X (:attr:`ConvProblem.input_dtype`) and rounds the
+prologue's result into its bf16 tile (``vcvtneps2bf16`` where whole 16-lane vectors of
+channels allow it).
 
 Taps folded into channels (``ConvConfig.fold_taps``, the default wherever
 :func:`can_fold_taps`): where a call reduces all of a tap's channels (``bc * c_step = C'``),
@@ -105,7 +108,7 @@ from microkernels import amx as _amx
 from microkernels import isa as _isa
 from microkernels import x86 as _x86
 from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
-from microkernels.epilogue import Epilogue, expression_isa
+from microkernels.epilogue import Epilogue, expression_isa, vector_lanes
 from microkernels.machine import Machine
 from microkernels.pack import Packing, padded
 
@@ -397,10 +400,11 @@ class ConvProblem(ConvGeometry):
         if not self.prologue.ops:
             return
         # Input pixels map one to one onto output pixels: no border the chain would change.
-        if (self.dtype != "float32" or (self.r, self.s) != (1, 1) or self.stride != (1, 1)
-                or any(self.padding) or self.groups != 1):
-            raise ValueError("a prologue needs a float32 1x1 conv of stride 1, without padding "
-                             "or groups")
+        if (self.dtype not in ("float32", "bfloat16") or (self.r, self.s) != (1, 1)
+                or self.stride != (1, 1) or any(self.padding) or self.groups != 1
+                or self.padded_c != self.c):
+            raise ValueError("a prologue needs a float32 or bf16 1x1 conv of stride 1, "
+                             "without padding, groups or padded channels")
         for op in self.prologue.ops:
             per_channel = op.broadcast in ("", "row") or op.value is not None
             if op.kind not in _PROLOGUE_KINDS or not per_channel:
@@ -442,6 +446,12 @@ class ConvProblem(ConvGeometry):
     def wq(self) -> int:
         """Input column groups of ``sw``: the padded width is ``wq * sw`` (rounded up)."""
         return -(-self.wp // self.stride[1])
+
+    @property
+    def input_dtype(self) -> str:
+        """The dtype of the stored X: float32 for a bf16 conv with a prologue, which rounds
+        the prologue's result to bf16 as it computes it; else :attr:`dtype`."""
+        return "float32" if self.prologue.ops else self.dtype
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
@@ -667,7 +677,7 @@ def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None,
     acc = problem.acc_dtype
     images = problem.n if batch is None else batch * problem.n
     rows = images * p * q
-    x = te.placeholder((images, *problem.input_shape[1:]), problem.dtype, name="X")
+    x = te.placeholder((images, *problem.input_shape[1:]), problem.input_dtype, name="X")
     w = te.placeholder(weight_shape(problem, bk), problem.weight_dtype, name="W")
     rr = te.reduce_axis((0, problem.r), name="r")
     rs = te.reduce_axis((0, problem.s), name="s")
@@ -678,7 +688,7 @@ def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None,
             return w[o // bk, rr, rs, rc, o % bk]
         return w[o // bk, rr, rs, rc // alpha, o % bk, rc % alpha]
 
-    pre_extra, pre = _prologue_te(problem, x, rows)
+    pre_extra, pre = _prologue_te(problem, x, rows, isa)
 
     def product(n, i, j, o):
         row = rr * dh if dh > 1 else rr  # the tap's offset in the padded input
@@ -715,22 +725,27 @@ def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None,
     return te.create_prim_func([x, w, *pre_extra, *extra.values(), *scalars, y])
 
 
-def _prologue_te(problem: ConvProblem, x: te.Tensor, rows: tirx.PrimExpr
+def _prologue_te(problem: ConvProblem, x: te.Tensor, rows: tirx.PrimExpr, isa: str
                  ) -> tuple[list[te.Tensor], te.Tensor | None]:
     """The prologue's operands and its ``[rows, C]`` stage ``prologue`` over X's pixels
-    (through a ``prologue_view`` stage the schedule inlines); no stage without a prologue."""
+    (through a ``prologue_view`` stage the schedule inlines), rounded to bf16 by ``isa``'s
+    conversion for a bf16 conv; no stage without a prologue."""
     from tvm import te
 
-    from microkernels.epilogue import apply_te
+    from microkernels.epilogue import EpilogueOp, apply_te
 
     if not problem.prologue.ops:
         return [], None
+    chain = problem.prologue
+    if problem.dtype == "bfloat16":
+        chain = Epilogue((*chain.ops, EpilogueOp("convert", dtype="bfloat16")))
     p, q = problem.p, problem.q
     view = te.compute((rows, problem.c), lambda i, ch: x[i // (p * q), i // q % p, i % q, ch],
                       name="prologue_view")
     extra = {op.name: te.placeholder(op.shape(rows, problem.c), op.dtype, name=op.name)
              for op in problem.prologue.inputs()}
-    return list(extra.values()), apply_te(problem.prologue, view, extra, name="prologue")
+    return list(extra.values()), apply_te(chain, view, extra, name="prologue",
+                                          isa=expression_isa(isa, problem.c))
 
 
 def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "avx2",
@@ -871,7 +886,8 @@ def _prologue_per_pixel_tile(sch: s_tir.Schedule, target: _isa.Isa) -> None:
     if above is not None:  # else a single pixel tile: the prologue runs once, at the root
         sch.compute_at(pro, above)
     channels = sch.get_loops(pro)[-1]
-    lanes = target.lanes("float32")
+    # A bf16 conversion instruction takes vectors of its own lanes.
+    lanes = vector_lanes(sch.get(pro)) or target.lanes("float32")
     extent = int(sch.get(channels).extent)
     if extent % lanes == 0:
         sch.vectorize(sch.split(channels, [None, lanes])[1])

@@ -9,11 +9,12 @@ chains it must leave alone, and a DenseNet-like network against ONNX Runtime.
 
 from dataclasses import replace
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import bn_stats, pixel_rows, relax_main
+from conftest import bn_stats, isa_target, pixel_rows, relax_main, runs_here
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -87,6 +88,42 @@ def test_prologue_kernel_matches_numpy(n, c, h, w, k, prologue, epilogue):
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("isa_name, c", [
+    ("avx512_bf16", 64),  # whole 16-lane vectors: rounded by vcvtneps2bf16
+    ("avx512_bf16", 22),  # rounded on the bits
+    ("avx2", 40),         # no bf16 arithmetic: the generic bf16 kernel
+])
+def test_bf16_prologue_rounds_the_activated_input(isa_name, c):
+    """A bf16 conv reads float32 X and rounds its prologue's result to bf16 per pixel tile
+    (DenseNet's bf16 block buffers stay float32): against numpy on the rounded values where
+    the host runs ``isa_name``; the conversion instruction in the assembly either way."""
+    problem = ConvProblem(2, c, 3, 5, 32, 1, 1, dtype="bfloat16", epilogue=BIAS_RELU,
+                          prologue=BN_RELU)
+    assert problem.input_dtype == F32
+    config = default_config(problem, Machine(isa.from_name(isa_name), isa.DEFAULT_CACHES, 2))
+    func = tvm.compile(schedule(problem, config, isa_name).mod,
+                       target=isa_target(isa_name, "znver4" if isa_name != "avx2" else None))
+    assert ("vcvtneps2bf16" in func.mod.inspect_source("asm")) == (c % 16 == 0
+                                                                   and isa_name != "avx2")
+    if not runs_here(isa_name):
+        pytest.skip(f"host lacks {isa_name}: the assembly is checked above")
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, c, 3, 5)).astype(F32)
+    weight = rng.standard_normal((32, c, 1, 1)).astype(F32)
+    pre = {"pre_scale": rng.uniform(0.5, 1.5, c).astype(F32),
+           "pre_bias": rng.standard_normal(c).astype(F32)}
+    bias = rng.standard_normal(32).astype(F32)
+    activated = _prologue_reference(BN_RELU, x, pre).astype(ml_dtypes.bfloat16)
+    rounded = weight.astype(ml_dtypes.bfloat16).astype(np.float64)
+    conv = np.einsum("nchw,kc->nhwk", activated.astype(np.float64), rounded[:, :, 0, 0])
+    want = np.maximum(conv.reshape(-1, 32) + bias, 0)
+    out = tvm.runtime.empty((problem.rows, 32), F32)
+    args = [np.ascontiguousarray(x.transpose(0, 2, 3, 1)),
+            pack_weight(weight, config.bk, problem), *pre.values(), bias]
+    func(*[tvm.runtime.tensor(a) for a in args], out)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_prologue_computed_once_per_pixel_tile():
     """The prologue stage sits under the pixel loops, above the K blocks: outside the loop
     over K blocks that runs the kernel calls."""
@@ -123,12 +160,14 @@ def test_single_pixel_tile_with_k_blocks_outermost():
     ({"r": 3, "s": 3, "padding": 1}, "1x1 conv"),
     ({"stride": 2}, "stride 1"),
     ({"groups": 2}, "groups"),
-    ({"dtype": "bfloat16"}, "float32"),
+    ({"dtype": "uint8"}, "float32 or bf16"),
+    ({"dtype": "bfloat16", "c": 15}, "padded channels"),  # odd: half a VNNI pair
     ({"prologue": Epilogue((EpilogueOp("gelu", variant="erf"),))}, "per input channel"),
     ({"prologue": Epilogue((EpilogueOp("bias", broadcast="col", name="b"), RELU))},
      "per input channel"),
     ({"prologue": Epilogue((EpilogueOp("bias"), RELU))}, "share names"),
-], ids=["3x3", "stride", "groups", "bf16", "gelu", "per-pixel", "name-clash"])
+], ids=["3x3", "stride", "groups", "uint8", "bf16-odd-c", "gelu", "per-pixel",
+        "name-clash"])
 def test_problems_without_a_prologue_form_refused(changes, message):
     fields = {"n": 1, "c": 16, "h": 4, "w": 4, "k": 16, "r": 1, "s": 1,
               "epilogue": BIAS_RELU, "prologue": BN_RELU}
@@ -333,14 +372,16 @@ def _dense_block(c: int = 16, growth: int = 8, layers: int = 3) -> onnx.ModelPro
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def test_dense_block_matches_onnxruntime():
+@pytest.mark.parametrize("precision, tolerance", [("float32", 1e-5), ("bf16", 2e-2)])
+def test_dense_block_matches_onnxruntime(precision, tolerance):
     """Every 1x1 conv computes its BN and ReLU; those after the first layer read the block's
-    buffer in place (relay_passes.slice_reads), the transition conv all of it."""
+    buffer in place (relay_passes.slice_reads), the transition conv all of it.  In bf16
+    the same: the convs read the float32 buffer and round what their prologue computes."""
     model = _dense_block()
     mod, _ = compiler.import_model(model)
     target = tpp_target("tpp")
     with target:
-        mod = tpp_rewrites(target)(mod)
+        mod = tpp_rewrites(target, precision=precision)(mod)
     kernels = []
     relax.analysis.post_order_visit(mod["main"], lambda e: kernels.append(
         e.args[0].name_hint) if is_call_to(e, "relax.call_tir") else None)
@@ -348,6 +389,6 @@ def test_dense_block_matches_onnxruntime():
     assert len(prologue) == 4, kernels
     assert sum("_from40" in name for name in prologue) == 2, prologue
     feeds = {"x": np.random.default_rng(2).standard_normal((1, 8, 8, 12)).astype(F32)}
-    got = compiler.compile(model, "tpp", untuned=True).run(**feeds)
+    got = compiler.compile(model, "tpp", untuned=True, precision=precision).run(**feeds)
     errors = max_errors(got, run_onnxruntime(model, feeds))
-    assert errors[1] < 1e-5, errors
+    assert errors[1] < tolerance, errors
