@@ -63,7 +63,7 @@ softmax(scores)`` over the rows of X.  Instead of a pass of its own over the sco
 where ``Xc`` is made, under the loop that makes it (a task per batch element by default, so
 once per row): the row maxima (stage ``row_max``), ``exp(x - max)`` (``row_exp``), their
 sums (``row_sum``), then ``Xc = row_exp / row_sum``, rounded for bf16, all in cache; the
-reductions run as vector partial results.  A boolean mask (``mask_fill``: GPT-2's causal
+reductions run as vector partial results.  A 0/1 mask (``mask_fill``: GPT-2's causal
 ``where(mask, scores, -FLT_MAX)``) is applied as the rows are read.
 
 Examples
@@ -667,8 +667,8 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     if "dequantize" in stages:
         sch.compute_inline(sch.get_sblock("dequantize"))
     lanes = _isa.from_name(isa_name).lanes("float32")
-    partials = [_partial_sums(sch, name, lanes) for name in ("row_sum", "row_max")
-                if name in stages]
+    partials = {name: _partial_sums(sch, name, lanes) for name in ("row_sum", "row_max")
+                if name in stages}
     gemm = sch.get_sblock("C")
     row, col, kk = sch.get_loops(gemm)
     o, io, ii = sch.split(row, [None, p.m // bm, bm])
@@ -695,17 +695,20 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
         inner = sch.get_loops(xc)[-1]
         converts = vector_lanes(sch.get(xc))  # an instruction of so many lanes converts
         sch.vectorize(sch.split(inner, [None, converts])[1] if converts else inner)
-    if "row_exp" in stages:  # the softmax's stages, consumers first
-        for name, partial in zip(("row_sum", "row_exp", "row_fill", "row_max"),
-                                 (partials[0], None, None, partials[1]), strict=True):
-            if name not in stages:
-                continue
-            sch.compute_at(sch.get_sblock(name), rows_at)
-            sch.set_scope(sch.get_sblock(name), 0, "local")
-            if partial is not None:
-                sch.compute_at(partial, rows_at)
-                sch.set_scope(partial, 0, "local")
-                _rows_then_vector(sch, partial, rows_at)
+    # The softmax's stages, consumers first, as per-task scratch ("local"): kept out of the
+    # storage TVM would otherwise share between them and Xc, which the AMX kernel reads
+    # through a uint16 view whose access_ptr refuses a float32 allocation.
+    for name in ("row_sum", "row_exp", "row_fill", "row_max"):
+        if name not in stages:
+            continue
+        sch.compute_at(sch.get_sblock(name), rows_at)
+        sch.set_scope(sch.get_sblock(name), 0, "local")
+        partial = partials.get(name)
+        if partial is not None:
+            sch.compute_at(partial, rows_at)
+            sch.set_scope(partial, 0, "local")
+            _rows_then_vector(sch, partial, rows_at)
+    if "row_exp" in stages:
         sch.vectorize(sch.get_loops(sch.get_sblock("row_exp"))[-1])
     if "epilogue" in stages:
         epilogue = sch.get_sblock("epilogue")
@@ -758,10 +761,10 @@ def _rows_then_vector(sch: s_tir.Schedule, partial: SBlockRV, at: LoopRV) -> Non
 
     lane, red = (loop_bound_to(sch, partial, kind)
                  for kind in (tirx.IterVar.DataPar, tirx.IterVar.CommReduce))
-    loops = [sch.get(loop) for loop in sch.get_loops(partial)]
-    below = sch.get_loops(partial)[[s.same_as(sch.get(at)) for s in loops].index(True) + 1:]
+    loops = sch.get_loops(partial)
+    start = next(i for i, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(at))) + 1
     ends = [sch.get(lane), sch.get(red)]
-    rows = [loop for loop in below if not any(sch.get(loop).same_as(e) for e in ends)]
+    rows = [loop for loop in loops[start:] if not any(sch.get(loop).same_as(e) for e in ends)]
     sch.reorder(*rows, red, lane)
     sch.vectorize(lane)
 
