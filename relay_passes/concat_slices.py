@@ -53,7 +53,7 @@ from .scaffold import (
     static_shape,
 )
 
-__all__ = ["sliced_output", "write_concat_slices"]
+__all__ = ["SlicedProducer", "kernel_writing", "sliced_output", "write_concat_slices"]
 
 def sliced_output(func: tirx.PrimFunc, channels: int, offset: int) -> tirx.PrimFunc | None:
     """``func`` writing its ``[..., C]`` output into channels ``[offset, offset + C)`` of a
@@ -99,7 +99,7 @@ def write_concat_slices(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 @dataclass(frozen=True)
-class _Producer:
+class SlicedProducer:
     """A concat input its kernel writes: the call's var, the kernel writing the concat's
     buffer (:func:`sliced_output`), its operands and the buffer's shape it writes."""
 
@@ -110,12 +110,41 @@ class _Producer:
     shape: tuple[int, ...]
 
 
+def kernel_writing(part: relax.Expr, concat: relax.Call, channels: int, offset: int,
+                   bound: dict, read_by, mod: tvm.IRModule) -> SlicedProducer | None:
+    """``part`` of ``concat`` (channels ``[offset, ...)`` of ``channels``) as an input its
+    kernel can write, or None (module doc): the kernel's ``[N*H*W, C]`` output viewed as NHWC
+    (a conv's, a dense layer's), or its NHWC output itself (an elementwise kernel's, a lookup
+    table's), read by ``concat`` alone."""
+    value = bound.get(part) if isinstance(part, relax.Var) else None
+    if (sum(p.same_as(part) for p in concat.args[0].fields) != 1
+            or not only_reader(read_by(value), concat)):
+        return None
+    n, h, w, c = static_shape(part.ty.shape.values)
+    if is_call_to(value, "relax.reshape") and isinstance(value.args[0], relax.Var):
+        var, wrote, call = value.args[0], (n * h * w, c), bound.get(value.args[0])
+        if not only_reader(read_by(call), value):
+            return None
+    else:
+        var, wrote, call = part, (n, h, w, c), value
+    if not is_call_to(call, "relax.call_tir") or len(call.args) > 2:
+        return None
+    func = mod[call.args[0]]
+    args = tuple(call.args[1].fields)
+    if (not isinstance(func, tirx.PrimFunc) or len(func.params) != len(args) + 1
+            or static_shape(func.params[-1].ty.shape) != wrote):
+        return None
+    sliced = sliced_output(func, channels, offset)
+    return None if sliced is None else SlicedProducer(
+        var, f"{call.args[0].name_hint}_sliced", sliced, args, (*wrote[:-1], channels))
+
+
 @dataclass
 class _Plan:
     """One concat's rewrite: its producers in binding order, its other inputs with their
     channel offsets, its shape; ``buffer`` the latest var holding the concat's channels."""
 
-    producers: list[_Producer]
+    producers: list[SlicedProducer]
     copies: list[tuple[relax.Expr, int]]
     nhwc: tuple[int, int, int, int]
     dtype: str
@@ -134,7 +163,7 @@ class _ConcatSlices(relax.PyExprMutator):
         super().__init__(mod)
         self.mod = mod
         self.plans: dict[relax.Var, _Plan] = {}  # concat var -> its plan
-        self.producing: dict[relax.Var, tuple[_Plan, _Producer]] = {}  # call var -> its part
+        self.producing: dict[relax.Var, tuple[_Plan, SlicedProducer]] = {}  # call var -> its part
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         bound = relax.analysis.get_var2val(func)
@@ -162,40 +191,14 @@ class _ConcatSlices(relax.PyExprMutator):
             return None
         producers, copies, offset = [], [], 0
         for part in parts:
-            found = self._producer(part, concat, nhwc[CHANNEL_AXIS], offset, bound, read_by)
+            found = kernel_writing(part, concat, nhwc[CHANNEL_AXIS], offset, bound, read_by,
+                                   self.mod)
             if found is None:
                 copies.append((part, offset))
             else:
                 producers.append(found)
             offset += int(part.ty.shape.values[CHANNEL_AXIS])
         return _Plan(producers, copies, nhwc, str(ty.dtype)) if producers else None
-
-    def _producer(self, part: relax.Expr, concat: relax.Call, channels: int, offset: int,
-                  bound, read_by) -> _Producer | None:
-        """``part`` as an input its kernel can write, or None (module doc): the kernel's
-        ``[N*H*W, C]`` output viewed as NHWC (a conv's, a dense layer's), or its NHWC output
-        itself (an elementwise kernel's, a lookup table's), read by ``concat`` alone."""
-        value = bound.get(part) if isinstance(part, relax.Var) else None
-        if (sum(p.same_as(part) for p in concat.args[0].fields) != 1
-                or not only_reader(read_by(value), concat)):
-            return None
-        n, h, w, c = static_shape(part.ty.shape.values)
-        if is_call_to(value, "relax.reshape") and isinstance(value.args[0], relax.Var):
-            var, wrote, call = value.args[0], (n * h * w, c), bound.get(value.args[0])
-            if not only_reader(read_by(call), value):
-                return None
-        else:
-            var, wrote, call = part, (n, h, w, c), value
-        if not is_call_to(call, "relax.call_tir") or len(call.args) > 2:
-            return None
-        func = self.mod[call.args[0]]
-        args = tuple(call.args[1].fields)
-        if (not isinstance(func, tirx.PrimFunc) or len(func.params) != len(args) + 1
-                or static_shape(func.params[-1].ty.shape) != wrote):
-            return None
-        sliced = sliced_output(func, channels, offset)
-        return None if sliced is None else _Producer(
-            var, f"{call.args[0].name_hint}_sliced", sliced, args, (*wrote[:-1], channels))
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
@@ -206,7 +209,7 @@ class _ConcatSlices(relax.PyExprMutator):
         elif not (is_call_to(value, "relax.reshape") and value.args[0] in self.producing):
             super().visit_var_binding_(binding)  # (a producer's view: only the concat read it)
 
-    def _write(self, plan: _Plan, producer: _Producer) -> None:
+    def _write(self, plan: _Plan, producer: SlicedProducer) -> None:
         """The producer's call, writing its channels of the plan's buffer."""
         kernel = add_kernel(self.builder_, producer.kernel, producer.name)
         args = [self.visit_expr(a) for a in producer.args]

@@ -92,6 +92,45 @@ def test_chains_numerically(x_shape, grow):
     np.testing.assert_array_equal(_run(after, x), _run(before, x))
 
 
+def _scaled_rows_ir(rows: int, c: int):
+    """A kernel writing ``[rows, c]`` element by element: twice its input."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True, s_tir=True)
+    def scaled(x: T.Buffer((rows, c), F32), y: T.Buffer((rows, c), F32)):
+        for i, j in T.grid(rows, c):
+            with T.sblock("scaled"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = x[vi, vj] * T.float32(2)
+    return scaled
+
+
+def test_kernel_writes_its_channels_into_the_buffer():
+    """New channels a kernel computes (a conv's ``[N*H*W, C]`` output viewed as NHWC, read by
+    the concat alone) are written by the kernel into the buffer: no copy of them."""
+    x = relax.Var("x", _tensor(1, 2, 3, 4))
+    new = relax.TensorType((6, 4), F32)
+
+    def grow(bb, c, kernel):
+        rows = bb.emit(relax.op.reshape(relax.op.strided_slice(c, [3], [0], [4]), (6, 4)))
+        return bb.emit(relax.op.reshape(bb.emit(relax.call_tir(kernel, [rows], new)),
+                                        (1, 2, 3, 4)))
+
+    bb = relax.BlockBuilder()
+    kernel = bb.add_func(_scaled_rows_ir(6, 4), "scaled")
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            c1 = bb.emit(relax.op.concat([x, grow(bb, x, kernel)], axis=3))
+            c2 = bb.emit_output(relax.op.concat([c1, grow(bb, c1, kernel)], axis=3))
+        bb.emit_func_output(c2)
+    before = bb.get()
+    after = write_concat_chains(before)
+    names = sorted(gv.name_hint for gv in after.functions)
+    assert names == ["concat_copy", "main", "scaled_sliced", "scaled_sliced1"], names
+    xs = np.random.default_rng(3).standard_normal((1, 2, 3, 4)).astype(F32)
+    np.testing.assert_array_equal(_run(after, xs), _run(before, xs))
+
+
 def _single(bb, x):  # one concat: nothing to gain
     return relax.op.concat([x, relax.op.nn.relu(x)], axis=3)
 
