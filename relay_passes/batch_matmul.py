@@ -18,7 +18,7 @@ Matches ``relax.matmul(x, y)`` whose right operand is not a constant (the dense 
   scores, fill)`` with a constant mask the same for every head and batch element (GPT-2's
   causal mask; either branch the fill).  The score tensor is then written once and read once,
   where TVM's softmax (and the ``where``) read and wrote it again: GPT-2 bf16 1.034x, BERT
-  1.027x at batch 8 on a Zen 4, bit-identical.
+  1.027x at batch 8 on a Zen 5, bit-identical.
 
 The kernel (:mod:`schedules.batch_gemm`) packs the right operand itself, per batch element and
 N panel.  What does not fit stays with TVM and is reported with the reason.

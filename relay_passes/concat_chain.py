@@ -14,7 +14,7 @@ batch 1 on the Zen 1, the two builds exported and timed in alternating processes
 * where ``n_i`` is a kernel's output only the concat reads (a growth conv's, element by
   element: :func:`relay_passes.concat_slices.kernel_writing`), that kernel writes its
   channels of the buffer itself, in place, and no copy of ``n_i`` is left (DenseNet-121's
-  58 growth convs, Winograd ones included: bf16 1.03x at batch 8 on a Zen 4);
+  58 growth convs, Winograd ones included: bf16 1.03x at batch 8 on a Zen 5);
 * each ``c_i`` becomes ``strided_slice(buf_i, channels [0, C_i))``, which FuseOps fuses into
   its readers (DenseNet's BatchNorm and ReLU), and the last one is the buffer itself.
 

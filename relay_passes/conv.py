@@ -9,7 +9,7 @@ scheduled PrimFunc (:mod:`schedules.conv`) whose weights are packed at compile t
 per-channel constants, read by this conv only, no conv's epilogue) as its prologue, computed
 per pixel tile, where that pays (:func:`_prologue_pays`; DenseNet-121 +3 to 4 % on a Zen 1);
 a bf16 one reads the float32 tensor and rounds the prologue's result (DenseNet-121 bf16
-1.085x at batch 8, 1.025x at batch 1 on a Zen 4, bit-identical: the pre-activations were a
+1.085x at batch 8, 1.025x at batch 1 on a Zen 5, bit-identical: the pre-activations were a
 pass of their own over the float32 block buffer, writing a bf16 copy).
 Grouped convs run the conv template with its K blocks within one group each (every block
 reduces its own group's channels); depthwise convs (``groups = C = K``, weight

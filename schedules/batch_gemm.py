@@ -565,7 +565,7 @@ def _softmax_rows(x_at, mask: te.Tensor | None, fill: float | None, gemms: tirx.
     A masked element's ``exp(fill - max)`` is the same for the whole row: one value a row
     (stage ``row_fill``), selected, not computed per element (``exp(-FLT_MAX - max)``
     would make every masked lane's exponent underflow through the subnormals: 0.28 ms of
-    GPT-2's 96 x 128 x 128 causal softmax on a Zen 4, against none)."""
+    GPT-2's 96 x 128 x 128 causal softmax on a Zen 5, against none)."""
     from tvm import te, tirx
 
     from microkernels.fast_math import exp
