@@ -184,16 +184,20 @@ class _Chains(relax.PyExprMutator):
         from .concat_slices import kernel_writing
 
         concats = _concats(list(block.bindings))
+        order = {b.var: i for i, b in enumerate(block.bindings)}
         for chain in _chains(concats):
             channels = int(chain[-1].ty.shape.values[CHANNEL_AXIS])
             for position, var in enumerate(chain):
                 self.plan[var] = (chain, position)
                 self.parts[var] = first, new = concats[var]
-                # A kernel computing the new channels writes them into the buffer itself.
+                # A kernel computing the new channels writes them into the buffer itself,
+                # where the buffer it writes (the previous concat's, or the first input to
+                # start it from) is bound before it.
                 producer = kernel_writing(new, self.bound[var], channels,
                                           int(first.ty.shape.values[CHANNEL_AXIS]),
                                           self.bound, self.read_by, self.mod)
-                if producer is not None:
+                before = first if position == 0 else chain[position - 1]
+                if producer is not None and order.get(before, -1) < order[producer.var]:
                     self.producing[producer.var] = (var, producer)
                     self.written.add(var)
         return super().visit_dataflow_block_(block)

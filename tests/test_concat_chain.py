@@ -131,6 +131,29 @@ def test_kernel_writes_its_channels_into_the_buffer():
     np.testing.assert_array_equal(_run(after, xs), _run(before, xs))
 
 
+def test_kernel_bound_before_the_buffer_is_copied():
+    """New channels computed before the concat they extend is bound (from the chain's input):
+    the buffer does not exist yet where the kernel runs, so its output is copied as before."""
+    x = relax.Var("x", _tensor(1, 2, 3, 4))
+    bb = relax.BlockBuilder()
+    kernel = bb.add_func(_scaled_rows_ir(6, 4), "scaled")
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.reshape(x, (6, 4)))
+            early = bb.emit(relax.op.reshape(bb.emit(relax.call_tir(
+                kernel, [rows], relax.TensorType((6, 4), F32))), (1, 2, 3, 4)))
+            c1 = bb.emit(relax.op.concat([x, bb.emit(relax.op.nn.relu(x))], axis=3))
+            c2 = bb.emit_output(relax.op.concat([c1, early], axis=3))
+        bb.emit_func_output(c2)
+    before = bb.get()
+    after = write_concat_chains(before)
+    names = sorted(gv.name_hint for gv in after.functions)
+    assert names == ["concat_copy", "concat_slice_copy", "concat_slice_copy1", "main",
+                     "scaled"], names
+    xs = np.random.default_rng(4).standard_normal((1, 2, 3, 4)).astype(F32)
+    np.testing.assert_array_equal(_run(after, xs), _run(before, xs))
+
+
 def _single(bb, x):  # one concat: nothing to gain
     return relax.op.concat([x, relax.op.nn.relu(x)], axis=3)
 
