@@ -39,6 +39,7 @@ from .inplace import write_over_dead_operands
 from .keep_int8 import keep_int8
 from .lookup_tables import lookup_tables
 from .padded_outputs import write_padded_outputs
+from .pool_fusion import pools_take_producers
 from .prepare import prepare, sum_to_add
 from .qdq import rewrite_qdq
 from .scaffold import Offload
@@ -118,7 +119,7 @@ def tpp_pipeline(
         with target:
             return tvm.transform.Sequential(
                 cpu.library_dispatch_passes(target)
-                + cpu.legalize_passes(target)
+                + _legalize_passes(target)
                 + [fallback_schedules(), fast_math()]
                 + _dataflow_lower_passes(target)
                 # After the in-place pass, which reads each epilogue as a block of its own.
@@ -129,6 +130,18 @@ def tpp_pipeline(
             )(mod)
 
     return _pipeline
+
+
+def _legalize_passes(target: Target) -> list[tvm.transform.Pass]:
+    """TVM's CPU legalization with :func:`~.pool_fusion.pools_take_producers` right after
+    ``AnnotateTIROpPattern``, before ``FuseOps`` reads the patterns."""
+    passes = cpu.legalize_passes(target)
+    names = [p.info.name for p in passes]
+    if "AnnotateTIROpPattern" not in names or "FuseOps" not in names:
+        raise RuntimeError(f"TVM's CPU legalization is {names}: no AnnotateTIROpPattern "
+                           "before FuseOps")
+    at = names.index("AnnotateTIROpPattern") + 1
+    return [*passes[:at], pools_take_producers(), *passes[at:]]
 
 
 def _dataflow_lower_passes(target: Target) -> list[tvm.transform.Pass]:
