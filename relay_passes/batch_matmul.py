@@ -245,12 +245,13 @@ def _unsupported(call: relax.Call) -> str | None:
     return None
 
 
-def _scalar(const) -> float | None:
+def _scalar(const, infinite: bool = False) -> float | None:
+    """A float constant's one value: finite (or, with ``infinite``, any but NaN), else None."""
     value = const.value.numpy()
     if value.size != 1 or value.dtype.kind != "f":
         return None
     v = float(value.reshape(()))
-    return v if math.isfinite(v) else None
+    return v if math.isfinite(v) or (infinite and not math.isnan(v)) else None
 
 
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
@@ -361,7 +362,9 @@ def _softmax_of(expr: relax.Expr, bindings: dict[relax.Var, relax.Expr], m: int,
     if not is_call_to(where, "relax.where"):
         return _Softmax(scores)
     cond, *branches = where.args
-    fills = [_fill(b) for b in branches]
+    # A fill may be -inf (masked_fill's), not NaN.
+    fills = [_scalar(b, infinite=True) if isinstance(b, tvm.ir.expr.Constant) else None
+             for b in branches]
     mask = cond.value.numpy() if isinstance(cond, tvm.ir.expr.Constant) else None
     if mask is None or fills.count(None) != 1 or mask.ndim > rank or mask.ndim < 2 \
             or any(d != 1 for d in mask.shape[:-2]) or mask.shape[-2] not in (1, m) \
@@ -375,16 +378,6 @@ def _softmax_of(expr: relax.Expr, bindings: dict[relax.Var, relax.Expr], m: int,
         keep = ~keep
     fill = next(f for f in fills if f is not None)
     return _Softmax(kept, np.ascontiguousarray(np.broadcast_to(keep, (m, k)), np.uint8), fill)
-
-
-def _fill(expr: relax.Expr) -> float | None:
-    """A scalar float constant's value, infinities included (None: anything else)."""
-    if not isinstance(expr, tvm.ir.expr.Constant):
-        return None
-    value = expr.value.numpy()
-    if value.size != 1 or value.dtype.kind != "f" or np.isnan(value).any():
-        return None
-    return float(value.reshape(()))
 
 
 @dataclass(frozen=True)
