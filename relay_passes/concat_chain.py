@@ -39,6 +39,8 @@ Examples
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import tvm
 from tvm import relax
 from tvm.script import tirx as T
@@ -46,6 +48,9 @@ from tvm.script import tirx as T
 from microkernels.script_source import pin_source
 
 from .scaffold import add_kernel, is_call_to, readers, rewrite_static_functions, static_shape
+
+if TYPE_CHECKING:
+    from .concat_slices import SlicedProducer
 
 # The TVMScript builders below parse the text this module was imported from.
 pin_source(__name__)
@@ -146,7 +151,7 @@ class _Chains(relax.PyExprMutator):
         self.plan: dict[relax.Var, tuple[list[relax.Var], int]] = {}
         self.buffers: dict[int, relax.Var] = {}  # id of a chain's first var -> latest buffer
         self.parts: dict[relax.Var, tuple[relax.Expr, relax.Expr]] = {}
-        self.producing: dict[relax.Var, tuple[relax.Var, object]] = {}  # call var -> its part
+        self.producing: dict[relax.Var, tuple[relax.Var, SlicedProducer]] = {}  # call -> part
         self.written: set[relax.Var] = set()  # concats whose new channels a kernel writes
         self.bound: dict = {}
         self.read_by = None
@@ -159,7 +164,7 @@ class _Chains(relax.PyExprMutator):
             str(full.dtype), False), "concat_copy")
         self.buffers[id(chain)] = self.builder_.emit(relax.call_tir(kernel, [first], full))
 
-    def _write(self, var: relax.Var, producer) -> None:
+    def _write(self, var: relax.Var, producer: SlicedProducer) -> None:
         """The producer of ``var``'s new channels, writing them into the chain's buffer."""
         chain, position = self.plan[var]
         key = id(chain)
@@ -168,11 +173,8 @@ class _Chains(relax.PyExprMutator):
         buffer = self.buffers[key]
         if static_shape(buffer.ty.shape.values) != producer.shape:
             buffer = self.builder_.emit(relax.op.reshape(buffer, producer.shape))
-        kernel = add_kernel(self.builder_, producer.kernel, producer.name)
-        args = [self.visit_expr(a) for a in producer.args]
-        wrote = self.builder_.emit(relax.call_tir_inplace(
-            kernel, [*args, buffer], [len(args)], relax.TensorType(producer.shape,
-                                                                   str(buffer.ty.dtype))))
+        wrote = producer.emit(self.builder_, [self.visit_expr(a) for a in producer.args],
+                              buffer, str(buffer.ty.dtype))
         self.buffers[key] = self.builder_.emit(relax.op.reshape(wrote, chain[-1].ty.shape))
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:

@@ -109,6 +109,15 @@ class SlicedProducer:
     args: tuple[relax.Expr, ...]
     shape: tuple[int, ...]
 
+    def emit(self, builder: relax.BlockBuilder, args: list[relax.Expr],
+             buffer: relax.Expr | None, dtype: str) -> relax.Var:
+        """The kernel's call on ``args`` (visited), writing into ``buffer`` in place (viewed
+        as :attr:`shape`), or into a new one if None."""
+        kernel = add_kernel(builder, self.kernel, self.name)
+        out = relax.TensorType(self.shape, dtype)
+        return builder.emit(relax.call_tir(kernel, args, out) if buffer is None else
+                            relax.call_tir_inplace(kernel, [*args, buffer], [len(args)], out))
+
 
 def kernel_writing(part: relax.Expr, concat: relax.Call, channels: int, offset: int,
                    bound: dict, read_by, mod: tvm.IRModule) -> SlicedProducer | None:
@@ -211,14 +220,9 @@ class _ConcatSlices(relax.PyExprMutator):
 
     def _write(self, plan: _Plan, producer: SlicedProducer) -> None:
         """The producer's call, writing its channels of the plan's buffer."""
-        kernel = add_kernel(self.builder_, producer.kernel, producer.name)
-        args = [self.visit_expr(a) for a in producer.args]
-        out = relax.TensorType(producer.shape, plan.dtype)
-        call = (relax.call_tir(kernel, args, out) if plan.buffer is None else
-                relax.call_tir_inplace(kernel, [*args, plan.buffer_as(self.builder_,
-                                                                      producer.shape)],
-                                       [len(args)], out))
-        plan.buffer = self.builder_.emit(call)
+        buffer = None if plan.buffer is None else plan.buffer_as(self.builder_, producer.shape)
+        plan.buffer = producer.emit(self.builder_, [self.visit_expr(a) for a in producer.args],
+                                    buffer, plan.dtype)
 
     def _finish(self, plan: _Plan, var: relax.Var) -> None:
         """The other inputs copied into their channels, and the concat as the buffer's view."""
