@@ -102,7 +102,7 @@ if TYPE_CHECKING:  # annotations only
     from .scaffold import EpiloguePattern, KernelAdder
 
 __all__ = ["rewrite_conv", "conv_problem", "conv_batch", "emit_conv", "to_matrix",
-           "unsupported_geometry", "is_depthwise", "offload"]
+           "unsupported_geometry", "is_depthwise", "offload", "winograd_tile"]
 
 def _conv() -> DFPattern:
     """``conv2d(x, w)``, ``w`` constant (the call's own arguments are read, not sub-patterns)."""
@@ -406,6 +406,22 @@ def to_matrix(y: relax.Expr, shape: Sequence[tvm.ir.PrimExpr] | None = None) -> 
     return relax.op.reshape(relax.op.permute_dims(y, TO_NHWC), (n * h * w, c))
 
 
+def winograd_tile(problem: ConvProblem, target: Target,
+                  batch: tvm.ir.PrimExpr | None = None) -> int | None:
+    """The output tile of the Winograd form :func:`emit_conv` computes ``problem`` in on
+    ``target`` (:func:`~schedules.winograd.winograd_pays`), or None where it runs direct: a
+    run-time batch, or ``tpp -conv=direct``.
+
+    >>> from tvm_tpp.tpp_target import target
+    >>> p = ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1)
+    >>> [winograd_tile(p, target(t)) for t in ("tpp -isa=avx2", "tpp -isa=avx2 -conv=direct")]
+    [4, None]
+    """
+    if batch is not None or DIRECT_KEY in target.keys:
+        return None
+    return winograd_pays(problem, machine_of(target))
+
+
 def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
               operands: Sequence[relax.Expr], add_kernel: KernelAdder, target: Target,
               tuner: Tuner | TaskCollector | None, pad_value: float | int = 0,
@@ -448,8 +464,7 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
             (images, rows, columns, channels))
         problem, weight = folded, fold_rows_weight(weight)
     machine = machine_of(target)
-    tile = (winograd_pays(problem, machine) if batch is None and packed is None
-            and DIRECT_KEY not in target.keys else None)
+    tile = winograd_tile(problem, target, batch) if packed is None else None
     if tile is not None:
         return _emit_winograd(x, WinogradProblem(problem, tile), weight, operands, add_kernel,
                               target, tuner)

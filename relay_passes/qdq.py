@@ -72,7 +72,15 @@ from schedules.gemm import GemmProblem, pack_weight
 from schedules.operands import narrow
 from schedules.tuner import TaskCollector, Tuner
 
-from .conv import conv_batch, conv_problem, emit_conv, offload, to_matrix, unsupported_geometry
+from .conv import (
+    conv_batch,
+    conv_problem,
+    emit_conv,
+    offload,
+    to_matrix,
+    unsupported_geometry,
+    winograd_tile,
+)
 from .dense import ONE_COLUMN, DenseRows, scheduled
 from .scaffold import (
     Offload,
@@ -382,8 +390,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
         rescale = matches[chain.sx]
     else:
         rescale = relax.op.multiply(rescale, matches[chain.sx])
-    in_float = (machine_of(target).int8_in_float and rescale is None
-                and isinstance(zx_expr, tvm.ir.expr.Constant))
+    in_float = ((machine_of(target).int8_in_float or _winograd_in_float(chain, layer, target))
+                and rescale is None and isinstance(zx_expr, tvm.ir.expr.Constant))
     shift = _S8_SHIFT if str(xq.ty.dtype) == "int8" and not in_float else 0
     if shift:
         # The kernel's A is unsigned: x_q + 128 in [0, 255], and the zero point with it.
@@ -489,6 +497,19 @@ def _emit_dense(xq: relax.Expr, x_shape: tuple, _layer: relax.Call,
     packed = "" if config.pack_a is None else f" pack_a={config.pack_a}"
     return (rows.result(out, n), (rows.m, n, k), f"{name} [{config.spec}{packed}]",
             dispatched_brgemm(sch), 2 * rows.sample_rows * n * k)
+
+
+def _winograd_in_float(chain: _Chain, layer: relax.Call, target: Target) -> bool:
+    """Whether a QDQ conv computes in float32 because float32 runs it in Winograd form
+    (:func:`~relay_passes.conv.winograd_tile`) where the ISA has no int8 dot product: there
+    the exact int8 kernel multiplies at only 1.2x float32's rate (``vpmaddwd``; a Zen 3),
+    while Winograd's F(4x4, 3x3) needs a quarter of the products (``tpp -int8=kernels``
+    keeps every layer on the int8 kernels)."""
+    machine = machine_of(target)
+    if chain.anchor != "conv2d" or machine.int8 != "auto" or machine.isa.int8_dot:
+        return False
+    return winograd_tile(conv_problem(layer, "float32", Epilogue(), False), target,
+                         conv_batch(layer)) is not None
 
 
 def _emit_conv(xq: relax.Expr, _x_shape: tuple, layer: relax.Call,

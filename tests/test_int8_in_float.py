@@ -86,6 +86,31 @@ def test_a_3x3_conv_over_64_channels_takes_winograd(tmp_path):
     _assert_matches_qdq(model, layer, compiled)
 
 
+def test_auto_computes_winograd_convs_in_float_without_an_int8_dot_product(tmp_path):
+    """``-int8=auto`` on an ISA without an int8 dot product (AVX2): a quantized conv that
+    float32 computes in Winograd form is computed so; a 1x1 conv stays on the int8 kernel,
+    as the 3x3 conv does where VNNI multiplies int8, or where -int8=kernels asks."""
+    conv3, conv1 = _Conv(64, 72, (14, 14), 3, pad=1), _Conv(64, 40, (14, 14), 1)
+    models_ = {}
+    for name, layer in (("3x3", conv3), ("1x1", conv1)):
+        (tmp_path / name).mkdir()
+        models_[name] = _quantized(layer, tmp_path / name)
+    int8 = "uint8*int8->int32"
+    for name, target, dtypes in (("3x3", "tpp -isa=avx2 -mcpu=znver3", FLOAT32),
+                                 ("1x1", "tpp -isa=avx2 -mcpu=znver3", int8),
+                                 ("3x3", "tpp -isa=avx2 -mcpu=znver3 -int8=kernels", int8),
+                                 ("3x3", "tpp -isa=avx512_vnni", int8)):
+        compiled = tvm_tpp.compile(models_[name], target=target)
+        (entry,) = _routed(compiled)
+        assert entry.dtypes == dtypes, (name, target, entry)
+        assert ("_winograd" in entry.kernel) == (dtypes == FLOAT32), entry
+        if dtypes == FLOAT32:
+            assert "3x3 convs in Winograd form" in compiled.int8_note, compiled.int8_note
+            _assert_matches_qdq(models_[name], conv3, compiled)
+        else:
+            assert compiled.int8_note is None
+
+
 def test_residual_add_joins_the_float_kernel(tmp_path):
     model, layer = _quantized_residual_block(tmp_path)
     compiled = tvm_tpp.compile(model, target=FLOAT)

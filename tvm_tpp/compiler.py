@@ -689,17 +689,29 @@ def int8_note(report: Sequence[Offload], tgt: Target) -> str | None:
     >>> entry = Offload("conv2d_qdq", (1, 8, 7, 7), "k", dtypes="float32*float32->float32")
     >>> int8_note([entry], make_target("tpp -isa=avx2 -mcpu=znver1"))[:62]
     'int8 layers computed in float32 on their dequantized values: z'
-    >>> int8_note([entry], make_target("tpp -isa=avx2 -mcpu=znver3")) is None
+    >>> on_int8 = Offload("conv2d_qdq", (1, 8, 7, 7), "k", dtypes="uint8*int8->int32")
+    >>> int8_note([on_int8], make_target("tpp -isa=avx2 -mcpu=znver3")) is None
     True
+    >>> winograd = Offload("conv2d_qdq", (1, 64, 14, 14), "k_winograd4 [..]",
+    ...                    dtypes="float32*float32->float32")
+    >>> print(int8_note([winograd, on_int8], make_target("tpp -isa=avx2 -mcpu=znver3")))
+    int8 layers computed in float32 on their dequantized values: 1 of 2 quantized layers
+    (3x3 convs in Winograd form): avx2 has no int8 dot product, ...
     """
     machine = machine_of(tgt)
-    if not machine.int8_in_float or not any(
-            o.kernel and o.op.startswith(("conv2d_qdq", "matmul_qdq"))
-            and o.dtypes.startswith("float32") for o in report):
+    quantized = [o for o in report if o.kernel and o.op.startswith(("conv2d_qdq", "matmul_qdq"))]
+    in_float = [o for o in quantized if o.dtypes.startswith("float32")]
+    if not in_float:
         return None
-    why = ("as -int8=float asks" if machine.int8 == "float" else
-           f"{machine.mcpu} has no int8 dot product and half-width vector units, where "
-           "float32 (and its Winograd convs) is faster")
+    if machine.int8_in_float:
+        why = ("as -int8=float asks" if machine.int8 == "float" else
+               f"{machine.mcpu} has no int8 dot product and half-width vector units, where "
+               "float32 (and its Winograd convs) is faster")
+    else:
+        why = (f"{len(in_float)} of {len(quantized)} quantized layers (3x3 convs in Winograd "
+               f"form): "
+               f"{machine.isa.name} has no int8 dot product, and float32's Winograd needs a "
+               "quarter of the exact int8 kernel's products")
     return (f"int8 layers computed in float32 on their dequantized values: {why} "
             "(-int8=kernels: the int8 kernels)")
 
