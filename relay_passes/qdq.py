@@ -390,7 +390,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], chain: _
         rescale = matches[chain.sx]
     else:
         rescale = relax.op.multiply(rescale, matches[chain.sx])
-    in_float = ((machine_of(target).int8_in_float or _winograd_in_float(chain, layer, target))
+    in_float = ((machine_of(target).int8_in_float
+                 or _winograd_in_float(chain, layer, weights, target))
                 and rescale is None and isinstance(zx_expr, tvm.ir.expr.Constant))
     shift = _S8_SHIFT if str(xq.ty.dtype) == "int8" and not in_float else 0
     if shift:
@@ -499,17 +500,21 @@ def _emit_dense(xq: relax.Expr, x_shape: tuple, _layer: relax.Call,
             dispatched_brgemm(sch), 2 * rows.sample_rows * n * k)
 
 
-def _winograd_in_float(chain: _Chain, layer: relax.Call, target: Target) -> bool:
+def _winograd_in_float(chain: _Chain, layer: relax.Call, weights: _Weights,
+                       target: Target) -> bool:
     """Whether a QDQ conv computes in float32 because float32 runs it in Winograd form
     (:func:`~relay_passes.conv.winograd_tile`) where the ISA has no int8 dot product: there
     the exact int8 kernel multiplies at only 1.2x float32's rate (``vpmaddwd``; a Zen 3),
-    while Winograd's F(4x4, 3x3) needs a quarter of the products (``tpp -int8=kernels``
-    keeps every layer on the int8 kernels)."""
+    while Winograd needs a quarter (F(4x4, 3x3)) or 4/9 (F(2x2, 3x3)) of the products.  On
+    7-bit weights, whose ``vpmaddubsw`` kernel runs 2x float32, only F(4x4) pays (ResNet-50
+    at batch 1, F(2x2) at 14x14: 0.98x).  ``tpp -int8=kernels`` keeps every layer on the
+    int8 kernels."""
     machine = machine_of(target)
     if chain.anchor != "conv2d" or machine.int8 != "auto" or machine.isa.int8_dot:
         return False
-    return winograd_tile(conv_problem(layer, "float32", Epilogue(), False), target,
-                         conv_batch(layer)) is not None
+    tile = winograd_tile(conv_problem(layer, "float32", Epilogue(), False), target,
+                         conv_batch(layer))
+    return tile is not None and (tile >= 4 or not weights.narrow)
 
 
 def _emit_conv(xq: relax.Expr, _x_shape: tuple, layer: relax.Call,

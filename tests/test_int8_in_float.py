@@ -111,6 +111,20 @@ def test_auto_computes_winograd_convs_in_float_without_an_int8_dot_product(tmp_p
             assert compiled.int8_note is None
 
 
+def test_7bit_weights_take_only_the_larger_winograd_tile_in_float(tmp_path):
+    """7-bit weights run the 2x faster ``vpmaddubsw`` kernel: F(2x2) (a 14x14 map at batch 1)
+    stays on it, F(4x4) (28x28) is computed in float."""
+    for size, dtypes in ((14, "uint8*int8->int32"), (28, FLOAT32)):
+        layer = _Conv(64, 72, (size, size), 3, pad=1)
+        (tmp_path / str(size)).mkdir()
+        model = _quantized(layer, tmp_path / str(size), reduce_range=True)
+        compiled = tvm_tpp.compile(model, target="tpp -isa=avx2 -mcpu=znver3")
+        (entry,) = _routed(compiled)
+        assert entry.dtypes == dtypes, entry
+        assert ("_winograd4" in entry.kernel) == (dtypes == FLOAT32), entry
+        _assert_matches_qdq(model, layer, compiled)
+
+
 def test_residual_add_joins_the_float_kernel(tmp_path):
     model, layer = _quantized_residual_block(tmp_path)
     compiled = tvm_tpp.compile(model, target=FLOAT)

@@ -93,12 +93,12 @@ _CASES = {
 }
 
 
-def _quantized(layer: _Conv, tmp_path) -> onnx.ModelProto:
+def _quantized(layer: _Conv, tmp_path, reduce_range: bool = False) -> onnx.ModelProto:
     src, dst = tmp_path / "float.onnx", tmp_path / "qdq.onnx"
     onnx.save(layer.model(), str(src))
     quantize_static(str(src), str(dst), _Inputs(layer), quant_format=QuantFormat.QDQ,
                     per_channel=layer.per_channel, activation_type=layer.activations,
-                    weight_type=QuantType.QInt8)
+                    weight_type=QuantType.QInt8, reduce_range=reduce_range)
     return onnx.load(str(dst))
 
 
