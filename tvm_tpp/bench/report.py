@@ -276,7 +276,27 @@ def _precision_notes(cfg: BenchConfig) -> list[str]:
             "file's QDQ graph as ONNX Runtime runs it without its fusions (the ONNX spec's "
             "roundings; the onnxruntime row is its fused int8 execution)")
     return [f"precision {cfg.precision}: {what}; tpp-float32 = tpp on the float32 model "
-            f"(tolerance {TOLERANCE:g} vs ONNX Runtime on it)."]
+            f"(tolerance {TOLERANCE:g} vs ONNX Runtime on it).", *_saturation_notes(cfg)]
+
+
+def _saturation_notes(cfg: BenchConfig, target: _isa.Isa | None = None) -> list[str]:
+    """On an x86 CPU without an int8 dot product, full-range int8 weights: what the
+    baselines' int8 kernels trade for their speed there (nothing elsewhere).
+
+    >>> cfg = BenchConfig(models=("bert",), precision="int8")
+    >>> _saturation_notes(cfg, _isa.from_name("avx2"))[0][:44]
+    'no int8 dot product (VNNI) on this CPU: ONNX'
+    >>> _saturation_notes(cfg, _isa.from_name("avx512_vnni"))
+    []
+    """
+    target = target or _isa.detect()
+    if cfg.precision != "int8" or cfg.reduce_range or target.int8_dot or target.arch != "x86_64":
+        return []
+    return ["no int8 dot product (VNNI) on this CPU: ONNX Runtime's and OpenVINO's fused u8 x s8 "
+            "kernels multiply with vpmaddubsw, whose int16 pair sums saturate on full-range "
+            "weights (wrong where two large products of one sign meet; random inputs rarely "
+            "reach them), at about 1.6x the rate of tpp's exact int8 kernel; --reduce-range "
+            "compares on 7-bit weights, where no kernel saturates."]
 
 
 def _openvino_notes(cfg: BenchConfig) -> list[str]:
