@@ -709,9 +709,8 @@ def int8_note(report: Sequence[Offload], tgt: Target) -> str | None:
                "float32 (and its Winograd convs) is faster")
     else:
         why = (f"{len(in_float)} of {len(quantized)} quantized layers (3x3 convs in Winograd "
-               f"form): "
-               f"{machine.isa.name} has no int8 dot product, and float32's Winograd needs a "
-               "quarter of the exact int8 kernel's products")
+               f"form): {machine.isa.name} has no int8 dot product, and float32's Winograd "
+               "needs a quarter to 4/9 of the exact int8 kernel's products")
     return (f"int8 layers computed in float32 on their dequantized values: {why} "
             "(-int8=kernels: the int8 kernels)")
 
