@@ -171,8 +171,6 @@ class _Chains(relax.PyExprMutator):
         if position == 0 and key not in self.buffers:
             self._start(chain, self.visit_expr(self.parts[var][0]))
         buffer = self.buffers[key]
-        if static_shape(buffer.ty.shape.values) != producer.shape:
-            buffer = self.builder_.emit(relax.op.reshape(buffer, producer.shape))
         wrote = producer.emit(self.builder_, [self.visit_expr(a) for a in producer.args],
                               buffer, str(buffer.ty.dtype))
         self.buffers[key] = self.builder_.emit(relax.op.reshape(wrote, chain[-1].ty.shape))

@@ -116,7 +116,17 @@ class SlicedProducer:
         kernel = add_kernel(builder, self.kernel, self.name)
         out = relax.TensorType(self.shape, dtype)
         return builder.emit(relax.call_tir(kernel, args, out) if buffer is None else
-                            relax.call_tir_inplace(kernel, [*args, buffer], [len(args)], out))
+                            relax.call_tir_inplace(kernel, [*args, _viewed(builder, buffer,
+                                                                           self.shape)],
+                                                   [len(args)], out))
+
+
+def _viewed(builder: relax.BlockBuilder, buffer: relax.Var, shape: tuple[int, ...]
+            ) -> relax.Var:
+    """``buffer`` viewed as ``shape`` (itself where it has that shape)."""
+    if static_shape(buffer.ty.shape.values) == shape:
+        return buffer
+    return builder.emit(relax.op.reshape(buffer, shape))
 
 
 def kernel_writing(part: relax.Expr, concat: relax.Call, channels: int, offset: int,
@@ -161,8 +171,7 @@ class _Plan:
 
     def buffer_as(self, builder: relax.BlockBuilder, shape: tuple[int, ...]) -> relax.Var:
         """The buffer viewed as ``shape``."""
-        if static_shape(self.buffer.ty.shape.values) != shape:
-            self.buffer = builder.emit(relax.op.reshape(self.buffer, shape))
+        self.buffer = _viewed(builder, self.buffer, shape)
         return self.buffer
 
 
@@ -220,9 +229,8 @@ class _ConcatSlices(relax.PyExprMutator):
 
     def _write(self, plan: _Plan, producer: SlicedProducer) -> None:
         """The producer's call, writing its channels of the plan's buffer."""
-        buffer = None if plan.buffer is None else plan.buffer_as(self.builder_, producer.shape)
         plan.buffer = producer.emit(self.builder_, [self.visit_expr(a) for a in producer.args],
-                                    buffer, plan.dtype)
+                                    plan.buffer, plan.dtype)
 
     def _finish(self, plan: _Plan, var: relax.Var) -> None:
         """The other inputs copied into their channels, and the concat as the buffer's view."""
