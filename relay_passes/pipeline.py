@@ -82,8 +82,9 @@ def tpp_rewrites(
         mod = max_pools_in_bf16(mod)
         # What dense left: matmuls whose operands both vary.
         mod = rewrite_batch_matmul(mod, target, found, tuner, precision)
-        # Elementwise chains between int8 tensors (DenseNet's quantized pre-activations).
-        mod = lookup_tables(mod)
+        # Elementwise chains between int8 tensors (DenseNet's quantized pre-activations),
+        # their tables read a block of channels at a time from half of L1.
+        mod = lookup_tables(mod, machine_of(target).caches.l1d // 2)
         # DenseNet's concat chains: each layer's channels written into one buffer; the other
         # concats' inputs written into their channels by the kernels computing them.
         mod = write_concat_slices(write_concat_chains(mod))

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
 import tvm_tpp
+from microkernels.machine import machine_of
 from relay_passes.lookup_tables import chain_table, lookup_kernel, lookup_tables
 from relay_passes.pipeline import tpp_rewrites
 from relay_passes.scaffold import add_kernel
@@ -208,3 +209,40 @@ def test_qdq_graph_equals_onnxruntime(kind):
     # Equal but for a float32 tie rounded the other way (erf's last bit): one step at most.
     np.testing.assert_allclose(got, want, rtol=0, atol=0.02 * 1.0001)
     assert np.mean(got == want) > 0.99
+
+
+@pytest.mark.parametrize("shape,axis,source", [((2, 5, 7, 300), 3, "uint8"),
+                                               ((1, 3, 67, 130), 3, "int8"),
+                                               ((3, 9, 4, 5), 1, "uint8")],
+                         ids=["300 channels", "130 int8 channels", "channels not last"])
+def test_lookup_in_channel_blocks_matches_numpy(shape, axis, source):
+    """Tables of 300 and 130 channels read 16 channels (4 KiB) at a time, over pixel counts
+    no tile divides; a table on another axis keeps the plain loop."""
+    rows = shape[axis]
+    low = np.iinfo(source).min
+    x = RNG.integers(low, low + 256, shape).astype(source)
+    table = RNG.integers(0, 256, (rows, 256)).astype("uint8")
+    channel = np.arange(rows).reshape([rows if a == axis else 1 for a in range(len(shape))])
+    kernel = lookup_kernel(shape, source, rows, axis, "uint8", cache_bytes=4 << 10)
+    assert ("T.grid" in kernel.script()) == (axis == len(shape) - 1)  # blocked or plain
+    lib = tvm.compile(tvm.IRModule({"main": kernel}), target=tvm_tpp.target("tpp"))
+    y = tvm.runtime.empty(shape, "uint8", tvm.cpu())
+    lib["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(table), y)
+    np.testing.assert_array_equal(y.numpy(), table[channel, x.astype("int32") - low])
+
+
+def test_pipeline_reads_tables_in_blocks_of_half_l1():
+    """A 512-channel table (128 KiB) is read in blocks that fit half of the host's L1d."""
+    shape = (1, 3, 5, 512)
+    scale, shift = RNG.uniform(0.5, 1.5, 512), RNG.uniform(-0.5, 0.5, 512)
+    before = _main(shape, lambda bb, x: _pre_activation(bb, x, scale.astype("float32"),
+                                                         shift.astype("float32")))
+    target = tvm_tpp.target("tpp")
+    mod = tpp_rewrites(target)(before)
+    (kernel,) = [f for gv, f in mod.functions.items() if "lookup" in gv.name_hint]
+    half = machine_of(target).caches.l1d // 2
+    expected = lookup_kernel(shape, "uint8", 512, 3, "uint8", cache_bytes=half)
+    # The pipeline adds its attributes (op pattern, scheduled) to the kernel.
+    tvm.ir.assert_structural_equal(kernel, expected.with_attrs(kernel.attrs).without_attr(
+        "global_symbol"))
+    assert "T.grid" in expected.script()
