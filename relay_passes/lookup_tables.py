@@ -212,7 +212,7 @@ def lookup_kernel(shape: tuple[int, ...], source_dtype: str, rows: int, axis: in
                   out_dtype: str, cache_bytes: int = 0) -> tvm.tirx.PrimFunc:
     """``Y[i] = table[i[axis], X[i] - min(source_dtype)]`` over ``shape``: the leading axes
     fused and run in parallel, the last one serial: a byte load per element, faster on Zen 3
-    than ``vpgatherdd`` on a table widened to int32 (BENCHMARKS.md).
+    than ``vpgatherdd`` on a table widened to int32, and on a Zen 4's two vCPUs (BENCHMARKS.md).
 
     A table over the last axis (NHWC channels) larger than ``cache_bytes`` (half of L1d; 0:
     any size) is read a block of channels at a time: each task takes tiles of
@@ -251,8 +251,8 @@ def lookup_kernel(shape: tuple[int, ...], source_dtype: str, rows: int, axis: in
     return sch.mod["main"].with_attr("tirx.noalias", True)
 
 
-#: Pixels a task looks up a block of channels for at a time (:func:`lookup_kernel`): 16 to
-#: 64 ran alike on a Zen 4, 64 the fastest.
+#: Pixels a task looks up a block of channels for at a time (:func:`lookup_kernel`): on a
+#: Zen 4, tiles of 16 ran 1.06-1.12x slower than tiles of 64.
 PIXEL_TILE = 64
 
 
