@@ -8,7 +8,13 @@ from onnx import TensorProto, helper, numpy_helper
 from tvm.script import tirx as T
 
 import tvm_tpp
-from schedules.dynamic_parallel import dynamic_parallel, pipeline_for, tir_pipeline
+from schedules.dynamic_parallel import (
+    CHUNKS_PER_THREAD,
+    chunk_size,
+    dynamic_parallel,
+    pipeline_for,
+    tir_pipeline,
+)
 from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 
 
@@ -30,12 +36,12 @@ def test_parallel_loop_becomes_tasks_taking_chunks():
         tpp_next[0] = 0
         for _tpp_task in T.parallel(8):
             tpp_start = T.alloc_buffer((1,), "int32")
-            tpp_start[0] = T.call_extern("int32", "tpp_fetch_add", tpp_next.data, 4)
+            tpp_start[0] = T.call_extern("int32", "tpp_fetch_add", tpp_next.data, 3)
             while tpp_start[0] < 37:
-                for tpp_j in range(T.min(4, 37 - tpp_start[0])):
+                for tpp_j in range(T.min(3, 37 - tpp_start[0])):
                     i: T.let[T.int32] = tpp_start[0] + tpp_j
                     a[i] = a[i] * T.float32(2)
-                tpp_start[0] = T.call_extern("int32", "tpp_fetch_add", tpp_next.data, 4)
+                tpp_start[0] = T.call_extern("int32", "tpp_fetch_add", tpp_next.data, 3)
 
     after = _rewritten(before)
     # The linked LLVM text is the one difference: compare the bodies under the attribute.
@@ -110,3 +116,22 @@ def test_network_build_uses_chunks_and_matches_onnxruntime():
     inputs = random_inputs(compiled.inputs, seed=1)
     _, rel = max_errors(compiled.run(**inputs), run_onnxruntime(model, inputs))
     assert rel <= 1e-5
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("extent", [1, 5, 7, 28, 37, 49, 98, 224, 1000, 4099])
+def test_chunks_leave_no_thread_more_than_its_share(threads, extent):
+    """Chunks taken in turn by equally fast threads: nobody runs more than its share (1 %
+    over on long loops), and chunks are as long as that allows, up to a quarter share."""
+    def busiest(chunk):
+        loads = [0] * threads
+        for start in range(0, extent, chunk):
+            loads[loads.index(min(loads))] += min(chunk, extent - start)
+        return max(loads)
+
+    share = -(-extent // threads)
+    chunk = chunk_size(extent, threads)
+    largest = max(1, extent // (CHUNKS_PER_THREAD * threads))
+    assert 1 <= chunk <= largest
+    assert busiest(chunk) <= share + share // 100
+    assert all(busiest(c) > share + share // 100 for c in range(chunk + 1, largest + 1))
