@@ -281,7 +281,7 @@ class ChannelsLastReduction(dl.ScheduleRule):
         spatial = len(kinds) - len(kinds.lstrip("S"))
         loops = sch.get_loops(info.block_rv)
         block = sch.get(info.block_rv)
-        if (spatial < 2 or kinds[spatial:].strip("R") or len(loops) != len(kinds)
+        if (spatial < 1 or kinds[spatial:].strip("R") or len(loops) != len(kinds)
                 or len(block.writes) != 1):
             return None
         channel = block.iter_vars[spatial - 1].var
@@ -294,7 +294,8 @@ class ChannelsLastReduction(dl.ScheduleRule):
             return None
         channels = sch.split(loops[spatial - 1], [None, width])
         sch.reorder(*loops[:spatial - 1], channels[0], *loops[spatial:], channels[1])
-        outer = sch.fuse(*loops[:spatial - 1], channels[0])
+        # A batch of one has no loop of its own (normalize_prim_func drops unit loops).
+        outer = sch.fuse(*loops[:spatial - 1], channels[0]) if spatial > 1 else channels[0]
         sch.parallel(outer)
         sch.vectorize(channels[1])
         sch.decompose_reduction(info.block_rv, loops[spatial])

@@ -188,6 +188,42 @@ def test_channels_last_pooling_reduces_whole_vectors(dtype, kind):
                                atol=1e-6)
 
 
+def _spatial_mean(n: int, c: int):
+    """An SE block's squeeze as Relax legalizes it: the mean over H and W of an NHWC
+    tensor, kept as ``[N, 1, 1, C]``, then cast to bf16 (a sum, a division and a cast, which
+    :func:`inline_elementwise` makes one block after the sum)."""
+    from tvm import topi
+
+    x = te.placeholder((n, 7, 5, c), "float32", name="x")
+    total = topi.sum(x, axis=(1, 2), keepdims=True)
+    y = topi.cast(topi.divide(total, tvm.tirx.const(35.0, "float32")), "bfloat16")
+    return te.create_prim_func([x, y])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_channels_last_mean_reduces_whole_vectors_at_any_batch(n):
+    """At batch 1 the N loop is a unit loop normalize_prim_func drops: the channel vectors
+    alone run in parallel (not DLight's Reduction, a scalar sum per channel)."""
+    func = _spatial_mean(n, 40)
+    sch = ChannelsLastReduction().apply(func, TARGET, False)
+    assert sch is not None
+    [update] = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
+                if sch.get(b).name_hint.endswith("_update")]
+    loops = [sch.get(loop) for loop in sch.get_loops(update)]
+    # (Images and) channel vectors in parallel, the 7x5 pixels, one AVX2 vector of channels.
+    assert loops[0].kind == ForKind.PARALLEL and int(loops[0].extent) == n * 40 // 8
+    assert [(loop.kind, int(loop.extent)) for loop in loops[1:]] == [
+        (ForKind.SERIAL, 7), (ForKind.SERIAL, 5), (ForKind.VECTORIZED, 8)]
+    with TARGET:
+        scheduled = fallback_schedules()(tvm.IRModule({"main": func}))
+    f = tvm.compile(scheduled, target=TARGET)
+    a = np.random.default_rng(2).standard_normal((n, 7, 5, 40)).astype("float32")
+    out = tvm.runtime.empty((n, 1, 1, 40), "bfloat16")
+    f(tvm.runtime.tensor(a), out)
+    expected = a.astype(np.float64).mean(axis=(1, 2), keepdims=True)
+    np.testing.assert_allclose(out.numpy().astype("float32"), expected, rtol=1e-2, atol=1e-3)
+
+
 def _channel_shuffle_pad(groups: int, per_group: int, dtype: str):
     """ShuffleNet's channel shuffle of an NHWC tensor (viewed ``[pixels, C]``) and the pad of
     the depthwise conv after it, as TVM fuses them: ``c % G * C/G + c // G`` per channel."""
