@@ -122,11 +122,45 @@ def test_amx_result_reports_the_tile_kernel_and_its_peak(fake_amx_host, monkeypa
     assert (r["isa"], r["impl"], r["shape"], r["layout"]) == ("amx", "amx", [32, 32, 64, 8],
                                                               "vnni4")
     assert [s.isa for s in timed] == ["amx", "amx"]  # the tile kernel, the fp32 reference
-    assert (r["amx_ops_per_cycle"], r["amx_peak_gops"]) == (2048, 6144.0)
-    assert r["fraction_of_amx_peak"] == 1.0 and r["ratio_to_fp32"] == 64.0
+    assert r["dtype_peak_gops"] == 6144.0 and r["fraction_of_dtype_peak"] == 1.0
+    assert r["ratio_to_fp32"] == 64.0
     text = format_bench_kernel(r)
     assert "(vnni4, amx kernel)" in text
-    assert "AMX tiles: 100.0% of the 6144.0 GOPS AMX peak (2048 int8 ops per cycle" in text
+    assert "100.0% of the 6144.0 GOPS int8 peak (AMX 2048 int8 ops per cycle x 3.00 GHz)" in text
+
+
+@pytest.mark.parametrize("dtype, isa_name, factor", [("int8", "avx512_vnni", 4),
+                                                     ("bfloat16", "avx512_bf16", 2),
+                                                     ("int8", "avx512", None)])
+def test_dot_product_kernels_are_measured_against_their_instruction_s_peak(
+        fake_amx_host, monkeypatch, dtype, isa_name, factor):
+    """vpdpbusd does 4 u8 x s8 products per 32-bit lane, vdpbf16ps 2 bf16 ones, at the FMA's
+    rate: their kernels' share of that peak; a kernel emulating its dtype (AVX-512 int8
+    without VNNI) has none."""
+    fake_amx_host(granted=False, flags=_isa.from_name(isa_name).requires)
+
+    class FakeChains:
+        def __init__(self, isa: str) -> None:
+            self.isa = isa
+
+        def best_seconds(self, repeat: int) -> float:
+            return 1.0
+
+        def peak(self, seconds: float) -> _peak.Peak:
+            return _peak.Peak(self.isa, 16, 3.0)  # 192 GFLOPS fp32
+
+    monkeypatch.setattr(kernel, "kernel_timer",
+                        lambda shape: lambda: 96.0 if shape.dtype_a == "float32" else 288.0)
+    monkeypatch.setattr(_peak, "FmaChains", FakeChains)
+    r = bench_kernel(dtype, isa=isa_name, rounds=1, runs=1)
+    assert r["impl"] == isa_name and r["peak_gflops"] == 192.0
+    if factor is None:
+        assert "dtype_peak_gops" not in r
+        return
+    assert r["dtype_peak_gops"] == 192.0 * factor
+    assert r["fraction_of_dtype_peak"] == pytest.approx(288.0 / (192.0 * factor), abs=1e-4)
+    assert f"GOPS {dtype} peak ({isa_name}: {factor} x the fp32 FMA peak)" in \
+        format_bench_kernel(r)
 
 
 @pytest.mark.parametrize("dtype, instruction", [("uint8", "tdpbusd"), ("bfloat16", "tdpbf16ps")])

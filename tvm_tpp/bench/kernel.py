@@ -7,13 +7,15 @@ DRAM.  The result is compared with the core's fp32 FMA peak (:mod:`microkernels.
 
 Low-precision kernels are reported in GOPS (2 ops per multiply-add) next to the fp32 kernel on
 the same shape (``ratio_to_fp32``); their ``fraction_of_peak`` is relative to the *fp32*
-peak, so e.g. 2.0 means twice the fp32 FMA peak.
+peak, so e.g. 2.0 means twice the fp32 FMA peak, and ``fraction_of_dtype_peak`` to their own
+instruction's (:func:`~tvm_tpp.bench.gemm.dtype_peak`: ``vpdpbusd`` 4x, ``vdpbf16ps`` 2x the
+fp32 peak, AMX tiles their ops per cycle), where the ISA has one.
 
 The kernel timed is the one :func:`~microkernels.brgemm.find_impl` picks, and it must be the
 requested ISA's own (or, for a dtype that ISA adds no kernel for, the one it inherits): a
 block the ISA's kernel refuses is an error, never silently another kernel.  ``isa="amx"``
-times the AMX tile kernel (int8 or bfloat16) on a tile-shaped block, also against the AMX
-peak (:data:`microkernels.amx.OPS_PER_CYCLE`), and only where this process may run AMX.
+times the AMX tile kernel (int8 or bfloat16) on a tile-shaped block, only where this process
+may run AMX.
 
 Examples
 --------
@@ -35,6 +37,7 @@ from microkernels.machine import amx_refused, host, runs_here
 from microkernels.peak import llvm_target
 
 from ..errors import UsageError
+from .gemm import dtype_peak
 from .timing import tvm_timer
 
 if TYPE_CHECKING:
@@ -212,8 +215,10 @@ def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None =
         ``fraction_of_peak``, ``clock_ghz``; for low precision also ``fp32_gflops`` and
         ``ratio_to_fp32``; for full-range int8 without VNNI also ``w7_gflops`` and
         ``w7_ratio_to_fp32`` (the ``vpmaddubsw`` kernel of the ``vnni4_w7`` layout, exact for
-        7-bit weights); for the AMX kernel also ``amx_ops_per_cycle``, ``amx_peak_gops`` (one
-        core's tile peak at the measured clock) and ``fraction_of_amx_peak``.
+        7-bit weights); where the kernel's ISA has an instruction for the dtype (VNNI,
+        AVX512-BF16, AMX tiles) also ``dtype_peak_gops`` (one core's, at the measured clock),
+        ``dtype_peak_basis`` (how it follows from the fp32 peak) and
+        ``fraction_of_dtype_peak``.
 
     Raises
     ------
@@ -277,10 +282,13 @@ def bench_kernel(dtype: str = "float32", isa: str | None = None, m: int | None =
         "fraction_of_peak": round(best["kernel"] / peak.peak_gflops, 4),
         "clock_ghz": round(peak.clock_ghz, 3),
     }
-    if impl_isa == "amx":
-        result["amx_ops_per_cycle"] = amx.OPS_PER_CYCLE[dtype_a]
-        result["amx_peak_gops"] = round(amx.OPS_PER_CYCLE[dtype_a] * peak.clock_ghz, 1)
-        result["fraction_of_amx_peak"] = round(best["kernel"] / result["amx_peak_gops"], 4)
+    own = (dtype_peak(dtype, _isa.from_name(impl_isa),
+                      {"gflops_per_core": peak.peak_gflops, "clock_ghz": peak.clock_ghz})
+           if dtype in ("int8", "bfloat16") else None)
+    if own is not None:
+        result["dtype_peak_gops"] = round(own[0], 1)
+        result["dtype_peak_basis"] = own[1]
+        result["fraction_of_dtype_peak"] = round(best["kernel"] / own[0], 4)
     if "fp32" in best:
         result["fp32_gflops"] = round(best["fp32"], 2)
         result["ratio_to_fp32"] = round(best["kernel"] / best["fp32"], 3)

@@ -362,18 +362,18 @@ def print_report(rows: Sequence[Row], cfg: BenchConfig, wall_seconds: float | No
 def format_bench_kernel(result: dict[str, Any]) -> str:
     """``tvm-tpp bench-kernel``: human-readable lines for a
     :func:`~tvm_tpp.bench.kernel.bench_kernel` result; the kernel named is the ISA whose
-    implementation ran (``result["impl"]``), and an AMX kernel's line also gives its
-    fraction of the AMX peak.
+    implementation ran (``result["impl"]``), and a low-precision kernel's lines also give its
+    fraction of its own instruction's peak.
 
     >>> print(format_bench_kernel({
     ...     "isa": "amx", "dtype": "bfloat16", "shape": [32, 32, 32, 8], "layout": "vnni2",
     ...     "impl": "amx", "gflops": 1536.0, "peak_gflops": 192.0, "fraction_of_peak": 8.0,
-    ...     "clock_ghz": 3.0, "amx_ops_per_cycle": 1024, "amx_peak_gops": 3072.0,
-    ...     "fraction_of_amx_peak": 0.5}))
+    ...     "clock_ghz": 3.0, "dtype_peak_gops": 3072.0, "fraction_of_dtype_peak": 0.5,
+    ...     "dtype_peak_basis": "AMX 1024 bfloat16 ops per cycle x 3.00 GHz"}))
     ... # doctest: +NORMALIZE_WHITESPACE
     BRGEMM amx bfloat16 32x32x32x8 (vnni2, amx kernel): 1536.0 GOPS = 800.0% of the 192.0
     GFLOPS fp32 FMA peak (measured clock 3.00 GHz x 2 FMA units)
-      AMX tiles: 50.0% of the 3072.0 GOPS AMX peak (1024 bfloat16 ops per cycle x 3.00 GHz)
+      50.0% of the 3072.0 GOPS bfloat16 peak (AMX 1024 bfloat16 ops per cycle x 3.00 GHz)
     """
     m, n, k, batch = result["shape"]
     unit = "GFLOPS" if result["dtype"] == "float32" else "GOPS"
@@ -383,10 +383,10 @@ def format_bench_kernel(result: dict[str, Any]) -> str:
         f"{100 * result['fraction_of_peak']:.1f}% of the {result['peak_gflops']:.1f} GFLOPS "
         f"fp32 FMA peak (measured clock {result['clock_ghz']:.2f} GHz x 2 FMA units)"
     ]
-    if "amx_peak_gops" in result:
-        lines.append(f"  AMX tiles: {100 * result['fraction_of_amx_peak']:.1f}% of the "
-                     f"{result['amx_peak_gops']:.1f} GOPS AMX peak ({result['amx_ops_per_cycle']} "
-                     f"{result['dtype']} ops per cycle x {result['clock_ghz']:.2f} GHz)")
+    if "dtype_peak_gops" in result:
+        lines.append(f"  {100 * result['fraction_of_dtype_peak']:.1f}% of the "
+                     f"{result['dtype_peak_gops']:.1f} GOPS {result['dtype']} peak "
+                     f"({result['dtype_peak_basis']})")
     if "ratio_to_fp32" in result:
         lines.append(f"  fp32 kernel, same shape: {result['fp32_gflops']:.1f} GFLOPS; "
                      f"{result['dtype']} / fp32 = {result['ratio_to_fp32']:.2f}x")
