@@ -96,6 +96,19 @@ def test_amx_refused_where_not_usable(fake_amx_host, granted, flags, message):
         bench_kernel("bfloat16", isa="amx")
 
 
+class _FakeChains:
+    """The FMA-peak microbenchmark's stand-in: 16 flops a cycle at 3 GHz, 192 GFLOPS."""
+
+    def __init__(self, isa: str) -> None:
+        self.isa = isa
+
+    def best_seconds(self, repeat: int) -> float:
+        return 1.0
+
+    def peak(self, seconds: float) -> _peak.Peak:
+        return _peak.Peak(self.isa, 16, 3.0)
+
+
 def test_amx_result_reports_the_tile_kernel_and_its_peak(fake_amx_host, monkeypatch):
     """On a (faked) AMX host the tile kernel is what is timed and named; the timers are
     stand-ins here, as this host cannot execute tile instructions."""
@@ -106,18 +119,8 @@ def test_amx_result_reports_the_tile_kernel_and_its_peak(fake_amx_host, monkeypa
         timed.append(shape)
         return lambda: 6144.0 if shape.dtype_a == "uint8" else 96.0
 
-    class FakeChains:
-        def __init__(self, isa: str) -> None:
-            self.isa = isa
-
-        def best_seconds(self, repeat: int) -> float:
-            return 1.0
-
-        def peak(self, seconds: float) -> _peak.Peak:
-            return _peak.Peak(self.isa, 16, 3.0)
-
     monkeypatch.setattr(kernel, "kernel_timer", fake_timer)
-    monkeypatch.setattr(_peak, "FmaChains", FakeChains)
+    monkeypatch.setattr(_peak, "FmaChains", _FakeChains)
     r = bench_kernel("int8", isa="amx", rounds=1, runs=1)
     assert (r["isa"], r["impl"], r["shape"], r["layout"]) == ("amx", "amx", [32, 32, 64, 8],
                                                               "vnni4")
@@ -139,19 +142,9 @@ def test_dot_product_kernels_are_measured_against_their_instruction_s_peak(
     without VNNI) has none."""
     fake_amx_host(granted=False, flags=_isa.from_name(isa_name).requires)
 
-    class FakeChains:
-        def __init__(self, isa: str) -> None:
-            self.isa = isa
-
-        def best_seconds(self, repeat: int) -> float:
-            return 1.0
-
-        def peak(self, seconds: float) -> _peak.Peak:
-            return _peak.Peak(self.isa, 16, 3.0)  # 192 GFLOPS fp32
-
     monkeypatch.setattr(kernel, "kernel_timer",
                         lambda shape: lambda: 96.0 if shape.dtype_a == "float32" else 288.0)
-    monkeypatch.setattr(_peak, "FmaChains", FakeChains)
+    monkeypatch.setattr(_peak, "FmaChains", _FakeChains)
     r = bench_kernel(dtype, isa=isa_name, rounds=1, runs=1)
     assert r["impl"] == isa_name and r["peak_gflops"] == 192.0
     if factor is None:
