@@ -259,8 +259,7 @@ def lookup_tables(mod: tvm.IRModule, cache_bytes: int = 0) -> tvm.IRModule:
     """``mod`` with each elementwise chain between 8-bit tensors (module docstring) replaced
     by a table lookup; the operators only the chains read go.  Tables over more than
     ``cache_bytes`` (half of the target's L1d) are read in blocks (:func:`lookup_kernel`)."""
-    lookups = _Lookups(mod)
-    lookups.cache_bytes = cache_bytes
+    lookups = _Lookups(mod, cache_bytes)
     changed = {}
     for gv, func in mod.functions.items():
         if isinstance(func, relax.Function):
@@ -276,8 +275,11 @@ def lookup_tables(mod: tvm.IRModule, cache_bytes: int = 0) -> tvm.IRModule:
 class _Lookups(relax.PyExprMutator):
     #: The variables of the function being visited, bound to their values.
     bound: dict[relax.Var, relax.Expr] = {}
-    #: Table bytes a lookup reads at once (:func:`lookup_kernel`).
-    cache_bytes: int = 0
+
+    def __init__(self, mod: tvm.IRModule, cache_bytes: int) -> None:
+        super().__init__(mod)
+        #: Table bytes a lookup reads at once (:func:`lookup_kernel`).
+        self.cache_bytes = cache_bytes
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         found = chain_table(call, self.bound)
