@@ -2,7 +2,10 @@
 
 ``C[m, n] += sum_b sum_k A_b[m, k] * B_b[k, n]`` over ``batch`` blocks of A and B that sit at
 fixed strides from each other (the stride-based BRGEMM of the TPP paper, the form blocked
-layouts give).  C is accumulated in registers across the whole batch-reduce
+layouts give).  Outside the blocked layout the batch blocks lie one after the other along
+K, A's too unless the shape is ``batched_a``: then A's blocks sit at a stride of their own
+(a conv's filter rows, a row of the image apart, beside its weight rows that run on along
+K).  C is accumulated in registers across the whole batch-reduce
 (output-stationary); zeroing is the schedule's job, done by TVM's ``decompose_reduction``
 at the first K step, exactly where PARLOOPER calls its zero TPP.  Where one call is the
 whole reduction of its C block, a kernel with ``beta=0`` (:func:`zeroing`) starts its
@@ -127,6 +130,10 @@ class BrgemmShape:
         ``beta=1``): one kernel for every call of a reduction that takes several, the
         schedule binding the flag to the first (``schedules.nest.bind_first_call``) and
         dropping the zeroing.  The TIR semantics are again those of ``beta=1``.
+    batched_a
+        A is ``[batch, m, k]``, its batch blocks at a stride of their own, where B's stay
+        consecutive along K (``[batch*k/alpha, n, alpha]``): one call reduces a conv's
+        filter rows, each a row of the image apart (flat and VNNI layouts, ``batch > 1``).
     """
 
     m: int
@@ -139,6 +146,7 @@ class BrgemmShape:
     isa: str = "avx2"
     beta: int = 1
     first_call_zeroes: bool = False
+    batched_a: bool = False
 
     def __post_init__(self) -> None:
         for dim in ("m", "n", "k", "batch"):
@@ -164,6 +172,12 @@ class BrgemmShape:
             raise ValueError(f"BrgemmShape.beta must be 0 or 1, got {self.beta!r}")
         if self.first_call_zeroes and self.beta != 1:
             raise ValueError("first_call_zeroes needs beta=1: the calls after the first add")
+        if not isinstance(self.batched_a, bool):
+            raise TypeError(f"BrgemmShape.batched_a must be a bool, got {self.batched_a!r}")
+        if self.batched_a and (self.layout == "blocked" or self.layout in _LAYOUT_FNS
+                               or self.batch == 1):
+            raise ValueError(f"batched_a needs batch > 1 and a flat or VNNI layout, got "
+                             f"batch={self.batch}, layout {self.layout!r}")
         _isa.from_name(self.isa)
 
     @property
@@ -186,13 +200,14 @@ class BrgemmShape:
             f"tpp_brgemm_{self.isa}_{self.dtype_a}_{self.layout}_"
             f"{self.m}x{self.n}x{self.k}x{self.batch}"
             + ("_beta0" if self.beta == 0 else "_beta0first" if self.first_call_zeroes else "")
+            + ("_batcheda" if self.batched_a else "")
         )
 
     def a_shape(self) -> tuple[int, ...]:
         """Shape of the A operand of one kernel call."""
         if self.layout in _LAYOUT_FNS:
             return _LAYOUT_FNS[self.layout][0](self)[0]
-        if self.layout == "blocked":
+        if self.layout == "blocked" or self.batched_a:
             return (self.batch, self.m, self.k)
         return (self.m, self.batch * self.k)
 
@@ -215,6 +230,8 @@ DescFactory = Callable[[BrgemmShape, bool], "PrimFunc"]
 _IMPLS: dict[tuple[str, str, str], ImplFactory] = {}
 # The keys of _IMPLS whose factories also make beta=0 and first_call_zeroes kernels.
 _ZEROING: set[tuple[str, str, str]] = set()
+# The keys of _IMPLS whose factories also make batched_a kernels.
+_BATCHED_A: set[tuple[str, str, str]] = set()
 _DESCS: dict[str, DescFactory] = {}
 # layout -> (operand shapes function, numpy reference) for layouts registered by modules.
 _LAYOUT_FNS: dict[str, tuple[Callable, Callable]] = {}
@@ -223,13 +240,13 @@ _loaded = False
 
 
 def register_impl(isas: str | tuple[str, ...], dtype_a: str, layout: str, *,
-                  zeroing: bool = False):
+                  zeroing: bool = False, batched_a: bool = False):
     """Decorator registering ``factory(shape) -> impl PrimFunc`` for these ISAs.
 
     The impl must read and write the same buffers (shapes, strides, scopes) as
     :func:`desc_func` declares for the shape, and compute the same values; with
-    ``zeroing``, the factory also makes ``beta=0`` and ``first_call_zeroes`` kernels
-    (:class:`BrgemmShape`).
+    ``zeroing``, the factory also makes ``beta=0`` and ``first_call_zeroes`` kernels,
+    with ``batched_a`` kernels of ``batched_a`` shapes (:class:`BrgemmShape`).
     """
     names = (isas,) if isinstance(isas, str) else isas
 
@@ -240,6 +257,8 @@ def register_impl(isas: str | tuple[str, ...], dtype_a: str, layout: str, *,
             _IMPLS[(name, dtype_a, layout)] = factory
             if zeroing:
                 _ZEROING.add((name, dtype_a, layout))
+            if batched_a:
+                _BATCHED_A.add((name, dtype_a, layout))
         return factory
 
     return wrap
@@ -284,14 +303,16 @@ def find_impl(shape: BrgemmShape) -> tuple[str, PrimFunc]:
     The richest ISA along the shape's lineage whose factory accepts the shape wins; a factory
     refuses a shape it cannot do (an AMX tile budget, a NEON register tile) with ValueError,
     and the next one is tried, down to the generic loops.  A ``beta=0`` or
-    ``first_call_zeroes`` shape takes only factories registered with ``zeroing``.
+    ``first_call_zeroes`` shape takes only factories registered with ``zeroing``, a
+    ``batched_a`` one only those registered with ``batched_a`` (the generic loops do both).
     """
     _load_implementations()
     zeroes = shape.beta == 0 or shape.first_call_zeroes
     for name in _isa.from_name(shape.isa).lineage() + ("generic",):
         key = (name, shape.dtype_a, shape.layout)
         factory = _IMPLS.get(key)
-        if factory is None or (zeroes and key not in _ZEROING):
+        if factory is None or (zeroes and key not in _ZEROING) or (
+                shape.batched_a and key not in _BATCHED_A):
             continue
         try:
             return name, factory(shape)
@@ -363,7 +384,7 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool, zero_first: bool = Fals
     dense = as_workload
 
     def a_at(i, kk):  # element (i, kk) of the stacked [m, batch*k] A
-        return (kk // k, i, kk % k) if blocked else (i, kk)
+        return (kk // k, i, kk % k) if blocked or shape.batched_a else (i, kk)
 
     def b_at(j, kk):  # element (kk, j) of the stacked [batch*k, n] B
         if blocked:
@@ -371,7 +392,7 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool, zero_first: bool = Fals
         return (kk // alpha, j, kk % alpha) if alpha > 1 else (kk, j)
 
     sv = {name: tirx.Var(name, "int32") for name in ("sa0", "sa1", "sb0", "sb1", "sc")}
-    a_strides = [sv["sa0"], sv["sa1"], 1] if blocked else [sv["sa0"], 1]
+    a_strides = [sv["sa0"], sv["sa1"], 1] if len(a_shape) == 3 else [sv["sa0"], 1]
     b_strides = [sv["sb0"], sv["sb1"], 1] if len(b_shape) == 3 else [sv["sb0"], 1]
     # One reduction loop over batch*k (batch outer): a scheduled GEMM's K loop split once by
     # batch*k matches it.  TVM drops unit loops and their block iterators from the GEMM a
@@ -440,6 +461,7 @@ def _register_generic(layout: str) -> None:
         _IMPLS[("generic", dtype, layout)] = _generic_impl
         if layout not in _DESCS:
             _ZEROING.add(("generic", dtype, layout))
+            _BATCHED_A.add(("generic", dtype, layout))
 
 
 for _layout in LAYOUTS:
@@ -498,6 +520,8 @@ def reference(shape: BrgemmShape, a: np.ndarray, b: np.ndarray, c: np.ndarray) -
         return x.astype(np.float64 if shape.dtype_acc == "float32" else np.int64)
 
     a2, b2 = widen(a, shape.dtype_a), widen(b, shape.dtype_b)
+    if shape.batched_a:  # [batch, m, k] -> the [m, batch*k] it multiplies
+        a2 = a2.transpose(1, 0, 2).reshape(shape.m, -1)
     if shape.layout == "blocked":
         acc = np.einsum("bmk,bkn->mn", a2, b2)
     elif shape.alpha > 1:

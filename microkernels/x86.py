@@ -240,6 +240,21 @@ class _Rows:
         return self.rows[index[0]][tuple(index[1:])]
 
 
+class _Indexed:
+    """One batch block of a ``batched_a`` kernel's operand, indexed as the steps index a
+    whole one (``[row, k]`` A, ``[k/alpha, n, alpha]`` B): ``at`` maps those indices to the
+    buffer's."""
+
+    def __init__(self, buf: Any, at: Callable[[list], list]) -> None:
+        self.buf, self.at, self.dtype = buf, at, buf.dtype
+
+    def __getitem__(self, index: tuple) -> Any:
+        return self.buf[tuple(self.at(list(index)))]
+
+    def vload(self, index: list, dtype: str) -> Any:
+        return self.buf.vload(self.at(list(index)), dtype)
+
+
 def _store(buf: Any, indices: list, value: Any) -> None:
     from tvm.script.ir_builder import tirx as T
 
@@ -298,21 +313,33 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
         vectors = [(v * lanes, lanes) for v in range(nvec)] + (
             [(nvec * lanes, tail_w)] if tail_w else [])
 
+        def unrolled(emit, a, b, extent, steps_per_iter):
+            if extent >= steps_per_iter:
+                with T.serial(extent // steps_per_iter) as ko:
+                    IRBuilder.name("ko", ko)
+                    for u in range(steps_per_iter):
+                        emit(a, b, 0, ko * steps_per_iter + u)
+            for kq in range(extent - extent % steps_per_iter, extent):
+                emit(a, b, 0, kq)
+
         def k_loop(emit, steps_per_iter):
-            """The batch-reduce over K, ``emit(kb, kq)`` per step, unrolled by
-            ``steps_per_iter`` (the blocked layout loops over (batch, k) instead)."""
+            """The batch-reduce over K, ``emit(A, B, kb, kq)`` per step, unrolled by
+            ``steps_per_iter`` (the blocked layout loops over (batch, k) instead; a
+            ``batched_a`` kernel over the batch, each block's A and B as whole operands)."""
             if blocked:
                 with T.grid(batch, k) as (kb, kq):
                     IRBuilder.name_many(["kb", "kq"], [kb, kq])
-                    emit(kb, kq)
+                    emit(A, B, kb, kq)
                 return
-            if kq_extent >= steps_per_iter:
-                with T.serial(kq_extent // steps_per_iter) as ko:
-                    IRBuilder.name("ko", ko)
-                    for u in range(steps_per_iter):
-                        emit(0, ko * steps_per_iter + u)
-            for kq in range(kq_extent - kq_extent % steps_per_iter, kq_extent):
-                emit(0, kq)
+            if shape.batched_a:
+                with T.serial(batch) as kb:
+                    IRBuilder.name("kb", kb)
+                    steps = k // alpha
+                    unrolled(emit, _Indexed(A, lambda at: [kb, *at]),
+                             _Indexed(B, lambda at: [kb * steps + at[0], *at[1:]]),
+                             steps, steps_per_iter)
+                return
+            unrolled(emit, A, B, kq_extent, steps_per_iter)
 
         def start(zero: bool) -> None:
             for r in range(rows):
@@ -329,11 +356,11 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
         else:
             start(shape.beta == 0)
         if nvec:
-            k_loop(lambda kb, kq: step(A, B, acc, row0, rows, col0, 0, nvec, lanes, kb, kq),
-                   unroll)
+            k_loop(lambda a, b, kb, kq: step(a, b, acc, row0, rows, col0, 0, nvec, lanes, kb,
+                                             kq), unroll)
         if tail_w:  # rare narrow columns: their own rolled K loop keeps the code small
-            k_loop(lambda kb, kq: tail_step(A, B, acc, row0, rows, col0 + nvec * lanes,
-                                            nvec * lanes, 1, tail_w, kb, kq), 1)
+            k_loop(lambda a, b, kb, kq: tail_step(a, b, acc, row0, rows, col0 + nvec * lanes,
+                                                  nvec * lanes, 1, tail_w, kb, kq), 1)
         for r in range(rows):
             for off, w in vectors:
                 _store(C, [row0 + r, _vec(col0 + off, w)], acc[r, _vec(off, w)])
@@ -350,7 +377,7 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
                                  col_start + jt * width, nvec, tail_w)
 
     strides = {name: tirx.Var(name, "int32") for name in ("sa0", "sa1", "sb0", "sb1", "sc")}
-    a_strides = [strides["sa0"], strides["sa1"], 1] if blocked else [strides["sa0"], 1]
+    a_strides = [strides["sa0"], strides["sa1"], 1] if len(a_shape) == 3 else [strides["sa0"], 1]
     b_strides = [strides["sb0"], strides["sb1"], 1] if len(b_shape) == 3 else [strides["sb0"], 1]
     with IRBuilder() as builder:
         with T.prim_func(s_tir=True):
@@ -663,28 +690,28 @@ def _impl(shape: BrgemmShape, family: Family, steps: Callable[[BrgemmShape], tup
                        llvm_import=llvm_import)
 
 
-@register_impl(("avx2", "avx512"), "float32", "flat", zeroing=True)
+@register_impl(("avx2", "avx512"), "float32", "flat", zeroing=True, batched_a=True)
 @register_impl(("avx2", "avx512"), "float32", "blocked", zeroing=True)
 def fp32_impl(shape: BrgemmShape) -> PrimFunc:
     """fp32 FMA kernel (``vfmadd231ps`` on ymm or zmm registers)."""
     return _impl(shape, FP32, _fp32_steps)
 
 
-@register_impl(("avx2", "avx512"), "uint8", "vnni4", zeroing=True)
-@register_impl(("avx2", "avx512"), "int8", "vnni4", zeroing=True)
+@register_impl(("avx2", "avx512"), "uint8", "vnni4", zeroing=True, batched_a=True)
+@register_impl(("avx2", "avx512"), "int8", "vnni4", zeroing=True, batched_a=True)
 def int8_exact_impl(shape: BrgemmShape) -> PrimFunc:
     """Exact u8/s8 x s8 kernel without VNNI instructions (``vpmaddwd``)."""
     return _impl(shape, INT8_EXACT, _int8_exact_steps)
 
 
-@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4", zeroing=True)
-@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4_w7", zeroing=True)
+@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4", zeroing=True, batched_a=True)
+@register_impl(("avx_vnni", "avx512_vnni"), "uint8", "vnni4_w7", zeroing=True, batched_a=True)
 def int8_dot_impl(shape: BrgemmShape) -> PrimFunc:
     """u8 x s8 VNNI kernel (``vpdpbusd``, VEX ymm on avx_vnni, EVEX zmm on avx512_vnni)."""
     return _impl(shape, INT8_DOT, _int8_dot_steps)
 
 
-@register_impl(("avx2", "avx512"), "uint8", "vnni4_w7", zeroing=True)
+@register_impl(("avx2", "avx512"), "uint8", "vnni4_w7", zeroing=True, batched_a=True)
 def int8_w7_impl(shape: BrgemmShape) -> PrimFunc:
     """u8 x s7 kernel with ``vpmaddubsw``: exact because B's layout bounds it to [-64, 64]
     (``vnni4_w7``); on full-range weights its int16 pair sums would saturate."""
@@ -693,13 +720,13 @@ def int8_w7_impl(shape: BrgemmShape) -> PrimFunc:
     return _impl(shape, INT8_SATURATING, _int8_saturating_steps)
 
 
-@register_impl(("avx2", "avx512"), "bfloat16", "vnni2", zeroing=True)
+@register_impl(("avx2", "avx512"), "bfloat16", "vnni2", zeroing=True, batched_a=True)
 def bf16_emulated_impl(shape: BrgemmShape) -> PrimFunc:
     """bf16 kernel for any AVX2 host: exact widening to fp32 and FMA."""
     return _impl(shape, BF16_EMULATED, _bf16_emulated_steps)
 
 
-@register_impl("avx512_bf16", "bfloat16", "vnni2", zeroing=True)
+@register_impl("avx512_bf16", "bfloat16", "vnni2", zeroing=True, batched_a=True)
 def bf16_dot_impl(shape: BrgemmShape) -> PrimFunc:
     """bf16 kernel with ``vdpbf16ps`` (AVX512-BF16: Cooper Lake, Zen 4, Sapphire Rapids)."""
     return _impl(shape, BF16_DOT, _bf16_dot_steps, llvm_import=_DPBF16PS_LL)

@@ -7,6 +7,7 @@ schedule whose ``decompose_reduction`` zeroes C before the kernel covers beta = 
 flags, and is otherwise proven by the instructions in its assembly.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -262,6 +263,39 @@ def test_bf16_vdpbf16ps(m, n, k, batch):
                                          (3, 30, 4, 2)])
 def test_int8_vpdpbusd_column_tails(m, n, k, batch):
     _check(_shape(m, n, k, batch, "avx512_vnni", "uint8"))
+
+
+# A's batch blocks at a stride of their own (a conv's filter rows): every x86 family, odd
+# sizes; a kernel reading A as [m, batch*k] gives other sums.
+BATCHED_A = [("avx2", "float32"), ("avx2", "uint8"), ("avx2", "int8"), ("avx2", "bfloat16"),
+             ("avx512_vnni", "uint8"), ("avx512_bf16", "bfloat16")]
+
+
+@pytest.mark.parametrize("isa,dtype", BATCHED_A)
+@pytest.mark.parametrize("m,n,k,batch", [(7, 37, 8, 3), (5, 21, 12, 2)])
+def test_batched_a_kernels(isa, dtype, m, n, k, batch):
+    if not _isa.from_name(isa).requires <= HOST:
+        pytest.skip(f"this host lacks {isa} (its code is checked in the assembly tests)")
+    shape = dataclasses.replace(_shape(m, n, k, batch, isa, dtype), batched_a=True)
+    assert shape.a_shape() == (batch, m, k) and find_impl(shape)[0] == isa
+    _check(shape)
+
+
+def test_batched_a_validation_and_impls():
+    with pytest.raises(ValueError, match="batched_a needs batch > 1"):
+        BrgemmShape(4, 16, 8, 1, batched_a=True)
+    with pytest.raises(ValueError, match="flat or VNNI layout"):
+        BrgemmShape(4, 16, 8, 2, layout="blocked", batched_a=True)
+    # AMX's tile kernel reads A as [m, batch*k]: such shapes take the AVX-512 VNNI kernel.
+    amx = BrgemmShape(16, 16, 64, 2, "uint8", "int32", "vnni4", "amx", batched_a=True)
+    assert find_impl(amx)[0] == "avx512_vnni"
+    assert find_impl(BrgemmShape(4, 16, 8, 2, isa="neon", batched_a=True))[0] == "generic"
+
+
+@pytest.mark.parametrize("mcpu", ["cascadelake", "znver4"])
+def test_asm_batched_a_vpdpbusd(mcpu):
+    shape = BrgemmShape(6, 64, 16, 3, "uint8", "int32", "vnni4", "avx512_vnni", batched_a=True)
+    assert _count(r"^\s*vpdpbusd\s+.*%zmm", _asm(shape, mcpu)) >= 6
 
 
 # ------------------------------------------------------------- instructions, for every ISA
