@@ -383,21 +383,29 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool, zero_first: bool = Fals
     # Dense strides for a workload; symbolic ones let the intrinsic match any sub-tensor.
     dense = as_workload
 
-    def a_at(i, kk):  # element (i, kk) of the stacked [m, batch*k] A
-        return (kk // k, i, kk % k) if blocked or shape.batched_a else (i, kk)
+    def a_at(i, kk, kb):  # element (i, kk) of the stacked [m, batch*k] A (of block kb)
+        if shape.batched_a:
+            return (kb, i, kk)
+        return (kk // k, i, kk % k) if blocked else (i, kk)
 
-    def b_at(j, kk):  # element (kk, j) of the stacked [batch*k, n] B
+    def b_at(j, kk, kb):  # element (kk, j) of the stacked [batch*k, n] B (of block kb)
         if blocked:
             return (kk // k, kk % k, j)
+        if shape.batched_a:
+            return (kb * (k // alpha) + kk // alpha, j, kk % alpha) if alpha > 1 else \
+                (kb * k + kk, j)
         return (kk // alpha, j, kk % alpha) if alpha > 1 else (kk, j)
 
     sv = {name: tirx.Var(name, "int32") for name in ("sa0", "sa1", "sb0", "sb1", "sc")}
     a_strides = [sv["sa0"], sv["sa1"], 1] if len(a_shape) == 3 else [sv["sa0"], 1]
     b_strides = [sv["sb0"], sv["sb1"], 1] if len(b_shape) == 3 else [sv["sb0"], 1]
     # One reduction loop over batch*k (batch outer): a scheduled GEMM's K loop split once by
-    # batch*k matches it.  TVM drops unit loops and their block iterators from the GEMM a
-    # kernel is matched in, so the desc has none either: unit axes index with 0.
-    axes = [(name, extent) for name, extent in (("i", m), ("j", n), ("k", batch * k))
+    # batch*k matches it; batched_a, a loop over the batch and one over k (a conv's filter
+    # rows and channels, two iterators of its block).  TVM drops unit loops and their block
+    # iterators from the GEMM a kernel is matched in, so the desc has none either: unit axes
+    # index with 0.
+    reductions = (("b", batch), ("k", k)) if shape.batched_a else (("k", batch * k),)
+    axes = [(name, extent) for name, extent in (("i", m), ("j", n), *reductions)
             if extent > 1]
     with IRBuilder() as builder:
         with T.prim_func(s_tir=True):
@@ -434,13 +442,14 @@ def _strided_desc(shape: BrgemmShape, as_workload: bool, zero_first: bool = Fals
                         it = {}
                         for (name, extent), var in zip(axes, loop_vars if axes else [],
                                                        strict=True):
-                            axis = T.axis.reduce if name == "k" else T.axis.spatial
+                            axis = T.axis.reduce if name in "bk" else T.axis.spatial
                             it[name] = IRBuilder.name("v" + name, axis(extent, var))
-                        vi, vj, vk = it.get("i", 0), it.get("j", 0), it.get("k", 0)
-                        T.reads(C[vi, vj], A[a_at(vi, vk)], B[b_at(vj, vk)])
+                        vi, vj, vk, vb = (it.get(name, 0) for name in "ijkb")
+                        a_load, b_load = A[a_at(vi, vk, vb)], B[b_at(vj, vk, vb)]
+                        T.reads(C[vi, vj], a_load, b_load)
                         T.writes(C[vi, vj])
-                        T.buffer_store(C, C[vi, vj] + tirx.Cast(tc, A[a_at(vi, vk)])
-                                       * tirx.Cast(tc, B[b_at(vj, vk)]), [vi, vj])
+                        T.buffer_store(C, C[vi, vj] + tirx.Cast(tc, a_load)
+                                       * tirx.Cast(tc, b_load), [vi, vj])
     return builder.get()
 
 

@@ -216,7 +216,7 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
     e.g. AVX-512 for a copied bf16 A on AMX).  The intrinsic's name is
     :attr:`BrgemmShape.name`, ``tpp_brgemm_<isa>_<dtype of A>_<layout>_<m>x<n>x<k>x<batch>``
     (``_beta0`` after it for a kernel that overwrites C, ``_beta0first`` for one that does
-    on its first call).
+    on its first call, then ``_batcheda`` for one whose A blocks lie apart).
 
     Examples
     --------
@@ -231,16 +231,18 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
     if not names:
         return None
     name = names[-1]
-    variant = {"beta0": {"beta": 0}, "beta0first": {"first_call_zeroes": True}}
+    variant = {"beta0": {"beta": 0}, "beta0first": {"first_call_zeroes": True},
+               "batcheda": {"batched_a": True}}
     head, _, dims = name.removeprefix(_BRGEMM_PREFIX).rpartition("_")
-    zeroes = variant.get(dims, {})
-    if zeroes:
+    flags: dict[str, Any] = {}
+    while dims in variant:  # the suffixes after the dimensions
+        flags.update(variant[dims])
         head, _, dims = head.rpartition("_")
     for dtype_a, dtype_acc in DTYPES:
         isa, found, layout = head.partition(f"_{dtype_a}_")
         if found:
             m, n, k, batch = (int(d) for d in dims.split("x"))
-            shape = BrgemmShape(m, n, k, batch, dtype_a, dtype_acc, layout, isa, **zeroes)
+            shape = BrgemmShape(m, n, k, batch, dtype_a, dtype_acc, layout, isa, **flags)
             if shape.name == name:
                 return shape
     raise ValueError(f"{name!r} is not the name of a BRGEMM intrinsic")

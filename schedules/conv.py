@@ -141,6 +141,8 @@ __all__ = [
     "schedule",
     "default_config",
     "can_fold_taps",
+    "can_batch_rows",
+    "rows_batch_pays",
     "one_row_pays",
     "fold_rows_pays",
     "fold_rows_weight",
@@ -556,6 +558,13 @@ class ConvConfig:
     fold_taps
         One BRGEMM call per filter row, its S taps folded into the channel reduction
         (module doc; :func:`can_fold_taps` says where it can).
+    batch_rows
+        With ``fold_taps``, one call per output tile: the R filter rows as the call's batch,
+        each block of A a row of the image after the last (a ``batched_a`` BRGEMM), the
+        filter's rows running on along K.  The accumulators then stay in registers across
+        the whole filter, and the call, the tile's only one, starts from zero and feeds the
+        epilogue in registers (:mod:`schedules.register_epilogue`); the calls of filter rows
+        over the zero border are no longer skipped (:func:`rows_batch_pays`).
 
     Examples
     --------
@@ -570,14 +579,19 @@ class ConvConfig:
     c_step: int = 1
     block_steps: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     fold_taps: bool = False
+    batch_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bq", "bc", "bk", "c_step"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ConvConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.fold_taps, bool):
-            raise TypeError(f"ConvConfig.fold_taps must be a bool, got {self.fold_taps!r}")
+        for name in ("fold_taps", "batch_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ConvConfig.{name} must be a bool, got "
+                                f"{getattr(self, name)!r}")
+        if self.batch_rows and not self.fold_taps:
+            raise ValueError("batch_rows batches the rows of folded taps: it needs fold_taps")
         if not isinstance(self.spec, str):
             raise TypeError(f"spec must be a str, got {type(self.spec).__name__}")
         bad = set(self.block_steps) - set(LETTERS)
@@ -588,7 +602,7 @@ class ConvConfig:
 
     def __hash__(self) -> int:
         return hash((self.bq, self.bc, self.bk, self.spec, self.c_step,
-                     tuple(self.block_steps.items()), self.fold_taps))
+                     tuple(self.block_steps.items()), self.fold_taps, self.batch_rows))
 
     def check(self, problem: ConvProblem) -> None:
         """ValueError unless the blocks tile ``problem`` exactly."""
@@ -610,6 +624,9 @@ class ConvConfig:
             raise ValueError("fold_taps needs S > 1 taps, a call over all of a tap's channels "
                              "(bc * c_step = C'), no width dilation or groups, and b and g "
                              "unblocked")
+        if self.batch_rows and not can_batch_rows(problem, self):
+            raise ValueError("batch_rows needs R > 1 filter rows without height dilation, "
+                             "and f unblocked, after the channel-block loop b")
 
     def loops(self, problem: ConvProblem) -> tuple[LoopDecl, ...]:
         """The seven logical loops of ``problem``, in block units."""
@@ -642,27 +659,32 @@ class ConvConfig:
         return spec
 
 
-def weight_shape(problem: ConvProblem, bk: int) -> tuple[int, ...]:
-    """Shape of the packed weight (:func:`pack_weight`) for output-channel blocks of ``bk``.
+def weight_shape(problem: ConvProblem, bk: int, taps_in_k: bool = False) -> tuple[int, ...]:
+    """Shape of the packed weight (:func:`pack_weight`) for output-channel blocks of ``bk``;
+    with ``taps_in_k`` the same memory with each K block's taps and channels as one
+    reduction axis (what a call over several filter rows reads as its B).
 
-    >>> weight_shape(ConvProblem(1, 3, 8, 8, 32, 3, 3, dtype="uint8"), 16)
-    (2, 3, 3, 1, 16, 4)
+    >>> p = ConvProblem(1, 3, 8, 8, 32, 3, 3, dtype="uint8")
+    >>> weight_shape(p, 16), weight_shape(p, 16, taps_in_k=True)
+    ((2, 3, 3, 1, 16, 4), (2, 9, 16, 4))
     """
     k, r, s, c, alpha = problem.k, problem.r, problem.s, problem.group_c, problem.alpha
     if problem.group_k % bk:
         raise ValueError(f"bk={bk} does not divide K={k}"
                          + (f"/{problem.groups}" if problem.groups > 1 else ""))
-    if alpha == 1:
-        return (k // bk, r, s, c, bk)
-    return (k // bk, r, s, c // alpha, bk, alpha)
+    group = (alpha,) if alpha > 1 else ()
+    if taps_in_k:
+        return (k // bk, r * s * c // alpha, bk, *group)
+    return (k // bk, r, s, c // alpha, bk, *group)
 
 
 def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None,
-             isa: str = "generic") -> PrimFunc:
+             isa: str = "generic", taps_in_k: bool = False) -> PrimFunc:
     """The unscheduled PrimFunc ``(X, W, *epilogue operands, Y)`` (layouts: module doc);
     with a run-time ``batch`` (a symbolic batch: the parameter before the output) it has
     ``batch * problem.n`` images; the epilogue's expressions are ``isa``'s
-    (:func:`microkernels.epilogue.apply_te`).
+    (:func:`microkernels.epilogue.apply_te`); with ``taps_in_k`` W is declared as
+    :func:`weight_shape`'s ``taps_in_k`` view.
 
     Products are taken in the accumulator's dtype; an epilogue starting in float32 from an
     int32 accumulator reads it converted (dequantization), in the ``view`` stage the
@@ -678,12 +700,16 @@ def workload(problem: ConvProblem, bk: int, batch: tirx.Var | None = None,
     images = problem.n if batch is None else batch * problem.n
     rows = images * p * q
     x = te.placeholder((images, *problem.input_shape[1:]), problem.input_dtype, name="X")
-    w = te.placeholder(weight_shape(problem, bk), problem.weight_dtype, name="W")
+    w = te.placeholder(weight_shape(problem, bk, taps_in_k), problem.weight_dtype, name="W")
     rr = te.reduce_axis((0, problem.r), name="r")
     rs = te.reduce_axis((0, problem.s), name="s")
     rc = te.reduce_axis((0, problem.group_c), name="c")
 
     def weight(o):  # W[o, rc, rr, rs] in the packed layout
+        if taps_in_k:
+            at = (rr * problem.s + rs) * problem.group_c + rc
+            return w[o // bk, at, o % bk] if alpha == 1 else \
+                w[o // bk, at // alpha, o % bk, at % alpha]
         if alpha == 1:
             return w[o // bk, rr, rs, rc, o % bk]
         return w[o // bk, rr, rs, rc // alpha, o % bk, rc % alpha]
@@ -768,10 +794,12 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
     config.parse(problem)  # errors in the terms of the conv asked for
     epilogue_isa = expression_isa(isa_name, config.bk)
+    rows_batched = config.batch_rows
     if config.fold_taps:  # the same operands, read through views (module doc)
-        func = _folded_workload(problem, config.bk, batch, epilogue_isa)
+        func = _folded_workload(problem, config.bk, batch, epilogue_isa, rows_batched)
         problem = problem.taps_folded()
-        config = replace(config, c_step=problem.c // config.bc, fold_taps=False)
+        config = replace(config, c_step=problem.c // config.bc, fold_taps=False,
+                         batch_rows=False)
     else:
         func = workload(problem, config.bk, batch, epilogue_isa)
     spec = config.parse(problem)
@@ -788,11 +816,17 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     q_blocks, q_body = sch.split(q, [None, config.bq])
     k_blocks, k_body = sch.split(k, [None, config.bk])
     c_blocks, c_body = sch.split(c, [None, config.c_step * config.bc])
-    # A 1x1 conv over all channels in one block: each output tile is one kernel call.
-    single_call = all(int(sch.get(loop).extent) == 1 for loop in (c_blocks, r, s))
+    # A 1x1 conv over all channels in one block, or a conv whose calls batch the filter
+    # rows: each output tile is one kernel call.
+    single_call = all(int(sch.get(loop).extent) == 1
+                      for loop in (c_blocks, s) + (() if rows_batched else (r,)))
     logical = dict(zip(LETTERS, (n, c_blocks, k_blocks, p, q_blocks, r, s), strict=True))
     order, grid_loops = nest_loops(sch, spec, logical)
-    sch.reorder(*grid_loops, *order, q_body, k_body, c_body)
+    rows_loop, outer = [], order
+    if rows_batched:  # the filter rows inside the tile: the call's batch
+        at = next(i for i, o in enumerate(spec.occurrences) if o.letter == "f")
+        rows_loop, outer = [(order[at], problem.r)], order[:at] + order[at + 1:]
+    sch.reorder(*grid_loops, *outer, q_body, k_body, *(loop for loop, _ in rows_loop), c_body)
     epilogue = None
     if problem.epilogue.ops:
         sch.compute_inline(sch.get_sblock("view"))
@@ -802,7 +836,8 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
         _prologue_per_pixel_tile(sch, _isa.from_name(isa_name))
     # The BRGEMM desc has no loop for a unit dimension (TVM drops them from the blocks it
     # matches), so each unit loop of the tile is fused into a neighbour.
-    inner = [(q_body, config.bq), (k_body, config.bk), (c_body, config.c_step * config.bc)]
+    inner = [(q_body, config.bq), (k_body, config.bk), *rows_loop,
+             (c_body, config.c_step * config.bc)]
     while len(inner) > 1 and any(extent == 1 for _, extent in inner):
         unit = next(i for i, (_, extent) in enumerate(inner) if extent == 1)
         first = min(unit, len(inner) - 2)  # fuse with the loop below, or above if last
@@ -812,18 +847,24 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
         return sch  # a 1x1x1 "GEMM" per step: scalar code is all it needs
     # On amx, blocks that are not tile-shaped get the AVX-512 kernel (find_impl's fallback).
     # The tiles read X in place (a parameter, kept bf16 by TVM) and W's dense VNNI panels.
-    shape = BrgemmShape(m=config.bq, n=config.bk, k=config.bc, batch=config.c_step,
+    # Batched rows: a call's A blocks are the R input rows, each S*C' long (taps folded).
+    shape = BrgemmShape(m=config.bq, n=config.bk,
+                        k=problem.c if rows_batched else config.bc,
+                        batch=problem.r if rows_batched else config.c_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
-                        layout=problem.brgemm_layout(isa_name), isa=isa_name)
-    border = _Border(problem, config.bq)
-    if single_call or not border.skips or border.every_tile_live():
+                        layout=problem.brgemm_layout(isa_name), isa=isa_name,
+                        batched_a=rows_batched)
+    # The border's calls cannot be skipped where a call spans the filter rows.
+    border = None if rows_batched else _Border(problem, config.bq)
+    skips = border is not None and border.skips
+    if single_call or not skips or border.every_tile_live():
         shape = zeroing_kernel(sch, init, shape, whole=single_call)
     call = sch.blockize(inner[0][0])
     sch.tensorize(call, dispatch(shape))
-    if border.skips:
+    if skips:
         border.skip(sch, call)
     if shape.first_call_zeroes:
-        bind_first_call(sch, call, border.first_call() if border.skips else None)
+        bind_first_call(sch, call, border.first_call() if skips else None)
     return sch
 
 
@@ -841,13 +882,29 @@ def can_fold_taps(problem: ConvProblem, config: ConvConfig) -> bool:
             and not {"b", "g"} & set(config.block_steps))
 
 
-def _folded_workload(problem: ConvProblem, bk: int, batch: tirx.Var | None, isa: str
-                     ) -> PrimFunc:
+def can_batch_rows(problem: ConvProblem, config: ConvConfig) -> bool:
+    """Whether ``config`` with ``fold_taps`` can also reduce the R filter rows in its one call
+    (``batch_rows``): rows a row of the image apart (no height dilation), the spec's ``f``
+    unblocked and after its first reduction loop ``b`` (which zeroes the tile).
+
+    >>> p = ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1)
+    >>> can_batch_rows(p, ConvConfig(28, 64, 16, fold_taps=True))
+    True
+    >>> can_batch_rows(replace(p, dilation=(2, 1), padding=2), ConvConfig(28, 64, 16))
+    False
+    """
+    return (problem.r > 1 and problem.dilation[0] == 1 and "f" not in config.block_steps
+            and config.spec.lower().index("b") < config.spec.lower().index("f"))
+
+
+def _folded_workload(problem: ConvProblem, bk: int, batch: tirx.Var | None, isa: str,
+                     taps_in_k: bool = False) -> PrimFunc:
     """The workload of ``problem.taps_folded()`` on ``problem``'s own packed X and W: it
-    reads them through views declared over their data (module doc)."""
+    reads them through views declared over their data (module doc), W's with its filter
+    rows along K where ``taps_in_k``."""
     from tvm import tirx
 
-    func = workload(problem.taps_folded(), bk, batch, isa)
+    func = workload(problem.taps_folded(), bk, batch, isa, taps_in_k)
     x_taps, w_taps = func.params[:2]
     _, hp, wq, row = problem.input_shape
     x = tirx.decl_buffer((x_taps.ty.shape[0], hp, wq, row), problem.dtype, "X")
@@ -1027,7 +1084,8 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
       2048-channel 1x1 convs on a Zen 3);
     * ``fold_taps`` wherever :func:`can_fold_taps`: one call per filter row (on a Zen 3, one
       thread, ResNet-50's and VGG-19's 3x3 convs 1.00-1.10x, none slower beyond noise, with
-      weight panels from 12 to 96 KiB; the RGB stem 1.41x a call per tap);
+      weight panels from 12 to 96 KiB; the RGB stem 1.41x a call per tap); and
+      ``batch_rows`` too where :func:`rows_batch_pays`: one call per output tile;
     * ``bq`` — the largest divisor of Q up to 28 rows, or, when that gives fewer than 7 rows
       (Q prime, say), the smallest divisor from 7 up: tails would need predicated kernels;
     * on ``amx`` (low precision), tile-shaped blocks instead: ``(bq, bk)`` the tile-shaped
@@ -1125,7 +1183,42 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
             and bq > _amx.TILE_ROWS:  # one row tile (see above)
         bq = max(d for d in divisors(problem.q) if d <= _amx.TILE_ROWS)
     config = ConvConfig(bq=bq, bc=bc, bk=bk, spec=spec, c_step=c_step)
-    return replace(config, fold_taps=can_fold_taps(problem, config))
+    config = replace(config, fold_taps=can_fold_taps(problem, config))
+    return replace(config, batch_rows=config.fold_taps and can_batch_rows(problem, config)
+                   and rows_batch_pays(problem, machine))
+
+
+#: What a BRGEMM call costs beyond its products, in K steps of its register tile (a
+#: dot-product or FMA instruction per accumulator): loading and storing the tile, and the
+#: epilogue's pass over it where the call is not the tile's only one.  Fitted on a Zen 4
+#: (2 threads, batch 8, warm): VGG-19's and ResNet-50's int8 3x3 convs ran 1.033-1.041x
+#: with their filter rows batched at 64 channels (48 steps a row), their gain falling as
+#: ``2.2 / steps`` with the channels, less the products over the zero border rows.
+CALL_STEPS = 2.2
+
+
+def rows_batch_pays(problem: ConvProblem, machine: Machine) -> bool:
+    """Whether ``batch_rows`` (one call over the R filter rows of an output tile) should
+    beat a call per filter row: the calls it saves cost about :data:`CALL_STEPS` K steps
+    each against a row's ``S*C'/alpha`` (``alpha`` the dot-product's group), more than the
+    products over the zero border rows it no longer skips add.  Never on AMX tiles (their
+    kernel reads A along K).  On a Zen 4, batch 8, each conv alone: int8 64-channel convs
+    1.03-1.04x (224x224, 112x112 and 56x56 maps), 128 channels 1.01x on 112x112 and 0.997x
+    on 28x28, 256 channels and more 0.91-0.996x (the border rows of 7x7 to 56x56 maps);
+    bf16 and float32 64-channel convs on 224x224 maps 1.035x and 1.021x.
+
+    >>> from microkernels import isa
+    >>> zen4 = Machine(isa.from_name("avx512_bf16"), isa.DEFAULT_CACHES, threads=2)
+    >>> [rows_batch_pays(ConvProblem(8, c, h, h, c, 3, 3, padding=1, dtype="uint8"), zen4)
+    ...  for c, h in ((64, 56), (128, 112), (128, 28), (512, 28))]
+    [True, True, False, False]
+    """
+    if problem.r == 1 or _uses_tiles(problem, machine):
+        return False
+    steps = problem.s * problem.padded_c / problem.alpha
+    dead = sum(not _live_row(problem, i, r) for i in range(problem.p)
+               for r in range(problem.r)) if problem.zero_border else 0
+    return CALL_STEPS / steps > dead / (problem.p * problem.r)
 
 
 def _column_block(k: int, target: _isa.Isa) -> int:
@@ -1265,10 +1358,12 @@ def candidates(problem: ConvProblem, machine: Machine) -> list[ConvConfig]:
       narrower), the two nearest other ``bq``
       (divisors of Q from 7 to 64 rows), and, when C spans several channel blocks,
       ``c_step`` reducing all of them in one BRGEMM call;
-    * the default with a call per tap where it folds the taps.
+    * the default with a call per tap where it folds the taps, and off AMX tiles with its
+      filter rows batched where it does not batch them and the other way round
+      (:func:`rows_batch_pays` decides by a rule of thumb).
 
     Configurations whose parallel loop has fewer iterations than ``threads`` are left out
-    (the default excepted), as are duplicates: fifteen configurations at most.  On ``amx``
+    (the default excepted), as are duplicates: sixteen configurations at most.  On ``amx``
     (low precision) the other blocks stay tile-shaped: ``bk`` up to 48, ``bq`` up to the
     tile rows its ``bk`` leaves (:func:`schedules.gemm._tile_rows`).
 
@@ -1305,7 +1400,9 @@ def candidates(problem: ConvProblem, machine: Machine) -> list[ConvConfig]:
         blocks.append(replace(base, c_step=1 if base.c_step == channel_blocks
                               else channel_blocks, fold_taps=False))
     other = ORDERS[1] if base.spec == ORDERS[0] else ORDERS[0]
-    per_tap = [replace(base, fold_taps=False)] if base.fold_taps else []
+    per_tap = [replace(base, fold_taps=False, batch_rows=False)] if base.fold_taps else []
+    if base.fold_taps and can_batch_rows(problem, base) and not tiles:
+        per_tap.append(replace(base, batch_rows=not base.batch_rows))
     found = [base]
     for config in [replace(base, spec=spec) for spec in ORDERS] + [
             replace(block, spec=spec) for spec in (base.spec, other) for block in blocks

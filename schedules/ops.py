@@ -262,7 +262,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     _listed("conv2d", conv, ConvProblem, ConvConfig, key=_conv_key,
             text=lambda c: (f"{c.spec} bq={c.bq} bc={c.bc} bk={c.bk} c_step={c.c_step}"
                             + _steps_text(c.block_steps)
-                            + (" taps folded" if c.fold_taps else ""))),
+                            + (" taps folded" if c.fold_taps else "")
+                            + (" rows batched" if c.batch_rows else ""))),
     _listed("depthwise_conv2d", depthwise, DepthwiseProblem, DepthwiseConfig,
             key=_depthwise_key,
             text=lambda c: (f"bq={c.bq} bc={c.bc}"

@@ -111,7 +111,7 @@ def test_taps_fold_into_one_call_per_filter_row(problem):
     """By default a call over all of a tap's channels reduces the S taps of a filter row at
     once, reading X's rows at the stride of the conv; the same blocks without fold_taps
     make a call per tap.  Both match numpy."""
-    folded = _default(problem)
+    folded = replace(_default(problem), batch_rows=False)  # (test_conv_batch_rows.py)
     assert folded.bc == problem.c and folded.fold_taps
     assert dispatched_brgemm(schedule(problem, folded)).batch == problem.s
     _run(problem, folded)
