@@ -80,6 +80,7 @@ __all__ = [
     "B_RANGES",
     "check_operands",
     "first_call",
+    "skipped_blocks",
     "zeroing",
 ]
 
@@ -134,6 +135,12 @@ class BrgemmShape:
         A is ``[batch, m, k]``, its batch blocks at a stride of their own, where B's stay
         consecutive along K (``[batch*k/alpha, n, alpha]``): one call reduces a conv's
         filter rows, each a row of the image apart (flat and VNNI layouts, ``batch > 1``).
+    skips_blocks
+        (``batched_a`` only.)  The call leaves out the first and the last blocks of its
+        batch that :func:`skipped_blocks` count (free variables the schedule binds, as it
+        does :func:`first_call`): blocks of A that hold zeros, a conv's filter rows over its
+        zero border.  The TIR semantics are those of the whole batch, which such zeros do
+        not change.
     """
 
     m: int
@@ -147,6 +154,7 @@ class BrgemmShape:
     beta: int = 1
     first_call_zeroes: bool = False
     batched_a: bool = False
+    skips_blocks: bool = False
 
     def __post_init__(self) -> None:
         for dim in ("m", "n", "k", "batch"):
@@ -172,8 +180,12 @@ class BrgemmShape:
             raise ValueError(f"BrgemmShape.beta must be 0 or 1, got {self.beta!r}")
         if self.first_call_zeroes and self.beta != 1:
             raise ValueError("first_call_zeroes needs beta=1: the calls after the first add")
-        if not isinstance(self.batched_a, bool):
-            raise TypeError(f"BrgemmShape.batched_a must be a bool, got {self.batched_a!r}")
+        for flag in ("batched_a", "skips_blocks"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"BrgemmShape.{flag} must be a bool, got "
+                                f"{getattr(self, flag)!r}")
+        if self.skips_blocks and not self.batched_a:
+            raise ValueError("skips_blocks leaves out blocks of a batched_a kernel's A")
         if self.batched_a and (self.layout == "blocked" or self.layout in _LAYOUT_FNS
                                or self.batch == 1):
             raise ValueError(f"batched_a needs batch > 1 and a flat or VNNI layout, got "
@@ -201,6 +213,7 @@ class BrgemmShape:
             f"{self.m}x{self.n}x{self.k}x{self.batch}"
             + ("_beta0" if self.beta == 0 else "_beta0first" if self.first_call_zeroes else "")
             + ("_batcheda" if self.batched_a else "")
+            + ("_skips" if self.skips_blocks else "")
         )
 
     def a_shape(self) -> tuple[int, ...]:
@@ -333,6 +346,17 @@ def first_call() -> tirx.Var:
     from tvm import tirx
 
     return tirx.Var("tpp_first_call", "bool")
+
+
+@functools.cache
+def skipped_blocks() -> tuple[tirx.Var, tirx.Var]:
+    """How many blocks a ``skips_blocks`` kernel leaves out at the start and at the end of
+    its batch: free int32 variables of its impl that the schedule replaces with its own
+    expressions once the call is tensorized (``schedules.nest.bind_call_vars``; 0 and 0
+    where it says nothing)."""
+    from tvm import tirx
+
+    return tirx.Var("tpp_skip_first", "int32"), tirx.Var("tpp_skip_last", "int32")
 
 
 @functools.cache

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import isa as _isa
-from .brgemm import BrgemmShape, first_call, register_impl
+from .brgemm import BrgemmShape, first_call, register_impl, skipped_blocks
 
 if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
@@ -332,7 +332,8 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
                     emit(A, B, kb, kq)
                 return
             if shape.batched_a:
-                with T.serial(batch) as kb:
+                first, last = skipped_blocks() if shape.skips_blocks else (0, 0)
+                with T.serial(first, batch - last) as kb:
                     IRBuilder.name("kb", kb)
                     steps = k // alpha
                     unrolled(emit, _Indexed(A, lambda at: [kb, *at]),

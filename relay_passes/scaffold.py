@@ -216,7 +216,8 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
     e.g. AVX-512 for a copied bf16 A on AMX).  The intrinsic's name is
     :attr:`BrgemmShape.name`, ``tpp_brgemm_<isa>_<dtype of A>_<layout>_<m>x<n>x<k>x<batch>``
     (``_beta0`` after it for a kernel that overwrites C, ``_beta0first`` for one that does
-    on its first call, then ``_batcheda`` for one whose A blocks lie apart).
+    on its first call, then ``_batcheda`` for one whose A blocks lie apart, ``_skips`` for
+    one that leaves some of them out).
 
     Examples
     --------
@@ -232,7 +233,7 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
         return None
     name = names[-1]
     variant = {"beta0": {"beta": 0}, "beta0first": {"first_call_zeroes": True},
-               "batcheda": {"batched_a": True}}
+               "batcheda": {"batched_a": True}, "skips": {"skips_blocks": True}}
     head, _, dims = name.removeprefix(_BRGEMM_PREFIX).rpartition("_")
     flags: dict[str, Any] = {}
     while dims in variant:  # the suffixes after the dimensions

@@ -107,7 +107,7 @@ import numpy as np
 from microkernels import amx as _amx
 from microkernels import isa as _isa
 from microkernels import x86 as _x86
-from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch
+from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, skipped_blocks
 from microkernels.epilogue import Epilogue, expression_isa, vector_lanes
 from microkernels.machine import Machine
 from microkernels.pack import Packing, padded
@@ -117,6 +117,7 @@ from .gemm import _k_block, _tile_blocks, _tile_rows, _tile_width, _weight_value
 from .kernel_buffers import redirect
 from .loop_spec import LoopDecl, LoopSpec, LoopSpecError, parse
 from .nest import (
+    bind_call_vars,
     bind_first_call,
     block_realize,
     check_exact,
@@ -561,10 +562,11 @@ class ConvConfig:
     batch_rows
         With ``fold_taps``, one call per output tile: the R filter rows as the call's batch,
         each block of A a row of the image after the last (a ``batched_a`` BRGEMM), the
-        filter's rows running on along K.  The accumulators then stay in registers across
-        the whole filter, and the call, the tile's only one, starts from zero and feeds the
-        epilogue in registers (:mod:`schedules.register_epilogue`); the calls of filter rows
-        over the zero border are no longer skipped (:func:`rows_batch_pays`).
+        filter's rows running on along K; the rows over a zero border are left out inside
+        the call (``skips_blocks``), as the calls per row over them are skipped.  The
+        accumulators then stay in registers across the whole filter, and the call, the
+        tile's only one, starts from zero and feeds the epilogue in registers
+        (:mod:`schedules.register_epilogue`; :func:`rows_batch_pays`).
 
     Examples
     --------
@@ -847,20 +849,24 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
         return sch  # a 1x1x1 "GEMM" per step: scalar code is all it needs
     # On amx, blocks that are not tile-shaped get the AVX-512 kernel (find_impl's fallback).
     # The tiles read X in place (a parameter, kept bf16 by TVM) and W's dense VNNI panels.
-    # Batched rows: a call's A blocks are the R input rows, each S*C' long (taps folded).
+    # Batched rows: a call's A blocks are the R input rows, each S*C' long (taps folded);
+    # the call leaves out those over the zero border, where calls per row are skipped.
+    border = _Border(problem, config.bq)
+    skips = border.skips and not rows_batched
     shape = BrgemmShape(m=config.bq, n=config.bk,
                         k=problem.c if rows_batched else config.bc,
                         batch=problem.r if rows_batched else config.c_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
                         layout=problem.brgemm_layout(isa_name), isa=isa_name,
-                        batched_a=rows_batched)
-    # The border's calls cannot be skipped where a call spans the filter rows.
-    border = None if rows_batched else _Border(problem, config.bq)
-    skips = border is not None and border.skips
+                        batched_a=rows_batched, skips_blocks=rows_batched and border.rows)
     if single_call or not skips or border.every_tile_live():
         shape = zeroing_kernel(sch, init, shape, whole=single_call)
     call = sch.blockize(inner[0][0])
     sch.tensorize(call, dispatch(shape))
+    if shape.skips_blocks:
+        first, last = skipped_blocks()
+        bind_call_vars(sch, call, dict(zip((first.name, last.name),
+                                           border.skipped_rows(sch.get(call)), strict=True)))
     if skips:
         border.skip(sch, call)
     if shape.first_call_zeroes:
@@ -991,6 +997,29 @@ class _Border:
         column = (_live_columns(self.problem, self.bq, block, column_tap)
                   if self.columns else True)
         return _both(row, column)
+
+    def skipped_rows(self, call: s_tir.SBlock) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+        """How many filter rows of the call's output row lie over the top border and over
+        the bottom one: those a call over all of them (``batch_rows``, no height dilation)
+        leaves out.
+
+        >>> b = _Border(ConvProblem(1, 8, 5, 5, 8, 3, 3, stride=2, padding=(2, 0, 2, 0)), 2)
+        >>> [tuple(int(n) for n in b._skipped_rows(i)) for i in range(b.problem.p)]
+        [(2, 0), (0, 0), (0, 0), (0, 2)]
+        """
+        return self._skipped_rows(call.iter_vars[1].var)  # iterators (n, i, j, o, r, s, c)
+
+    def _skipped_rows(self, out_row: tirx.PrimExpr) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+        from tvm import tirx
+
+        p = self.problem
+        top = p.padding[0]
+        row = out_row * p.stride[0]  # its first filter row's, in the padded input
+
+        def clamp(rows: tirx.PrimExpr) -> tirx.PrimExpr:
+            return tirx.min(tirx.max(rows, 0), p.r)
+
+        return clamp(top - row), clamp(row + p.r - (top + p.h))
 
     def every_tile_live(self) -> bool:
         """Whether every output tile has a call over real input: a call then starts each C
@@ -1188,37 +1217,24 @@ def default_config(problem: ConvProblem, machine: Machine) -> ConvConfig:
                    and rows_batch_pays(problem, machine))
 
 
-#: What a BRGEMM call costs beyond its products, in K steps of its register tile (a
-#: dot-product or FMA instruction per accumulator): loading and storing the tile, and the
-#: epilogue's pass over it where the call is not the tile's only one.  Fitted on a Zen 4
-#: (2 threads, batch 8, warm): VGG-19's and ResNet-50's int8 3x3 convs ran 1.033-1.041x
-#: with their filter rows batched at 64 channels (48 steps a row), their gain falling as
-#: ``2.2 / steps`` with the channels, less the products over the zero border rows.
-CALL_STEPS = 2.2
-
-
 def rows_batch_pays(problem: ConvProblem, machine: Machine) -> bool:
-    """Whether ``batch_rows`` (one call over the R filter rows of an output tile) should
-    beat a call per filter row: the calls it saves cost about :data:`CALL_STEPS` K steps
-    each against a row's ``S*C'/alpha`` (``alpha`` the dot-product's group), more than the
-    products over the zero border rows it no longer skips add.  Never on AMX tiles (their
-    kernel reads A along K).  On a Zen 4, batch 8, each conv alone: int8 64-channel convs
-    1.03-1.04x (224x224, 112x112 and 56x56 maps), 128 channels 1.01x on 112x112 and 0.997x
-    on 28x28, 256 channels and more 0.91-0.996x (the border rows of 7x7 to 56x56 maps);
-    bf16 and float32 64-channel convs on 224x224 maps 1.035x and 1.021x.
+    """Whether ``batch_rows`` (one call over the R filter rows of an output tile, those over
+    the zero border left out) should beat a call per filter row: wherever the filter has
+    several rows, off AMX tiles (their kernel reads A along K).  The calls it saves cost
+    about two K steps of the register tile each (loading and storing the tile, and the
+    epilogue's pass over it), against ``S*C'/alpha`` steps a filter row.  On a Zen 4, batch
+    8, each conv alone: int8 3x3 convs 1.03-1.05x at 64 channels, 1.01-1.02x at 128, 1.004-1.012x
+    at 256 and 512 (maps of 7x7 to 224x224); bf16 1.00-1.035x, float32 0.997-1.021x, the
+    float32 RGB stem 1.12x.
 
     >>> from microkernels import isa
     >>> zen4 = Machine(isa.from_name("avx512_bf16"), isa.DEFAULT_CACHES, threads=2)
-    >>> [rows_batch_pays(ConvProblem(8, c, h, h, c, 3, 3, padding=1, dtype="uint8"), zen4)
-    ...  for c, h in ((64, 56), (128, 112), (128, 28), (512, 28))]
-    [True, True, False, False]
+    >>> amx = Machine(isa.from_name("amx"), isa.DEFAULT_CACHES, threads=2)
+    >>> p = ConvProblem(8, 512, 7, 7, 512, 3, 3, padding=1, dtype="uint8")
+    >>> rows_batch_pays(p, zen4), rows_batch_pays(p, amx)
+    (True, False)
     """
-    if problem.r == 1 or _uses_tiles(problem, machine):
-        return False
-    steps = problem.s * problem.padded_c / problem.alpha
-    dead = sum(not _live_row(problem, i, r) for i in range(problem.p)
-               for r in range(problem.r)) if problem.zero_border else 0
-    return CALL_STEPS / steps > dead / (problem.p * problem.r)
+    return problem.r > 1 and not _uses_tiles(problem, machine)
 
 
 def _column_block(k: int, target: _isa.Isa) -> int:
@@ -1358,9 +1374,8 @@ def candidates(problem: ConvProblem, machine: Machine) -> list[ConvConfig]:
       narrower), the two nearest other ``bq``
       (divisors of Q from 7 to 64 rows), and, when C spans several channel blocks,
       ``c_step`` reducing all of them in one BRGEMM call;
-    * the default with a call per tap where it folds the taps, and off AMX tiles with its
-      filter rows batched where it does not batch them and the other way round
-      (:func:`rows_batch_pays` decides by a rule of thumb).
+    * the default with a call per tap where it folds the taps, and off AMX tiles with a
+      call per filter row where it batches them (:func:`rows_batch_pays`).
 
     Configurations whose parallel loop has fewer iterations than ``threads`` are left out
     (the default excepted), as are duplicates: sixteen configurations at most.  On ``amx``

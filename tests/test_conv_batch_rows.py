@@ -1,8 +1,9 @@
 """A conv's filter rows as its BRGEMM's batch (``ConvConfig.batch_rows``): one call per output
-tile over the whole filter, A's blocks a row of the image apart (``BrgemmShape.batched_a``).
+tile over the whole filter, A's blocks a row of the image apart (``BrgemmShape.batched_a``),
+those over the zero border left out (``skips_blocks``).
 
-Numerics against numpy on odd sizes in every dtype (the zero border's rows now computed, a
-zero point's border too), the single zeroing call it schedules and the epilogue it then takes
+Numerics against numpy on odd sizes in every dtype (borders deeper than the filter, a zero
+point's border computed), the single zeroing call it schedules and the epilogue it then takes
 in registers, the rule that picks it and the tuner's candidates.
 """
 
@@ -19,7 +20,6 @@ from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import Machine
 from relay_passes.scaffold import dispatched_brgemm
 from schedules.conv import (
-    CALL_STEPS,
     ConvConfig,
     ConvProblem,
     can_batch_rows,
@@ -34,11 +34,13 @@ BIAS_RELU = Epilogue((EpilogueOp("bias"), EpilogueOp("relu")))
 VNNI = "avx512_vnni" if runs_here("avx512_vnni") else "avx2"
 BF16 = "avx512_bf16" if runs_here("avx512_bf16") else "avx2"
 
-# Odd maps and channels, strides, a 5x5 filter, a padding deeper on one side.
+# Odd maps and channels, strides, a 5x5 filter, paddings deeper on one side, one deeper than
+# the filter (its first output row reads nothing but the border).
 PROBLEMS = [
     ConvProblem(2, 12, 9, 7, 20, 3, 3, padding=1),
     ConvProblem(1, 8, 11, 10, 16, 3, 3, stride=2, padding=(1, 1, 0, 0)),
     ConvProblem(1, 4, 8, 9, 24, 5, 5, padding=(2, 1, 3, 2)),
+    ConvProblem(1, 8, 6, 7, 16, 3, 3, padding=(4, 1, 2, 1)),
 ]
 
 
@@ -62,7 +64,10 @@ def test_uint8_against_numpy(problem):
 def test_uint8_zero_point_border():
     """A non-zero border (a quantized input's zero point) is computed like any input."""
     problem = replace(PROBLEMS[0], dtype="uint8")
-    check_lowp(problem, _rows_batched(problem, 7, 4), VNNI, pad_value=7)
+    config = _rows_batched(problem, 7, 4)
+    check_lowp(problem, config, VNNI, pad_value=7)
+    assert not dispatched_brgemm(schedule(replace(problem, zero_border=False), config,
+                                          VNNI)).skips_blocks
 
 
 @pytest.mark.parametrize("problem", PROBLEMS[:2])
@@ -82,7 +87,8 @@ def test_one_zeroing_call_per_tile_and_the_epilogue_in_registers():
     batched = _rows_batched(problem, 7, 4)
     sch = schedule(problem, batched, "avx512_vnni")
     shape = dispatched_brgemm(sch)
-    assert (shape.batch, shape.k, shape.batched_a, shape.beta) == (3, 3 * 12, True, 0)
+    assert (shape.batch, shape.k, shape.batched_a, shape.skips_blocks, shape.beta) == (
+        3, 3 * 12, True, True, 0)
     func = sch.mod["main"]
     assert '"epilogue"' in func.script()
     assert '"epilogue"' not in epilogue_in_registers(func).script()
@@ -111,23 +117,12 @@ ZEN4 = Machine(isa.from_name("avx512_bf16"), isa.Caches(32 << 10, 1 << 20, 32 <<
 AMX = Machine(isa.from_name("amx"), isa.Caches(48 << 10, 2 << 20, 105 << 20), 2)
 
 
-@pytest.mark.parametrize("c,h,dtype,pays", [
-    (64, 56, "uint8", True),        # 48 K steps a row, 1/84 of the rows in the border
-    (64, 7, "uint8", False),        # 2 of 21 filter rows over the border
-    (128, 112, "uint8", True),
-    (128, 28, "uint8", False),
-    (512, 28, "uint8", False),
-    (64, 224, "float32", True),     # 192 steps, 1/336 in the border
-    (64, 56, "float32", False),
-])
-def test_the_rule(c, h, dtype, pays):
+@pytest.mark.parametrize("c,h,dtype", [(64, 56, "uint8"), (512, 7, "uint8"),
+                                        (128, 28, "bfloat16"), (256, 56, "float32")])
+def test_the_default_batches_every_folded_filter_off_amx(c, h, dtype):
     problem = ConvProblem(8, c, h, h, c, 3, 3, padding=1, dtype=dtype)
-    steps = 3 * problem.padded_c / problem.alpha
-    assert (CALL_STEPS / steps > 2 / (3 * h)) == pays  # the rule's own terms, by hand
-    assert rows_batch_pays(problem, ZEN4) == pays
-    assert default_config(problem, ZEN4).batch_rows == pays
-    # A border that holds a zero point is computed anyway: nothing to lose.
-    assert rows_batch_pays(replace(problem, zero_border=False), ZEN4)
+    assert rows_batch_pays(problem, ZEN4) and default_config(problem, ZEN4).batch_rows
+    assert default_config(replace(problem, zero_border=False), ZEN4).batch_rows
 
 
 def test_never_on_amx_tiles_and_both_among_the_candidates():
