@@ -165,6 +165,8 @@ def variant(config: Config, text: str, problem: Problem) -> Config:
         if not eq or name not in settable:
             raise UsageError(f"--vs takes FIELD=VALUE,... of {', '.join(settable)}; got {item!r}")
         changes[name] = _value(settable[name], name, value.strip())
+    if changes.get("fold_taps") is False and "batch_rows" in settable:
+        changes.setdefault("batch_rows", False)  # the rows it batches are folded taps'
     try:
         if dense and {"spec", "k_step"} & changes.keys():
             steps = {**config.candidate.steps, "a": changes.pop("k_step", config.k_step)}
