@@ -61,6 +61,15 @@ those of the conv.  The accumulators then stay in registers across the S taps: a
 makes 3 calls per output tile instead of 9 (ResNet-50's and VGG-19's 3x3 convs 1.00-1.10x
 on a Zen 3, one thread), and an RGB stem (C = 3) reduces 21 values a call instead of 3.
 
+Filter rows batched (``ConvConfig.batch_rows``, the default off AMX wherever the taps fold
+and the filter has several rows): one call reduces the R filter rows too, as the batch of a
+``batched_a`` BRGEMM whose A blocks are the R input rows, a row pitch apart, and whose B runs
+on along K through a view of W with its taps and channels as one axis (:func:`weight_shape`'s
+``taps_in_k``).  The rows over the zero border are left out inside the call
+(``skips_blocks``: counts the schedule binds per output row, :meth:`_Border.skipped_rows`).
+The tile's one call starts from zero and takes its epilogue in registers (int8 3x3 convs
+1.004-1.05x alone on a Zen 4).
+
 Operand types
 -------------
 ``ConvProblem.dtype`` is X's type, with the GEMM template's kernel families
