@@ -352,8 +352,7 @@ def first_call() -> tirx.Var:
 def skipped_blocks() -> tuple[tirx.Var, tirx.Var]:
     """How many blocks a ``skips_blocks`` kernel leaves out at the start and at the end of
     its batch: free int32 variables of its impl that the schedule replaces with its own
-    expressions once the call is tensorized (``schedules.nest.bind_call_vars``; 0 and 0
-    where it says nothing)."""
+    expressions once the call is tensorized (``schedules.nest.bind_call_vars``)."""
     from tvm import tirx
 
     return tirx.Var("tpp_skip_first", "int32"), tirx.Var("tpp_skip_last", "int32")

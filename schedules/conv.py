@@ -1425,7 +1425,7 @@ def candidates(problem: ConvProblem, machine: Machine) -> list[ConvConfig]:
                               else channel_blocks, fold_taps=False))
     other = ORDERS[1] if base.spec == ORDERS[0] else ORDERS[0]
     per_tap = [replace(base, fold_taps=False, batch_rows=False)] if base.fold_taps else []
-    if base.fold_taps and can_batch_rows(problem, base) and not tiles:
+    if base.fold_taps and can_batch_rows(problem, base) and rows_batch_pays(problem, machine):
         per_tap.append(replace(base, batch_rows=not base.batch_rows))
     found = [base]
     for config in [replace(base, spec=spec) for spec in ORDERS] + [

@@ -216,23 +216,21 @@ def drop_zeroing(sch: s_tir.Schedule, init: SBlockRV) -> bool:
 
 
 def bind_first_calls(sch: s_tir.Schedule) -> None:
-    """Bind the free variables of every call of ``sch`` to their defaults: a
-    ``first_call_zeroes`` kernel's flag by :func:`bind_first_call`'s default condition, a
-    ``skips_blocks`` kernel's counts to 0 (all of its batch).  A schedule replayed from its
-    trace (MetaSchedule's design spaces and records) has them free, because a binding is no
-    schedule instruction."""
+    """:func:`bind_first_call` (the default condition) for every call of ``sch`` whose
+    kernel's flag is free: a schedule replayed from its trace (MetaSchedule's design spaces
+    and records) has them so, because the binding is no schedule instruction."""
     import tvm_ffi
     from tvm import ir, s_tir
 
-    from microkernels.brgemm import first_call, skipped_blocks
+    from microkernels.brgemm import first_call
 
-    names = {first_call().name, *(v.name for v in skipped_blocks())}
+    flag = first_call().name
 
-    def free(stmt: object) -> set[str]:
-        found: set[str] = set()
-        tvm_ffi.structural_walk(stmt, (ir.expr.Var, lambda v: found.add(v.name)
-                                       if v.name in names else None))
-        return found
+    def flagged(stmt: object) -> bool:
+        found = []
+        tvm_ffi.structural_walk(stmt, (ir.expr.Var, lambda v: found.append(v)
+                                       if v.name == flag else None))
+        return bool(found)
 
     def nested(block: s_tir.SBlock) -> list[s_tir.SBlock]:
         inner = []
@@ -242,14 +240,11 @@ def bind_first_calls(sch: s_tir.Schedule) -> None:
     for gv, func in sch.mod.functions.items():
         blocks = []
         tvm_ffi.structural_walk(func.body, (s_tir.SBlock, blocks.append))
-        # The calls: blocks that read a variable and hold no block that does.
+        # The calls: blocks that read the flag and hold no block that does.
         calls = [b.name_hint for b in blocks
-                 if free(b.body) and not any(free(i.body) for i in nested(b))]
+                 if flagged(b.body) and not any(flagged(i.body) for i in nested(b))]
         for name in calls:
-            call = sch.get_sblock(name, gv.name_hint)
-            if first_call().name in free(sch.get(call).body):
-                bind_first_call(sch, call)
-            bind_call_vars(sch, call, dict.fromkeys(free(sch.get(call).body), 0))
+            bind_first_call(sch, sch.get_sblock(name, gv.name_hint))
 
 
 def bind_first_call(sch: s_tir.Schedule, call: SBlockRV,
@@ -272,20 +267,16 @@ def bind_first_call(sch: s_tir.Schedule, call: SBlockRV,
 
 
 def bind_call_vars(sch: s_tir.Schedule, call: SBlockRV,
-                   values: Mapping[str, tirx.PrimExpr | int]) -> None:
+                   values: Mapping[str, tirx.PrimExpr]) -> None:
     """Replace the free variables of the kernel tensorized in block ``call`` named as
     ``values``' keys (by name: registering the intrinsic copies its variables) with
     ``values``' expressions (:func:`microkernels.brgemm.first_call`,
     :func:`microkernels.brgemm.skipped_blocks`)."""
     import tvm_ffi
-    from tvm import ir, s_tir, tirx
+    from tvm import ir, s_tir
 
-    if not values:
-        return
     block = sch.get(call)
-    exprs = {name: tirx.const(v, "int32") if isinstance(v, int) else v
-             for name, v in values.items()}
-    body = tvm_ffi.structural_map(block.body, [(ir.expr.Var, lambda v: exprs.get(v.name, v))])
+    body = tvm_ffi.structural_map(block.body, [(ir.expr.Var, lambda v: values.get(v.name, v))])
     bound = s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body,
                          block.init, block.alloc_buffers, block.match_buffers,
                          block.annotations)
