@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from . import isa as _isa
@@ -600,42 +600,86 @@ def _saturated(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None, floor: int | N
     return tirx.min(tirx.max(y, _f32(qmin - op.zero_point)), _f32(qmax - op.zero_point))
 
 
-def _fused(ops: tuple[EpilogueOp, ...], k: int, isa: str) -> tuple[ExprBuilder, int] | None:
-    """An expression for ``ops[k]`` and the op after it together, exactly equal to the two
-    in turn but shorter, and how many ops it covers; None where there is none (or ``isa``
-    has expressions of its own for either).
+#: A fused window's expression: ``(x, args)`` with ``args`` the operand of each op it covers
+#: (None for an op without one).
+FusedBuilder = Callable[["PrimExpr", tuple], "PrimExpr"]
+
+#: A QDQ residual block's conv epilogue from its requantization on: the output quantized,
+#: dequantized, added to a dequantized residual, relu'd and quantized again.
+_RESIDUAL_BLOCK = ("requantize", "dequantize", "residual_dq", "relu", "requantize")
+
+
+def _fused(ops: tuple[EpilogueOp, ...], k: int, isa: str) -> tuple[FusedBuilder, int] | None:
+    """An expression for ``ops[k]`` and the ops after it together, shorter than the ops in
+    turn, and how many ops it covers; None where there is none (or ``isa`` has expressions
+    of its own for any of them).
 
     * ``requantize`` then ``dequantize`` (a QDQ pair: the quantized output goes on in
       float32): the integer is never materialized.  ``(sat(rint(x s) + zp) - zp') s'`` is
       ``(rint(sat'(x s)) + zp - zp') s'`` with the bounds shifted by ``zp``: no conversion
       to int and back, no adding and subtracting the zero point (a zero may come out as
-      -0.0).
+      -0.0).  Exactly equal.
     * ``relu`` then ``requantize`` by a constant scale (positive, as validated): ``rint``
       and the multiplication are monotonic, so ``max(x, 0)`` becomes a lower bound of the
-      saturation, ``zp``.
+      saturation, ``zp``.  Exactly equal.
+    * A residual block (:data:`_RESIDUAL_BLOCK`, the last scale constant): the pair's
+      integer ``q`` and the residual ``r`` enter the last quantization as
+      ``q a + (r b + c)`` with ``a = s' s3``, ``b = s_r s3`` and the zero points in ``c``: two
+      FMAs in place of four or five float instructions (zero points, three scales, the sum),
+      the epilogue's cost on a short-K int8 conv (ResNet-50's residual 1x1 convs 1.09x
+      alone, BENCHMARKS.md).  Not bit for bit: the sum is rounded once where the ops apart
+      round it three times, so a value a few units in the last place from a rounding tie
+      may land one step apart (ONNX Runtime's QLinearAdd also folds the scales).
     """
+    if any(_builder(o.kind, isa) is not _EXPRS[(o.kind, "generic")] for o in ops[k:k + 2]):
+        return None
+    window = ops[k:k + len(_RESIDUAL_BLOCK)]
+    if tuple(o.kind for o in window) == _RESIDUAL_BLOCK and window[-1].value is not None and all(
+            _builder(o.kind, isa) is _EXPRS[(o.kind, "generic")] for o in window):
+        return _residual_block(*window), len(window)
     op, after = ops[k], ops[k + 1] if k + 1 < len(ops) else None
-    if after is None or any(_builder(o.kind, isa) is not _EXPRS[(o.kind, "generic")]
-                            for o in (op, after)):
+    if after is None:
         return None
     if op.kind == "requantize" and after.kind == "dequantize":
-        def pair(_op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
-            # tirx.round lowers to llvm.nearbyint (half to even); tirx.nearbyint would stop
-            # TVM vectorizing the loop.
-            from tvm import tirx
-
-            q = tirx.round(_saturated(op, x, arg))
-            if op.zero_point != after.zero_point:
-                q = q + _f32(op.zero_point - after.zero_point)
-            return q * _f32(after.value)
+        def pair(x: PrimExpr, args: tuple) -> PrimExpr:
+            return _qdq_integer(op, after, x, args[0]) * _f32(after.value)
 
         return pair, 2
     if op.kind == "relu" and after.kind == "requantize" and after.value is not None:
-        def floored(_op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
+        def floored(x: PrimExpr, args: tuple) -> PrimExpr:
             return _requantize(after, x, None, floor=after.zero_point)
 
         return floored, 2
     return None
+
+
+def _qdq_integer(rq: EpilogueOp, dq: EpilogueOp, x: PrimExpr, scale: PrimExpr | None
+                 ) -> PrimExpr:
+    """The integer a QDQ pair carries, less the dequantization's zero point, in float32."""
+    # tirx.round lowers to llvm.nearbyint (half to even); tirx.nearbyint would stop TVM
+    # vectorizing the loop.
+    from tvm import tirx
+
+    q = tirx.round(_saturated(rq, x, scale))
+    return q + _f32(rq.zero_point - dq.zero_point) if rq.zero_point != dq.zero_point else q
+
+
+def _residual_block(rq: EpilogueOp, dq: EpilogueOp, residual: EpilogueOp, _relu: EpilogueOp,
+                    out: EpilogueOp) -> FusedBuilder:
+    """:data:`_RESIDUAL_BLOCK` as ``sat(rint(q a + (r b + c)))``, relu as the lower bound."""
+    from tvm import tirx
+
+    a = dq.value * out.value
+    b = residual.value * out.value
+    c = (rq.zero_point - dq.zero_point) * a - residual.zero_point * b
+    unit = replace(out, value=1.0)  # the scale is in a, b and c
+
+    def block(x: PrimExpr, args: tuple) -> PrimExpr:
+        q = tirx.round(_saturated(rq, x, args[0]))
+        y = q * _f32(a) + (args[2].astype("float32") * _f32(b) + _f32(c))
+        return _requantize(unit, y, None, floor=out.zero_point)
+
+    return block
 
 
 def _extent(e: Any) -> Any:
@@ -702,18 +746,20 @@ def apply_te(
             raise ValueError(f"extra tensor {o.name!r} must be {o.dtype}, got {t.dtype}")
     if not epilogue.ops:
         return C
-    # (builder, op, operand) per step; where two ops fuse, the pair's first op and operand
-    # (a fused pair reads at most the first op's operand).
+    # (expression of x and the operands, the operands) per step: one op, or a fused window.
     steps, k = [], 0
     while k < len(epilogue.ops):
-        builder, count = _fused(epilogue.ops, k, isa) or (_builder(epilogue.ops[k].kind, isa), 1)
-        steps.append((builder, epilogue.ops[k], operands[k]))
-        k += count
+        fused = _fused(epilogue.ops, k, isa)
+        if fused is None:
+            single, op = _builder(epilogue.ops[k].kind, isa), epilogue.ops[k]
+            fused = (lambda x, args, single=single, op=op: single(op, x, args[0])), 1
+        steps.append((fused[0], operands[k:k + fused[1]]))
+        k += fused[1]
 
     def chain(x: PrimExpr, i: Any, j: Any, step: int) -> PrimExpr:
-        builder, op, operand = steps[step]
-        arg = None if operand is None else extra[operand.name](*operand.index(i, j))
-        y = builder(op, x, arg)
+        builder, window = steps[step]
+        y = builder(x, tuple(None if o is None else extra[o.name](*o.index(i, j))
+                             for o in window))
         if step + 1 == len(steps):
             return y
         # Bind each intermediate once: builders use x several times (GELU four).
