@@ -81,6 +81,7 @@ __all__ = [
     "check_operands",
     "first_call",
     "skipped_blocks",
+    "edge_rows",
     "zeroing",
 ]
 
@@ -141,6 +142,12 @@ class BrgemmShape:
         does :func:`first_call`): blocks of A that hold zeros, a conv's filter rows over its
         zero border.  The TIR semantics are those of the whole batch, which such zeros do
         not change.
+    edge_k
+        (``batched_a`` only, a multiple of ``alpha``, at most ``k / 2``.)  Where :func:`edge_rows`
+        holds (free flags the schedule binds), the first row of A leaves out the first
+        ``edge_k`` values of each block's K, the last row the last ``edge_k``: a conv's first
+        and last output columns over the zero border, whose filter taps there read zeros.
+        Same TIR semantics; kernels without this skip compute the zeros.
     """
 
     m: int
@@ -155,6 +162,7 @@ class BrgemmShape:
     first_call_zeroes: bool = False
     batched_a: bool = False
     skips_blocks: bool = False
+    edge_k: int = 0
 
     def __post_init__(self) -> None:
         for dim in ("m", "n", "k", "batch"):
@@ -186,6 +194,11 @@ class BrgemmShape:
                                 f"{getattr(self, flag)!r}")
         if self.skips_blocks and not self.batched_a:
             raise ValueError("skips_blocks leaves out blocks of a batched_a kernel's A")
+        if not isinstance(self.edge_k, int) or isinstance(self.edge_k, bool) or not (
+                self.edge_k == 0 or (self.batched_a and 0 < 2 * self.edge_k <= self.k
+                                     and self.edge_k % LAYOUTS[self.layout][0] == 0)):
+            raise ValueError(f"edge_k is 0, or at most half a batched_a kernel's K in whole "
+                             f"{self.layout} groups, got {self.edge_k!r} of k={self.k}")
         if self.batched_a and (self.layout == "blocked" or self.layout in _LAYOUT_FNS
                                or self.batch == 1):
             raise ValueError(f"batched_a needs batch > 1 and a flat or VNNI layout, got "
@@ -214,6 +227,7 @@ class BrgemmShape:
             + ("_beta0" if self.beta == 0 else "_beta0first" if self.first_call_zeroes else "")
             + ("_batcheda" if self.batched_a else "")
             + ("_skips" if self.skips_blocks else "")
+            + (f"_edges{self.edge_k}" if self.edge_k else "")
         )
 
     def a_shape(self) -> tuple[int, ...]:
@@ -356,6 +370,16 @@ def skipped_blocks() -> tuple[tirx.Var, tirx.Var]:
     from tvm import tirx
 
     return tirx.Var("tpp_skip_first", "int32"), tirx.Var("tpp_skip_last", "int32")
+
+
+@functools.cache
+def edge_rows() -> tuple[tirx.Var, tirx.Var]:
+    """Whether an ``edge_k`` kernel's first and last rows of A leave out their edge of K:
+    free boolean variables of its impl that the schedule replaces with its own conditions
+    once the call is tensorized (``schedules.nest.bind_call_vars``)."""
+    from tvm import tirx
+
+    return tirx.Var("tpp_left_edge", "bool"), tirx.Var("tpp_right_edge", "bool")
 
 
 @functools.cache

@@ -29,6 +29,11 @@ no narrow form, so their tail columns run the whole-register instruction on zero
 copies of their accumulators and B values and keep the first lanes (``vdpbf16ps`` and
 ``vpdpbusd``; the emulated and ``vpmadd*`` families widen them scalar by scalar).
 
+A ``batched_a`` shape with ``edge_k`` (a conv's border columns) walks its first and last
+register tiles apart from the loops over the others, and splits each block's K loop in three
+there: where the flags hold, A's first row skips the first ``edge_k`` values, its last row
+the last ones.
+
 Without VNNI, full-range int8 (``vnni4``) cannot use ``vpmaddubsw``: that instruction
 saturates its 16-bit pair sums (``255 * -128 * 2 < -32768``), which silently corrupts results.
 The exact ``vpmaddwd`` sequence runs at about the fp32 rate (0.9x on Cascade Lake AVX2).
@@ -53,7 +58,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import isa as _isa
-from .brgemm import BrgemmShape, first_call, register_impl, skipped_blocks
+from .brgemm import BrgemmShape, edge_rows, first_call, register_impl, skipped_blocks
 
 if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
@@ -305,7 +310,9 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
         col_tiles.append((full_cols * width, 1, rest // lanes, rest % lanes))
     kq_extent = k * batch // alpha
 
-    def one_tile(A, B, C, row0, rows, col0, nvec, tail_w):
+    edge = shape.edge_k // alpha  # K steps per block an edge row leaves out
+
+    def one_tile(A, B, C, row0, rows, col0, nvec, tail_w, edges=(None, None)):
         # "global" scope on purpose: TVM puts small global allocations on the stack, where
         # LLVM promotes them to registers; "local" ones become heap workspaces.
         acc = _Rows([IRBuilder.name(f"acc{r}", T.alloc_buffer((nvec * lanes + tail_w,), tc))
@@ -313,19 +320,39 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
         vectors = [(v * lanes, lanes) for v in range(nvec)] + (
             [(nvec * lanes, tail_w)] if tail_w else [])
 
-        def unrolled(emit, a, b, extent, steps_per_iter):
+        def unrolled(emit, a, b, extent, steps_per_iter, start=0):
             if extent >= steps_per_iter:
                 with T.serial(extent // steps_per_iter) as ko:
                     IRBuilder.name("ko", ko)
                     for u in range(steps_per_iter):
-                        emit(a, b, 0, ko * steps_per_iter + u)
+                        emit(a, b, 0, start + ko * steps_per_iter + u)
             for kq in range(extent - extent % steps_per_iter, extent):
-                emit(a, b, 0, kq)
+                emit(a, b, 0, start + kq)
 
-        def k_loop(emit, steps_per_iter):
-            """The batch-reduce over K, ``emit(A, B, kb, kq)`` per step, unrolled by
-            ``steps_per_iter`` (the blocked layout loops over (batch, k) instead; a
-            ``batched_a`` kernel over the batch, each block's A and B as whole operands)."""
+        def edged(emits, a, b, steps, steps_per_iter):
+            """A block's K steps where the tile's first (last) row leaves out the first
+            (last) ``edge`` steps when its flag in ``edges`` holds: ``emits(lo, hi)`` emits
+            a step for the tile's rows lo..hi-1."""
+            parts = [(0, edge, 0), (edge, steps - 2 * edge, None), (steps - edge, edge, 1)]
+            for start, extent, side in parts:
+                flag = None if side is None else edges[side]
+                cut = (1, rows) if side == 0 else (0, rows - 1)
+                if flag is None:
+                    unrolled(emits(0, rows), a, b, extent, steps_per_iter, start)
+                    continue
+                with T.If(flag):
+                    with T.Then():
+                        if cut[1] > cut[0]:
+                            unrolled(emits(*cut), a, b, extent, steps_per_iter, start)
+                    with T.Else():
+                        unrolled(emits(0, rows), a, b, extent, steps_per_iter, start)
+
+        def k_loop(emits, steps_per_iter, edges=(None, None)):
+            """The batch-reduce over K, ``emits(0, rows)(A, B, kb, kq)`` per step, unrolled
+            by ``steps_per_iter`` (the blocked layout loops over (batch, k) instead; a
+            ``batched_a`` kernel over the batch, each block's A and B as whole operands, its
+            edge rows leaving out their edge of each block where ``edges`` say)."""
+            emit = emits(0, rows)
             if blocked:
                 with T.grid(batch, k) as (kb, kq):
                     IRBuilder.name_many(["kb", "kq"], [kb, kq])
@@ -336,9 +363,12 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
                 with T.serial(first, batch - last) as kb:
                     IRBuilder.name("kb", kb)
                     steps = k // alpha
-                    unrolled(emit, _Indexed(A, lambda at: [kb, *at]),
-                             _Indexed(B, lambda at: [kb * steps + at[0], *at[1:]]),
-                             steps, steps_per_iter)
+                    a = _Indexed(A, lambda at: [kb, *at])
+                    b = _Indexed(B, lambda at: [kb * steps + at[0], *at[1:]])
+                    if edges == (None, None):
+                        unrolled(emit, a, b, steps, steps_per_iter)
+                    else:
+                        edged(emits, a, b, steps, steps_per_iter)
                 return
             unrolled(emit, A, B, kq_extent, steps_per_iter)
 
@@ -357,25 +387,40 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
         else:
             start(shape.beta == 0)
         if nvec:
-            k_loop(lambda a, b, kb, kq: step(a, b, acc, row0, rows, col0, 0, nvec, lanes, kb,
-                                             kq), unroll)
+            k_loop(lambda lo, hi: lambda a, b, kb, kq: step(
+                a, b, _Rows(acc.rows[lo:hi]), row0 + lo, hi - lo, col0, 0, nvec, lanes, kb, kq),
+                unroll, edges)
         if tail_w:  # rare narrow columns: their own rolled K loop keeps the code small
-            k_loop(lambda a, b, kb, kq: tail_step(a, b, acc, row0, rows, col0 + nvec * lanes,
-                                                  nvec * lanes, 1, tail_w, kb, kq), 1)
+            k_loop(lambda lo, hi: lambda a, b, kb, kq: tail_step(
+                a, b, _Rows(acc.rows[lo:hi]), row0 + lo, hi - lo, col0 + nvec * lanes,
+                nvec * lanes, 1, tail_w, kb, kq), 1, edges)
         for r in range(rows):
             for off, w in vectors:
                 _store(C, [row0 + r, _vec(col0 + off, w)], acc[r, _vec(off, w)])
 
     def walk(A, B, C):
         # Column tiles outermost: a B micro-panel stays in L1 while row tiles stream A.
+        # An edge_k kernel's first and last register tiles (A's first and last rows) are
+        # walked apart from the loops over the others.
+        left, right = edge_rows() if edge else (None, None)
+        tiles = row_tiles(m, tile.rows)
         for col_start, col_count, nvec, tail_w in col_tiles:
             with T.serial(col_count) as jt:
                 IRBuilder.name("jt", jt)
-                for row_start, row_count, rows in row_tiles(m, tile.rows):
-                    with T.serial(row_count) as it:
-                        IRBuilder.name("it", it)
-                        one_tile(A, B, C, row_start + it * rows, rows,
-                                 col_start + jt * width, nvec, tail_w)
+                col0 = col_start + jt * width
+                for g, (row_start, row_count, rows) in enumerate(tiles):
+                    lo = 1 if edge and g == 0 else 0
+                    hi = row_count - 1 if edge and g == len(tiles) - 1 else row_count
+                    if lo:
+                        one_tile(A, B, C, row_start, rows, col0, nvec, tail_w,
+                                 (left, right if hi < lo else None))
+                    if hi > lo:
+                        with T.serial(lo, hi) as it:
+                            IRBuilder.name("it", it)
+                            one_tile(A, B, C, row_start + it * rows, rows, col0, nvec, tail_w)
+                    if hi < row_count and hi >= lo:
+                        one_tile(A, B, C, row_start + hi * rows, rows, col0, nvec, tail_w,
+                                 (None, right))
 
     strides = {name: tirx.Var(name, "int32") for name in ("sa0", "sa1", "sb0", "sb1", "sc")}
     a_strides = [strides["sa0"], strides["sa1"], 1] if len(a_shape) == 3 else [strides["sa0"], 1]

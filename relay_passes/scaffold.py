@@ -217,7 +217,8 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
     :attr:`BrgemmShape.name`, ``tpp_brgemm_<isa>_<dtype of A>_<layout>_<m>x<n>x<k>x<batch>``
     (``_beta0`` after it for a kernel that overwrites C, ``_beta0first`` for one that does
     on its first call, then ``_batcheda`` for one whose A blocks lie apart, ``_skips`` for
-    one that leaves some of them out).
+    one that leaves some of them out, ``_edges<k>`` for one whose edge rows leave out their
+    edge of K).
 
     Examples
     --------
@@ -236,8 +237,8 @@ def dispatched_brgemm(sch: s_tir.Schedule) -> BrgemmShape | None:
                "batcheda": {"batched_a": True}, "skips": {"skips_blocks": True}}
     head, _, dims = name.removeprefix(_BRGEMM_PREFIX).rpartition("_")
     flags: dict[str, Any] = {}
-    while dims in variant:  # the suffixes after the dimensions
-        flags.update(variant[dims])
+    while dims in variant or dims.startswith("edges"):  # the suffixes after the dimensions
+        flags.update(variant.get(dims) or {"edge_k": int(dims.removeprefix("edges"))})
         head, _, dims = head.rpartition("_")
     for dtype_a, dtype_acc in DTYPES:
         isa, found, layout = head.partition(f"_{dtype_a}_")

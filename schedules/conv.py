@@ -68,7 +68,12 @@ on along K through a view of W with its taps and channels as one axis (:func:`we
 ``taps_in_k``).  The rows over the zero border are left out inside the call
 (``skips_blocks``: counts the schedule binds per output row, :meth:`_Border.skipped_rows`).
 The tile's one call starts from zero and takes its epilogue in registers (int8 3x3 convs
-1.004-1.05x alone on a Zen 4).
+1.004-1.05x alone on a Zen 4).  The border columns too, as oneDNN narrows the filter there:
+a call whose block starts (ends) the map leaves out its first (last) output column's products
+with the taps over the left (right) zero border (``edge_k``, :func:`edge_columns`; flags the
+schedule binds per column block): a third of a 3x3 conv's products on those columns, a tenth
+of all on a 7x7 map (int8 VGG-19 1.011x / 1.025x at batch 8 / 1, ResNet-50 1.008-1.012x at
+batch 8, on a Zen 4; outputs unchanged).
 
 Operand types
 -------------
@@ -116,7 +121,7 @@ import numpy as np
 from microkernels import amx as _amx
 from microkernels import isa as _isa
 from microkernels import x86 as _x86
-from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, skipped_blocks
+from microkernels.brgemm import LAYOUTS, BrgemmShape, dispatch, edge_rows, skipped_blocks
 from microkernels.epilogue import Epilogue, expression_isa, vector_lanes
 from microkernels.machine import Machine
 from microkernels.pack import Packing, padded
@@ -806,6 +811,7 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     config.parse(problem)  # errors in the terms of the conv asked for
     epilogue_isa = expression_isa(isa_name, config.bk)
     rows_batched = config.batch_rows
+    edge_k = edge_columns(problem, config.bq) if rows_batched else 0
     if config.fold_taps:  # the same operands, read through views (module doc)
         func = _folded_workload(problem, config.bk, batch, epilogue_isa, rows_batched)
         problem = problem.taps_folded()
@@ -867,15 +873,23 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
                         batch=problem.r if rows_batched else config.c_step,
                         dtype_a=problem.dtype, dtype_acc=problem.acc_dtype,
                         layout=problem.brgemm_layout(isa_name), isa=isa_name,
-                        batched_a=rows_batched, skips_blocks=rows_batched and border.rows)
+                        batched_a=rows_batched, skips_blocks=rows_batched and border.rows,
+                        edge_k=edge_k)
     if single_call or not skips or border.every_tile_live():
         shape = zeroing_kernel(sch, init, shape, whole=single_call)
     call = sch.blockize(inner[0][0])
     sch.tensorize(call, dispatch(shape))
+    bound = {}
     if shape.skips_blocks:
         first, last = skipped_blocks()
-        bind_call_vars(sch, call, dict(zip((first.name, last.name),
-                                           border.skipped_rows(sch.get(call)), strict=True)))
+        bound |= zip((first.name, last.name), border.skipped_rows(sch.get(call)), strict=True)
+    if shape.edge_k:
+        block = sch.get(call).iter_vars[2]  # iterators (n, i, j, o, r, s, c): j's block
+        left, right = edge_rows()
+        bound |= {left.name: block.var == 0,
+                  right.name: block.var == block.dom.min + block.dom.extent - 1}
+    if bound:
+        bind_call_vars(sch, call, bound)
     if skips:
         border.skip(sch, call)
     if shape.first_call_zeroes:
@@ -895,6 +909,25 @@ def can_fold_taps(problem: ConvProblem, config: ConvConfig) -> bool:
     return (problem.s > 1 and problem.dilation[1] == 1 and problem.groups == 1
             and config.bc * config.c_step == problem.padded_c
             and not {"b", "g"} & set(config.block_steps))
+
+
+def edge_columns(problem: ConvProblem, bq: int) -> int:
+    """K values of each filter row a call with batched rows leaves out on its block's
+    first output column where that is the map's first, and on its last where that is the
+    map's last (``BrgemmShape.edge_k``): the channels of the taps over the left (right) zero
+    border, as oneDNN's kernels narrow the filter's width there; 0 where there are none to
+    leave out (no zero border, stride or dilation along the width, unequal padding).
+
+    >>> edge_columns(ConvProblem(1, 60, 14, 14, 64, 3, 3, padding=1, dtype="uint8"), 14)
+    64
+    >>> edge_columns(ConvProblem(1, 64, 14, 14, 64, 3, 3, padding=1, stride=2), 7)
+    0
+    """
+    _, left, _, right = problem.padding
+    if not (problem.zero_border and problem.stride[1] == problem.dilation[1] == 1
+            and left == right and 0 < 2 * left <= problem.s and bq > 1):
+        return 0
+    return left * problem.padded_c
 
 
 def can_batch_rows(problem: ConvProblem, config: ConvConfig) -> bool:

@@ -27,6 +27,7 @@ from microkernels.brgemm import (
     BrgemmShape,
     desc_func,
     dispatch,
+    edge_rows,
     find_impl,
     implementations,
     reference,
@@ -290,6 +291,60 @@ def test_batched_a_validation_and_impls():
     amx = BrgemmShape(16, 16, 64, 2, "uint8", "int32", "vnni4", "amx", batched_a=True)
     assert find_impl(amx)[0] == "avx512_vnni"
     assert find_impl(BrgemmShape(4, 16, 8, 2, isa="neon", batched_a=True))[0] == "generic"
+
+
+def _run_edges(shape, left, right):
+    """The kernel with its edge flags bound to ``left``, ``right``, and the sums with A's
+    left-out values zeroed instead."""
+    from schedules.nest import bind_call_vars
+
+    sch = s_tir.Schedule(desc_func(shape, as_workload=True))
+    call = sch.blockize(sch.get_loops(sch.get_sblock("brgemm"))[0])
+    sch.tensorize(call, dispatch(shape))
+    first, last = edge_rows()
+    bind_call_vars(sch, call, {first.name: tvm.tirx.const(left, "bool"),
+                               last.name: tvm.tirx.const(right, "bool")})
+    kernel = tvm.compile(sch.mod, target=isa_target(shape.isa, MCPU[shape.isa]))
+    a, b, c, ra, rb = _operands(shape, np.random.default_rng(5))
+    out = tvm.runtime.tensor(c)
+    kernel(tvm.runtime.tensor(a), tvm.runtime.tensor(b), out)
+    whole = reference(shape, ra, rb, c)
+    ra = ra.copy()
+    if left:
+        ra[:, 0, :shape.edge_k] = 0
+    if right:
+        ra[:, -1, shape.k - shape.edge_k:] = 0
+    return out.numpy(), reference(shape, ra, rb, c), whole
+
+
+@pytest.mark.parametrize("isa,dtype", BATCHED_A)
+@pytest.mark.parametrize("m,n,k,batch,edge_k", [(7, 37, 12, 3, 4), (13, 64, 16, 2, 8),
+                                                (1, 16, 8, 3, 4)])
+def test_edge_rows_leave_out_their_edge_of_k(isa, dtype, m, n, k, batch, edge_k):
+    """Where its flag holds, A's first row skips the first edge_k values of each block's K
+    and its last row the last ones (a conv's border columns): odd sizes, column tails,
+    several register tiles, a one-row A that is both edges."""
+    if not _isa.from_name(isa).requires <= HOST:
+        pytest.skip(f"this host lacks {isa} (its code is checked in the assembly tests)")
+    shape = dataclasses.replace(_shape(m, n, k, batch, isa, dtype), batched_a=True,
+                                edge_k=edge_k)
+    for left in (False, True):
+        for right in (False, True):
+            got, expected, whole = _run_edges(shape, left, right)
+            _assert_close(shape, got, expected)
+            if left or right:  # the left-out products are not zero here
+                assert not np.allclose(got, whole)
+
+
+def test_edge_k_validation():
+    with pytest.raises(ValueError, match="edge_k is 0, or at most half"):
+        BrgemmShape(4, 16, 8, 2, edge_k=4)  # not batched_a
+    with pytest.raises(ValueError, match="edge_k is 0, or at most half"):
+        BrgemmShape(4, 16, 8, 2, batched_a=True, edge_k=5)
+    with pytest.raises(ValueError, match="in whole vnni4 groups"):
+        BrgemmShape(4, 16, 8, 2, "uint8", "int32", "vnni4", batched_a=True, edge_k=2)
+    shape = BrgemmShape(4, 16, 8, 2, batched_a=True, edge_k=4)
+    assert shape.name.endswith("_batcheda_edges4")
 
 
 @pytest.mark.parametrize("mcpu", ["cascadelake", "znver4"])
