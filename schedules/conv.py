@@ -918,7 +918,7 @@ def edge_columns(problem: ConvProblem, bq: int) -> int:
     border, as oneDNN's kernels narrow the filter's width there; 0 where there are none to
     leave out (no zero border, stride or dilation along the width, unequal padding).
 
-    >>> edge_columns(ConvProblem(1, 60, 14, 14, 64, 3, 3, padding=1, dtype="uint8"), 14)
+    >>> edge_columns(ConvProblem(1, 62, 14, 14, 64, 3, 3, padding=1, dtype="uint8"), 14)
     64
     >>> edge_columns(ConvProblem(1, 64, 14, 14, 64, 3, 3, padding=1, stride=2), 7)
     0
