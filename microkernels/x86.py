@@ -336,14 +336,14 @@ def brgemm_func(shape: BrgemmShape, tile: RegisterTile, step: Step, tail_step: S
             parts = [(0, edge, 0), (edge, steps - 2 * edge, None), (steps - edge, edge, 1)]
             for start, extent, side in parts:
                 flag = None if side is None else edges[side]
-                cut = (1, rows) if side == 0 else (0, rows - 1)
                 if flag is None:
                     unrolled(emits(0, rows), a, b, extent, steps_per_iter, start)
                     continue
+                lo, hi = (1, rows) if side == 0 else (0, rows - 1)
                 with T.If(flag):
                     with T.Then():
-                        if cut[1] > cut[0]:
-                            unrolled(emits(*cut), a, b, extent, steps_per_iter, start)
+                        if hi > lo:
+                            unrolled(emits(lo, hi), a, b, extent, steps_per_iter, start)
                     with T.Else():
                         unrolled(emits(0, rows), a, b, extent, steps_per_iter, start)
 
