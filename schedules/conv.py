@@ -805,13 +805,13 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
     ValueError
         Block sizes do not tile the problem, or ``bc`` takes no whole VNNI groups.
     """
-    from tvm import s_tir
+    from tvm import s_tir, tirx
 
     isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
     config.parse(problem)  # errors in the terms of the conv asked for
     epilogue_isa = expression_isa(isa_name, config.bk)
     rows_batched = config.batch_rows
-    edge_k = edge_columns(problem, config.bq) if rows_batched else 0
+    edge_k, *edges = edge_columns(problem, config.bq) if rows_batched else (0, False, False)
     if config.fold_taps:  # the same operands, read through views (module doc)
         func = _folded_workload(problem, config.bk, batch, epilogue_isa, rows_batched)
         problem = problem.taps_folded()
@@ -885,9 +885,9 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
         bound |= zip((first.name, last.name), border.skipped_rows(sch.get(call)), strict=True)
     if shape.edge_k:
         block = sch.get(call).iter_vars[2]  # iterators (n, i, j, o, r, s, c): j's block
-        left, right = edge_rows()
-        bound |= {left.name: block.var == 0,
-                  right.name: block.var == block.dom.min + block.dom.extent - 1}
+        first, last = (block.var == 0, block.var == block.dom.min + block.dom.extent - 1)
+        bound |= {flag.name: when if edge else tirx.const(False, "bool")
+                  for flag, when, edge in zip(edge_rows(), (first, last), edges, strict=True)}
     if bound:
         bind_call_vars(sch, call, bound)
     if skips:
@@ -911,23 +911,28 @@ def can_fold_taps(problem: ConvProblem, config: ConvConfig) -> bool:
             and not {"b", "g"} & set(config.block_steps))
 
 
-def edge_columns(problem: ConvProblem, bq: int) -> int:
-    """K values of each filter row a call with batched rows leaves out on its block's
-    first output column where that is the map's first, and on its last where that is the
-    map's last (``BrgemmShape.edge_k``): the channels of the taps over the left (right) zero
-    border, as oneDNN's kernels narrow the filter's width there; 0 where there are none to
-    leave out (no zero border, stride or dilation along the width, unequal padding).
+def edge_columns(problem: ConvProblem, bq: int) -> tuple[int, bool, bool]:
+    """K values of each filter row a call with batched rows leaves out on its block's first
+    output column where that is the map's first, and on its last where that is the map's
+    last (``BrgemmShape.edge_k``), and whether the map's first and last columns have them:
+    the channels of the filter taps that read the zero border there, as oneDNN's kernels
+    narrow the filter's width at the edges (as many taps on both sides: the fewer, where both
+    sides have some); ``(0, False, False)`` where there are none (no zero border, a width
+    dilation, or more than half the filter over the border).
 
     >>> edge_columns(ConvProblem(1, 62, 14, 14, 64, 3, 3, padding=1, dtype="uint8"), 14)
-    64
-    >>> edge_columns(ConvProblem(1, 64, 14, 14, 64, 3, 3, padding=1, stride=2), 7)
-    0
+    (64, True, True)
+    >>> edge_columns(ConvProblem(1, 64, 56, 56, 64, 3, 3, padding=1, stride=2), 7)  # even W
+    (64, True, False)
     """
-    _, left, _, right = problem.padding
-    if not (problem.zero_border and problem.stride[1] == problem.dilation[1] == 1
-            and left == right and 0 < 2 * left <= problem.s and bq > 1):
-        return 0
-    return left * problem.padded_c
+    _, left, _, _ = problem.padding
+    first = min(left, problem.s)  # taps of output column 0 over the left border
+    last = max(0, (problem.q - 1) * problem.stride[1] + problem.s - left - problem.w)
+    taps = min(first, last) if first and last else first or last
+    if not (problem.zero_border and problem.dilation[1] == 1 and bq > 1
+            and 0 < 2 * taps <= problem.s):
+        return 0, False, False
+    return taps * problem.padded_c, first > 0, last > 0
 
 
 def can_batch_rows(problem: ConvProblem, config: ConvConfig) -> bool:

@@ -3,8 +3,9 @@
 whose block starts (ends) the map skips its first (last) row's products with those taps.
 
 Numerics against numpy on odd maps cut into several column blocks (a middle block skips
-nothing), a 5x5 filter over a border two columns deep, several register tiles per call, in
-uint8, bfloat16 and float32; the rule that sets ``edge_k`` and the flags the schedule binds.
+nothing), a 5x5 filter over a border two columns deep, several register tiles per call,
+stride 2 (with and without a right border) and unequal borders, in uint8, bfloat16 and
+float32; the rule that sets ``edge_k`` and the flags the schedule binds.
 """
 
 from dataclasses import replace
@@ -61,13 +62,30 @@ def test_float32_against_numpy(problem, bq, bk):
 
 def test_edge_k_rule():
     p = ConvProblem(1, 12, 14, 14, 16, 3, 3, padding=1, dtype="uint8")
-    assert edge_columns(p, 14) == 12 and edge_columns(replace(p, c=64), 14) == 64
-    assert edge_columns(ConvProblem(1, 4, 7, 9, 16, 5, 5, padding=2), 9) == 8  # two taps
-    for other in (replace(p, stride=(1, 2)), replace(p, padding=(1, 1, 1, 2)),
-                  replace(p, zero_border=False), replace(p, padding=(1, 0, 1, 0)),
-                  ConvProblem(1, 12, 14, 14, 16, 3, 3, padding=2)):  # deeper than S/2
-        assert edge_columns(other, 14) == 0
-    assert edge_columns(p, 1) == 0  # a one-pixel block is both edges at once
+    assert edge_columns(p, 14) == (12, True, True)
+    assert edge_columns(replace(p, c=62), 14) == (64, True, True)  # whole VNNI groups
+    assert edge_columns(ConvProblem(1, 4, 7, 9, 16, 5, 5, padding=2), 9) == (8, True, True)
+    # Stride 2 over an even width: the last column reads no border; over an odd one it does.
+    assert edge_columns(replace(p, stride=(1, 2)), 7) == (12, True, False)
+    assert edge_columns(replace(p, w=13, stride=(1, 2)), 7) == (12, True, True)
+    # Borders of one and two columns: the first column's one tap on both sides.
+    assert edge_columns(replace(p, padding=(1, 1, 1, 2)), 5) == (12, True, True)
+    for other in (replace(p, zero_border=False), replace(p, padding=(1, 0, 1, 0)),
+                  ConvProblem(1, 12, 14, 14, 16, 3, 3, padding=2),  # more than half the filter
+                  ConvProblem(1, 8, 14, 14, 8, 3, 3, padding=2, dilation=(1, 2))):
+        assert edge_columns(other, 14) == (0, False, False)
+    assert edge_columns(p, 1) == (0, False, False)  # a one-pixel block is both edges at once
+
+
+@pytest.mark.parametrize("problem,bq", [
+    (ConvProblem(1, 8, 9, 10, 16, 3, 3, stride=2, padding=1), 5),  # no right border
+    (ConvProblem(2, 8, 9, 9, 16, 3, 3, stride=2, padding=1), 5),   # both, one block
+    (ConvProblem(1, 8, 6, 10, 16, 3, 3, padding=(1, 1, 1, 2)), 11)])  # borders 1 and 2 deep
+def test_strided_and_unequal_borders_against_numpy(problem, bq):
+    uint8 = replace(problem, dtype="uint8", epilogue=REQUANTIZE)
+    check_lowp(uint8, _config(uint8, bq, 16), VNNI)
+    check_float32(replace(problem, epilogue=BIAS_RELU), _config(problem, bq, 16))
+    assert dispatched_brgemm(schedule(uint8, _config(uint8, bq, 16), VNNI)).edge_k == 8
 
 
 @pytest.mark.parametrize("dtype,isa_name", [("uint8", "avx512_vnni"), ("float32", "avx512")])
@@ -83,5 +101,5 @@ def test_the_schedule_binds_the_flags_per_column_block(dtype, isa_name):
     assert not free  # both flags replaced by the block's conditions
     script = sch.mod["main"].script()
     assert script.count("== 0") >= 1 and script.count("== 1") >= 1  # first, last of 2 blocks
-    unequal = replace(problem, padding=(1, 0, 1, 2))  # Q stays 10
-    assert dispatched_brgemm(schedule(unequal, _config(unequal, 5, 16), isa_name)).edge_k == 0
+    none = replace(problem, padding=(1, 0, 1, 2))  # Q stays 10; two border taps on the right
+    assert dispatched_brgemm(schedule(none, _config(none, 5, 16), isa_name)).edge_k == 0
