@@ -196,7 +196,7 @@ class BrgemmShape:
             raise ValueError("skips_blocks leaves out blocks of a batched_a kernel's A")
         if not isinstance(self.edge_k, int) or isinstance(self.edge_k, bool) or not (
                 self.edge_k == 0 or (self.batched_a and 0 < 2 * self.edge_k <= self.k
-                                     and self.edge_k % LAYOUTS[self.layout][0] == 0)):
+                                     and self.edge_k % alpha == 0)):
             raise ValueError(f"edge_k is 0, or at most half a batched_a kernel's K in whole "
                              f"{self.layout} groups, got {self.edge_k!r} of k={self.k}")
         if self.batched_a and (self.layout == "blocked" or self.layout in _LAYOUT_FNS

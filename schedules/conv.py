@@ -885,7 +885,8 @@ def schedule(problem: ConvProblem, config: ConvConfig, isa: str | _isa.Isa = "av
         bound |= zip((first.name, last.name), border.skipped_rows(sch.get(call)), strict=True)
     if shape.edge_k:
         block = sch.get(call).iter_vars[2]  # iterators (n, i, j, o, r, s, c): j's block
-        first, last = (block.var == 0, block.var == block.dom.min + block.dom.extent - 1)
+        first, last = (block.var == block.dom.min,
+                       block.var == block.dom.min + block.dom.extent - 1)
         bound |= {flag.name: when if edge else tirx.const(False, "bool")
                   for flag, when, edge in zip(edge_rows(), (first, last), edges, strict=True)}
     if bound:

@@ -271,7 +271,7 @@ def bind_call_vars(sch: s_tir.Schedule, call: SBlockRV,
     """Replace the free variables of the kernel tensorized in block ``call`` named as
     ``values``' keys (by name: registering the intrinsic copies its variables) with
     ``values``' expressions (:func:`microkernels.brgemm.first_call`,
-    :func:`microkernels.brgemm.skipped_blocks`)."""
+    :func:`microkernels.brgemm.skipped_blocks`, :func:`microkernels.brgemm.edge_rows`)."""
     import tvm_ffi
     from tvm import ir, s_tir
 
