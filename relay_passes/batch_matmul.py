@@ -25,13 +25,16 @@ N panel.  What does not fit stays with TVM and is reported with the reason.
 
 Precision.  With ``precision="bf16"`` (:data:`relay_passes.dense.PRECISIONS`) the float32
 matmuls multiply in bfloat16 accumulating in float32: the kernel rounds X and B to bf16 while
-it packs them (on AMX tiles where the host has them); inputs, epilogue and output stay
-float32.  Matmuls of two dequantized uint8
-tensors (ONNX Runtime's QDQ attention, ``matmul(dequantize(a_q, sa, za), dequantize(b_q, sb,
-zb))``, the permutes on the integers) multiply the integers in any precision: uint8 by B
-shifted to int8 (``vpdpbusd``), the zero points folded in the kernel, then the epilogue
-``scale`` ``sa sb c`` (``c`` the chain's constant) and the add in float32, and a following
-``quantize`` as the epilogue's ``requantize`` (without an add, one requantize of the int32).
+it packs them (on AMX tiles where the host has them); inputs and epilogue stay float32, and
+so does the output unless only bf16 kernels read it (P @ V's context, read by the output
+projection): then the epilogue ends in a conversion to bf16, as bf16 dense layers hand over.
+
+Matmuls of two dequantized uint8 tensors (ONNX Runtime's QDQ attention,
+``matmul(dequantize(a_q, sa, za), dequantize(b_q, sb, zb))``, the permutes on the integers)
+multiply the integers in any precision: uint8 by B shifted to int8 (``vpdpbusd``), the zero
+points folded in the kernel, then the epilogue ``scale`` ``sa sb c`` (``c`` the chain's
+constant) and the add in float32, and a following ``quantize`` as the epilogue's
+``requantize`` (without an add, one requantize of the int32).
 
 Examples
 --------
@@ -44,7 +47,7 @@ Examples
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +62,7 @@ from schedules.batch_gemm import BatchGemmProblem, schedule, stored_shapes
 from schedules.tuner import Tuner, config_for
 
 from .dense import PRECISIONS
+from .layouts import moves_data, simplify_layouts
 from .scaffold import (
     KernelAdder,
     Offload,
@@ -69,6 +73,8 @@ from .scaffold import (
     kernel_batch,
     offload_name,
     offload_patterns,
+    readers,
+    reads_through_bf16_cast,
     same_dims,
     static_shape,
 )
@@ -156,11 +162,12 @@ def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload
     dtype = PRECISIONS[precision]
 
     def make_rewriter(add_kernel, pattern, func):
-        bindings = _bindings(func)
-        return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, add_kernel, target,
-                                              tuner, report, dtype)
+        bindings, read_by = _bindings(func), readers(func)
+        return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, read_by,
+                                              add_kernel, target, tuner, report, dtype)
 
-    return offload_patterns(mod, _chains(), make_rewriter, report, "relax.matmul", _why_left)
+    return offload_patterns(mod, _chains(), make_rewriter, report, "relax.matmul", _why_left,
+                            then=simplify_layouts)
 
 
 def _bindings(func: relax.Function) -> dict[relax.Var, relax.Expr]:
@@ -255,7 +262,8 @@ def _scalar(const, infinite: bool = False) -> float | None:
 
 
 def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
-             pattern: _Chain, bindings: dict[relax.Var, relax.Expr], add_kernel: KernelAdder,
+             pattern: _Chain, bindings: dict[relax.Var, relax.Expr],
+             read_by: Callable[[relax.Expr], list[relax.Expr] | None], add_kernel: KernelAdder,
              target: Target, tuner: Tuner | None, report: list[Offload], dtype: str
              ) -> relax.Expr:
     # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
@@ -314,6 +322,12 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         if requantize:
             so, zo, out_dtype = quant.output
             ops.append(EpilogueOp("requantize", value=1.0 / so, zero_point=zo, dtype=out_dtype))
+    # A bf16 product read only by bf16 kernels (P @ V's context by the output projection)
+    # writes bf16 itself, as bf16 dense layers do: they read it through a float32 view that
+    # simplify_layouts cancels against their own cast.
+    handoff = dtype == "bfloat16" and _read_as_bf16(orig, read_by)
+    if handoff:
+        ops.append(EpilogueOp("convert", dtype="bfloat16"))
 
     problem = BatchGemmProblem(batch, m, n, k, transposed, Epilogue(tuple(ops)), heads=heads,
                                x_interleaved=x_inter, b_interleaved=b_inter,
@@ -334,7 +348,17 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     report.append(Offload.routed(offload_name(anchor, ops), (batch, m, n, k), name,
                                  dispatched_brgemm(sch), problem.flops))
     shape = list(orig.ty.shape)
-    return out if same_dims(shape, y_shape) else relax.op.reshape(out, shape)
+    out = out if same_dims(shape, y_shape) else relax.op.reshape(out, shape)
+    return relax.op.astype(out, "float32") if handoff else out
+
+
+def _read_as_bf16(value: relax.Expr, read_by: Callable[[relax.Expr], list[relax.Expr] | None]
+                  ) -> bool:
+    """Whether every reader of ``value`` takes it only as bfloat16 (a kernel routed in bf16,
+    :func:`~relay_passes.scaffold.reads_through_bf16_cast`), through reshapes and permutes."""
+    found = read_by(value)
+    return bool(found) and all(reads_through_bf16_cast(r)
+                               or (moves_data(r) and _read_as_bf16(r, read_by)) for r in found)
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,11 @@ Operand types (:data:`OPERANDS`, the GEMM template's kernel families).  ``"float
 multiplies float32 X and B.  ``"bfloat16"`` takes float32 X and B too and rounds them to bf16
 (to nearest even) while it packs them: B into the VNNI-2 panel ``Bp[batch, N/bn, K'/2, bn,
 2]``, the rows of X an M block reads into a bf16 copy ``Xc`` under that block (per task: a
-task's rows are converted once per N panel, ``1/bn`` of the compute); float32 accumulation,
-epilogue and Y.  ``"uint8"`` multiplies uint8 X by uint8 B shifted to int8 while packed
-(``b - 128``, VNNI-4, ``vpdpbusd``), accumulating in int32; X is read in place (a zero-padded
-copy when K is not a multiple of 4).  With the operands' zero points ``(za, zb)``::
+task's rows are converted once per N panel, ``1/bn`` of the compute); float32 accumulation
+and epilogue, and Y float32 or, after a final ``convert``, bfloat16.  ``"uint8"`` multiplies
+uint8 X by uint8 B shifted to int8 while packed (``b - 128``, VNNI-4, ``vpdpbusd``),
+accumulating in int32; X is read in place (a zero-padded copy when K is not a multiple of
+4).  With the operands' zero points ``(za, zb)``::
 
     sum_k (a - za)(b - zb) = sum_k a (b - 128) + (128 - zb) rowsum_a[i] - za colsum_b[j] + K za zb
 
@@ -204,9 +205,9 @@ class BatchGemmProblem(TypedProblem):
                 raise ValueError(f"mask_fill must be a number, got {self.mask_fill!r}")
             object.__setattr__(self, "mask_fill", float(self.mask_fill))
         out = self.epilogue.out_dtype(self.epilogue_dtype)  # raises for ill-typed chains
-        if self.dtype != "uint8" and out != "float32":
-            raise ValueError(f"a {self.dtype} batch GEMM writes float32: the epilogue must "
-                             "end in float32")
+        if self.dtype != "uint8" and out not in ("float32", "bfloat16"):
+            raise ValueError(f"a {self.dtype} batch GEMM writes float32, or bfloat16 through "
+                             f"a final convert: the epilogue must end in one, not {out}")
 
     def _h(self, interleaved: bool) -> int:
         return self.heads if interleaved else 1
@@ -550,7 +551,7 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None,
         c = te.compute(y_shape, lambda i, j: c[i, j].astype(start), name="dequantize")
     extra = {op.name: te.placeholder(op.shape(*y_shape), op.dtype, name=op.name)
              for op in p.epilogue.inputs(start)}
-    y = apply_te(p.epilogue, c, extra) if p.epilogue.ops else c
+    y = apply_te(p.epilogue, c, extra, isa=isa) if p.epilogue.ops else c
     scalars = [] if batch is None else [batch]
     masks = [] if mask is None else [mask]
     return te.create_prim_func([x, b_in, *masks, *extra.values(), *scalars, y])

@@ -142,7 +142,8 @@ def test_default_config_tiles_exactly():
     ({"heads": 5, "x_interleaved": True}, "does not divide batch"),
     ({"heads": 2}, "heads > 1 exactly when"),
     ({"x_interleaved": True}, "heads > 1 exactly when"),
-    ({"epilogue": Epilogue((EpilogueOp("convert", dtype="bfloat16"),))}, "end in float32"),
+    ({"epilogue": Epilogue((EpilogueOp("requantize", value=0.5, dtype="uint8"),))},
+     "must end in one, not uint8"),
 ])
 def test_problem_validation(kwargs, message):
     args = {"batch": 4, "m": 8, "n": 8, "k": 8, **kwargs}

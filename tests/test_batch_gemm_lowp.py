@@ -136,6 +136,30 @@ def test_bf16(layout, isa_name):
     _run(problem, isa_name)
 
 
+@pytest.mark.parametrize("isa_name", BF16_ISAS)
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]], ids=lambda lay: _layout_id(lay))
+def test_bf16_output(layout, isa_name):
+    """An epilogue ending in ``convert`` writes bfloat16 (P @ V handing its context to a bf16
+    dense layer): bit for bit the float32 output of the same kernel rounded to nearest even."""
+    wide = _problem(layout, epilogue=SCALE_BIAS, dtype="bfloat16")
+    narrow = _problem(layout, epilogue=Epilogue((*SCALE_BIAS.ops, EpilogueOp(
+        "convert", dtype="bfloat16"))), dtype="bfloat16")
+    assert narrow.out_dtype == "bfloat16"
+    config = default_config(wide, _machine(isa_name))
+    outputs = []
+    for problem in (wide, narrow):
+        x, b, extra = _operands(problem)
+        func = tvm.compile(schedule(problem, config, isa_name).mod, target=_target(isa_name))
+        y = tvm.runtime.empty(problem.y_shape, problem.out_dtype)
+        func(tvm.runtime.tensor(x), tvm.runtime.tensor(b),
+             *[tvm.runtime.tensor(v) for v in extra.values()], y)
+        outputs.append(y.numpy())
+    rounded = outputs[0].astype(ml_dtypes.bfloat16)
+    assert outputs[1].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(outputs[1].view(np.uint16), rounded.view(np.uint16))
+    assert len(np.unique(outputs[1].view(np.uint16))) > outputs[1].size // 2
+
+
 def test_bf16_rounds_to_nearest_even():
     """X = 1 + 2^-8 (a tie: rounds down to 1) and 1 + 3 * 2^-8 (up to 1 + 2^-6), as
     ``vcvtneps2bf16`` and ml_dtypes round, not truncated."""
@@ -192,7 +216,7 @@ def test_uint8_epilogues(epilogue):
     ({"dtype": "int8"}, "handles float32, bfloat16, uint8"),
     ({"dtype": "uint8", "zero_points": (0, 256)}, "two ints in"),
     ({"zero_points": (1, 0)}, "uint8 operands only"),
-    ({"dtype": "bfloat16", "epilogue": REQUANT}, "writes float32"),
+    ({"dtype": "bfloat16", "epilogue": REQUANT}, "writes float32, or bfloat16"),
 ])
 def test_problem_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
