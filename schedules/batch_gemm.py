@@ -714,7 +714,9 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     if "epilogue" in stages:
         epilogue = sch.get_sblock("epilogue")
         sch.reverse_compute_at(epilogue, tile_at)
-        sch.vectorize(sch.get_loops(epilogue)[-1])
+        inner = sch.get_loops(epilogue)[-1]
+        converts = vector_lanes(sch.get(epilogue))  # a conversion to bf16 (the context's)
+        sch.vectorize(sch.split(inner, [None, converts])[1] if converts else inner)
     sch.parallel(task)
     # The zero points' fold (where the accumulator starts from) and its sums.
     if "zero_fold" in stages:

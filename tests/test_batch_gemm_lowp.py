@@ -137,10 +137,13 @@ def test_bf16(layout, isa_name):
 
 
 @pytest.mark.parametrize("isa_name", BF16_ISAS)
-@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3]], ids=lambda lay: _layout_id(lay))
+@pytest.mark.parametrize("layout", [LAYOUTS[0], LAYOUTS[3], (2, 8, 64, 16, False, 1, False,
+                                                                 False, False)],
+                         ids=lambda lay: _layout_id(lay))
 def test_bf16_output(layout, isa_name):
     """An epilogue ending in ``convert`` writes bfloat16 (P @ V handing its context to a bf16
-    dense layer): bit for bit the float32 output of the same kernel rounded to nearest even."""
+    dense layer): bit for bit the float32 output of the same kernel rounded to nearest even,
+    also where a tile is wider than the conversion instruction (64 columns: four of it)."""
     wide = _problem(layout, epilogue=SCALE_BIAS, dtype="bfloat16")
     narrow = _problem(layout, epilogue=Epilogue((*SCALE_BIAS.ops, EpilogueOp(
         "convert", dtype="bfloat16"))), dtype="bfloat16")
