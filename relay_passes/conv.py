@@ -63,6 +63,7 @@ from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import Machine, machine_of
 from schedules import depthwise, winograd
 from schedules.conv import (
+    IMAGE_CHANNELS,
     ConvConfig,
     ConvProblem,
     default_config,
@@ -74,7 +75,7 @@ from schedules.conv import (
 )
 from schedules.depthwise import DepthwiseConfig, DepthwiseProblem
 from schedules.operands import OPERANDS
-from schedules.stacked_rows import stacked_rows_kernel
+from schedules.stacked_rows import padded_image_kernel, stacked_rows_kernel
 from schedules.tuner import TaskCollector, Tuner, config_for
 from schedules.winograd import DIRECT_KEY, WinogradConfig, WinogradProblem, winograd_pays
 
@@ -453,16 +454,10 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     named = problem  # the kernel is named after the conv, whatever form computes it
     packed = None
     if fold_rows_pays(problem):  # an image's first conv: one call per whole filter
-        # x is a cast (not yet typed) to the problem's dtype, or a typed quantized tensor.
-        dtype = str(x.ty.dtype) if isinstance(x.ty, relax.TensorType) else problem.dtype
-        stacked = stacked_rows_kernel(problem, dtype, pad_value, batch is not None)
-        folded = problem.rows_folded()
-        images, rows, columns, channels = _times(batch, problem.n), *folded.input_shape[1:]
-        packed = relax.op.reshape(call_kernel(
-            add_kernel(stacked, "pad_stack_rows"), [x],
-            (images, rows, columns, folded.stride[1], folded.padded_c), dtype),
-            (images, rows, columns, channels))
-        problem, weight = folded, fold_rows_weight(weight)
+        packed = _image_input(x, problem, problem.rows_folded(), add_kernel, pad_value, batch)
+        problem, weight = problem.rows_folded(), fold_rows_weight(weight)
+    elif problem.c <= IMAGE_CHANNELS and problem.groups == 1:  # an image's first conv too
+        packed = _image_input(x, problem, problem, add_kernel, pad_value, batch)
     machine = machine_of(target)
     tile = winograd_tile(problem, target, batch) if packed is None else None
     if tile is not None:
@@ -582,6 +577,23 @@ def _kernel(problem: ConvProblem, config: ConvConfig, isa: str, run_time_batch: 
     ResNet repeats its blocks); with a ``run_time_batch`` parameter where asked."""
     sch = schedule(problem, config, isa, kernel_batch(run_time_batch))
     return sch.mod["main"], dispatched_brgemm(sch)
+
+
+def _image_input(x: relax.Expr, problem: ConvProblem, packed: ConvProblem,
+                 add_kernel: KernelAdder, pad_value: float | int,
+                 batch: tvm.ir.PrimExpr | None) -> relax.Expr:
+    """The input of ``packed`` (``problem`` itself, or its rows folded) written from the NCHW
+    image ``x`` by one kernel (:mod:`schedules.stacked_rows`)."""
+    # x is a cast (not yet typed) to the problem's dtype, or a typed tensor.
+    dtype = str(x.ty.dtype) if isinstance(x.ty, relax.TensorType) else problem.dtype
+    folded = packed is not problem
+    kernel = (stacked_rows_kernel if folded else padded_image_kernel)(
+        problem, dtype, pad_value, batch is not None)
+    images, rows, columns, channels = _times(batch, problem.n), *packed.input_shape[1:]
+    return relax.op.reshape(call_kernel(
+        add_kernel(kernel, "pad_stack_rows" if folded else "pad_image"), [x],
+        (images, rows, columns, packed.stride[1], packed.padded_c), dtype),
+        (images, rows, columns, channels))
 
 
 def _padded_nhwc(x, problem: ConvProblem, pad_value: float | int, extra_right: int = 0):

@@ -45,7 +45,7 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 
 from microkernels.script_source import pin_source
-from schedules.kernel_buffers import redirect
+from schedules.kernel_buffers import bits_of, redirect
 
 from .scaffold import (
     add_kernel,
@@ -143,21 +143,18 @@ def _border_fill(n: int, hp: int, wp: int, channels: int, interior: tuple[int, i
     parameter: the rows outside ``interior`` (first row, end row, first column, end column)
     whole, the rest left and right of the interior's columns.  It stores the value's bits
     through an unsigned view of the buffer: TVM legalizes no bfloat16 constant store."""
-    import ml_dtypes  # numpy's bfloat16
-
     r0, r1, c0, c1 = interior
     lanes = next(v for v in (8, 4, 2, 1) if channels % v == 0)
-    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-    bits = np.asarray(pad_value).astype(np_dtype).view(f"uint{np.dtype(np_dtype).itemsize * 8}")
-    value = tirx.const(int(bits), str(bits.dtype))
+    value = bits_of(pad_value, dtype)
+    word = np.dtype(str(value.ty))
 
-    border_bytes = n * (hp * wp - (r1 - r0) * (c1 - c0)) * channels * bits.dtype.itemsize
+    border_bytes = n * (hp * wp - (r1 - r0) * (c1 - c0)) * channels * word.itemsize
     rows = T.parallel if border_bytes >= _PARALLEL_FILL_BYTES else T.serial
 
     @T.prim_func(s_tir=True)
     def fill(buf: T.handle):
         padded = T.match_buffer(buf, (n * hp * wp, channels), dtype)
-        padded_bits = T.decl_buffer((n * hp * wp, channels), bits.dtype, data=padded.data)
+        padded_bits = T.decl_buffer((n * hp * wp, channels), word, data=padded.data)
         for row in rows(n * hp):
             image, y = row // hp, row % hp
             base = (image * hp + y) * wp

@@ -32,7 +32,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad, TensorRegion
 
-__all__ = ["redirect"]
+__all__ = ["bits_of", "redirect"]
 
 
 def redirect(func: tirx.PrimFunc, param: tvm.ir.expr.Var, into: tvm.ir.expr.Var,
@@ -92,3 +92,20 @@ def redirect(func: tirx.PrimFunc, param: tvm.ir.expr.Var, into: tvm.ir.expr.Var,
         root.iter_vars, root.reads, root.writes, root.name_hint,
         tirx.SeqStmt([*before, root.body]), root.init, root.alloc_buffers, root.match_buffers,
         root.annotations))
+
+
+def bits_of(value: float | int, dtype: str) -> tirx.IntImm:
+    """``value`` in ``dtype`` as a constant of the unsigned type of its width (``uint16`` for
+    bfloat16): kernels that only move data store bits, as TVM legalizes no bfloat16 constant
+    or vector.
+
+    >>> [str(bits_of(1.0, "bfloat16")), str(bits_of(7, "uint8"))]
+    ['T.uint16(16256)', 'T.uint8(7)']
+    """
+    import ml_dtypes  # numpy's bfloat16
+    import numpy as np
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    bits = np.asarray(value).astype(np_dtype).view(f"uint{np.dtype(np_dtype).itemsize * 8}")
+    return tirx.const(int(bits), str(bits.dtype))
+
