@@ -591,7 +591,7 @@ def _image_input(x: relax.Expr, problem: ConvProblem, packed: ConvProblem,
         problem, dtype, pad_value, batch is not None)
     images, rows, columns, channels = _times(batch, problem.n), *packed.input_shape[1:]
     return relax.op.reshape(call_kernel(
-        add_kernel(kernel, "pad_stack_rows" if folded else "pad_image"), [x],
+        add_kernel(kernel, "pad_stack_rows" if folded else "transpose_pad"), [x],
         (images, rows, columns, packed.stride[1], packed.padded_c), dtype),
         (images, rows, columns, channels))
 

@@ -5,9 +5,9 @@ by one shuffle of its channel planes.
 
 Both kernels against numpy bit for bit (float32, bfloat16, uint8 with a zero point as the
 pad value; odd sizes, strides, dilation, asymmetric padding, widths with and without vector
-blocks; a fixed and a run-time batch), and the graph: a float32 RGB stem reads ``pad_image``
-(no transpose or pad left to TVM), checked against ONNX Runtime in
-``test_rows_folded_conv.py``.
+blocks; a fixed and a run-time batch), and the graph: a float32 RGB stem reads
+``transpose_pad`` (a layout conversion in the profiles; no transpose or pad left to TVM),
+checked against ONNX Runtime in ``test_rows_folded_conv.py``.
 """
 
 import ml_dtypes
@@ -23,6 +23,7 @@ from relay_passes.scaffold import is_call_to
 from schedules.conv import ConvProblem
 from schedules.stacked_rows import padded_image_kernel, stacked_rows_kernel
 from tvm_tpp.compiler import import_model
+from tvm_tpp.profiling import operator_kind
 from tvm_tpp.tpp_target import target as make_target
 
 PROBLEMS = [
@@ -101,7 +102,7 @@ def test_a_float32_stem_reads_its_padded_image():
     relax.analysis.post_order_visit(mod["main"], lambda e: calls.append(e) if isinstance(
         e, relax.Call) else None)
     kernels = [c.args[0].name_hint for c in calls if is_call_to(c, "relax.call_tir")]
-    assert kernels[0] == "pad_image"
+    assert kernels[0] == "transpose_pad" and operator_kind(kernels[0]) == "layout"
     # The stem's input is the graph's: nothing transposes or pads it before the kernel.
     first = next(i for i, c in enumerate(calls) if is_call_to(c, "relax.call_tir"))
     assert not any(is_call_to(c, op) for c in calls[:first]
