@@ -345,7 +345,9 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     out = call_kernel(gv, args, y_shape, problem.out_dtype, run_batch)
     anchor = ("batch_matmul_qdq" if quant is not None else "batch_matmul" if softmax is None
               else f"{'masked_' if masks else ''}softmax+batch_matmul")
-    report.append(Offload.routed(offload_name(anchor, ops), (batch, m, n, k), name,
+    # Named by the matched chain, as dense layers are: the handoff's conversion is no op of it.
+    matched = ops[:-1] if handoff else ops
+    report.append(Offload.routed(offload_name(anchor, matched), (batch, m, n, k), name,
                                  dispatched_brgemm(sch), problem.flops))
     shape = list(orig.ty.shape)
     out = out if same_dims(shape, y_shape) else relax.op.reshape(out, shape)
