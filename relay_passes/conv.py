@@ -454,8 +454,9 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     named = problem  # the kernel is named after the conv, whatever form computes it
     packed = None
     if fold_rows_pays(problem):  # an image's first conv: one call per whole filter
-        packed = _image_input(x, problem, problem.rows_folded(), add_kernel, pad_value, batch)
-        problem, weight = problem.rows_folded(), fold_rows_weight(weight)
+        folded = problem.rows_folded()
+        packed = _image_input(x, problem, folded, add_kernel, pad_value, batch)
+        problem, weight = folded, fold_rows_weight(weight)
     elif problem.c <= IMAGE_CHANNELS and problem.groups == 1:  # an image's first conv too
         packed = _image_input(x, problem, problem, add_kernel, pad_value, batch)
     machine = machine_of(target)
