@@ -1,5 +1,5 @@
 """bf16 layers hand bf16 to bf16 layers: the producer's epilogue converts (relay_passes.conv,
-relay_passes.dense).
+relay_passes.dense, relay_passes.batch_matmul: attention's P @ V for the output projection).
 
 A bf16 conv whose every reader is a conv routed in bf16 (as its input, or as the residual its
 epilogue adds: a ResNet's stream; also through reshapes and permutes: ShuffleNet's channel
