@@ -693,9 +693,7 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     if "Xc" in stages:  # the rows of X one M block reads, normalized, converted or padded
         xc = sch.get_sblock("Xc")
         sch.compute_at(xc, rows_at)
-        inner = sch.get_loops(xc)[-1]
-        converts = vector_lanes(sch.get(xc))  # an instruction of so many lanes converts
-        sch.vectorize(sch.split(inner, [None, converts])[1] if converts else inner)
+        _vectorize_conversions(sch, xc)
     # The softmax's stages, consumers first, as per-task scratch ("local"): kept out of the
     # storage TVM would otherwise share between them and Xc, which the AMX kernel reads
     # through a uint16 view whose access_ptr refuses a float32 allocation.
@@ -714,9 +712,7 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     if "epilogue" in stages:
         epilogue = sch.get_sblock("epilogue")
         sch.reverse_compute_at(epilogue, tile_at)
-        inner = sch.get_loops(epilogue)[-1]
-        converts = vector_lanes(sch.get(epilogue))  # a conversion to bf16 (the context's)
-        sch.vectorize(sch.split(inner, [None, converts])[1] if converts else inner)
+        _vectorize_conversions(sch, epilogue)  # the context's conversion to bf16, if any
     sch.parallel(task)
     # The zero points' fold (where the accumulator starts from) and its sums.
     if "zero_fold" in stages:
@@ -742,6 +738,14 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     # A unit row loop vanishes from the matched block (see the BRGEMM desc): start below it.
     sch.tensorize(ii if bm > 1 else ji, dispatch(shape))
     return sch
+
+
+def _vectorize_conversions(sch: s_tir.Schedule, block: SBlockRV) -> None:
+    """Vectorize ``block``'s innermost loop, by the lanes of the instruction that converts to
+    bf16 where its code has one (LLVM's ``vcvtneps2bf16`` takes exactly 16)."""
+    inner = sch.get_loops(block)[-1]
+    converts = vector_lanes(sch.get(block))
+    sch.vectorize(sch.split(inner, [None, converts])[1] if converts else inner)
 
 
 def _partial_sums(sch: s_tir.Schedule, name: str, lanes: int) -> SBlockRV | None:

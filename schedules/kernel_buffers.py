@@ -108,4 +108,3 @@ def bits_of(value: float | int, dtype: str) -> tirx.IntImm:
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     bits = np.asarray(value).astype(np_dtype).view(f"uint{np.dtype(np_dtype).itemsize * 8}")
     return tirx.const(int(bits), str(bits.dtype))
-

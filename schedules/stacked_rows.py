@@ -49,8 +49,7 @@ def stacked_rows_kernel(problem: ConvProblem, dtype: str, pad_value: float | int
     """``(X, Y)``: ``X`` NCHW of ``dtype`` (``problem``'s input), ``Y`` the packed input of
     ``problem.rows_folded()``, its last axis split by the stride's phases (module doc); with
     ``run_time_batch`` the images are a symbolic size of both, ``problem`` one image's."""
-    return _image_kernel(problem, problem.rows_folded(), problem.r, dtype, pad_value,
-                         run_time_batch)
+    return _image_kernel(problem, problem.rows_folded(), dtype, pad_value, run_time_batch)
 
 
 def padded_image_kernel(problem: ConvProblem, dtype: str, pad_value: float | int = 0,
@@ -65,7 +64,7 @@ def padded_image_kernel(problem: ConvProblem, dtype: str, pad_value: float | int
     >>> 'stacked: T.Buffer((1, 11, 6, 2, 3), "float32")' in f.script()  # N, Hp, Wq, sw, C'
     True
     """
-    return _image_kernel(problem, problem, 1, dtype, pad_value, run_time_batch)
+    return _image_kernel(problem, problem, dtype, pad_value, run_time_batch)
 
 
 #: Pixels a vector block of the kernel moves: each of its planes (an input row of one channel)
@@ -73,10 +72,11 @@ def padded_image_kernel(problem: ConvProblem, dtype: str, pad_value: float | int
 _LANES = 16
 
 
-def _image_kernel(problem: ConvProblem, packed: ConvProblem, rows: int, dtype: str,
+def _image_kernel(problem: ConvProblem, packed: ConvProblem, dtype: str,
                   pad_value: float | int, run_time_batch: bool) -> PrimFunc:
-    """The kernel writing ``packed``'s input from ``problem``'s NCHW input, each of its rows
-    ``rows`` input rows stacked as channels (1: the padded rows themselves).
+    """The kernel writing ``packed``'s input from ``problem``'s NCHW input: ``problem``
+    itself (its padded rows), or its rows folded (each row the filter's input rows stacked
+    as channels).
 
     An output row is its pixels' channels in order; channel ``k`` of every pixel comes from
     one plane, image row ``row(k // C)`` of channel ``k % C`` (or ``pad_value``).  The image's
@@ -95,7 +95,8 @@ def _image_kernel(problem: ConvProblem, packed: ConvProblem, rows: int, dtype: s
     c, h, w = problem.c, problem.h, problem.w
     top, left, _, _ = problem.padding
     (sh, sw), dh = problem.stride, problem.dilation[0]
-    step = sh if rows > 1 else 1  # a folded row starts an output row; a padded one is itself
+    rows = packed.c // c  # input rows a packed row stacks: the filter's, or itself
+    step = sh if packed is not problem else 1  # a folded row starts an output row
     channels, planes = packed.padded_c, rows * c
     out_rows, wq = packed.input_shape[1], packed.wq
     pixels = wq * sw
