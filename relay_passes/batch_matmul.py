@@ -46,6 +46,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,6 +59,10 @@ from tvm.target import Target
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
+from schedules.attention import DTYPES as ATTENTION_DTYPES
+from schedules.attention import AttentionProblem
+from schedules.attention import schedule as attention_schedule
+from schedules.attention import stored as attention_shapes
 from schedules.batch_gemm import BatchGemmProblem, schedule, stored_shapes
 from schedules.tuner import Tuner, config_for
 
@@ -75,6 +80,7 @@ from .scaffold import (
     offload_patterns,
     readers,
     reads_through_bf16_cast,
+    rewrite_patterns,
     same_dims,
     static_shape,
 )
@@ -119,6 +125,13 @@ def _chains() -> list[_Chain]:
     return out
 
 
+@functools.cache
+def _scores_chains() -> tuple[_Chain, ...]:
+    """The float32 chains attention's scores may be: no permute of the result (the softmax
+    reads it as it is), not quantized."""
+    return tuple(c for c in _chains() if c.operands is None and c.out_permute is None)
+
+
 def _chain(qdq: bool, out_permute: bool, quantized: bool, with_add: bool,
            scale_op: str | None) -> _Chain:
     operands = None
@@ -161,13 +174,19 @@ def rewrite_batch_matmul(mod: tvm.IRModule, target: Target, report: list[Offload
         raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     dtype = PRECISIONS[precision]
 
-    def make_rewriter(add_kernel, pattern, func):
-        bindings, read_by = _bindings(func), readers(func)
-        return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, read_by,
-                                              add_kernel, target, tuner, report, dtype)
+    def rewriter(attention: bool):
+        def make_rewriter(add_kernel, pattern, func):
+            bindings, read_by = _bindings(func), readers(func)
+            return lambda orig, matches: _rewrite(orig, matches, pattern, bindings, read_by,
+                                                  add_kernel, target, tuner, report, dtype,
+                                                  attention)
+        return make_rewriter
 
-    return offload_patterns(mod, _chains(), make_rewriter, report, "relax.matmul", _why_left,
-                            then=simplify_layouts)
+    # Whole attentions first, so that no kernel is made (or tuned) for scores they take in.
+    mod = relax.transform.DeadCodeElimination()(
+        rewrite_patterns(mod, _chains(), rewriter(attention=True)))
+    return offload_patterns(mod, _chains(), rewriter(attention=False), report, "relax.matmul",
+                            _why_left, then=simplify_layouts)
 
 
 def _bindings(func: relax.Function) -> dict[relax.Var, relax.Expr]:
@@ -261,16 +280,31 @@ def _scalar(const, infinite: bool = False) -> float | None:
     return v if math.isfinite(v) or (infinite and not math.isnan(v)) else None
 
 
-def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
-             pattern: _Chain, bindings: dict[relax.Var, relax.Expr],
-             read_by: Callable[[relax.Expr], list[relax.Expr] | None], add_kernel: KernelAdder,
-             target: Target, tuner: Tuner | None, report: list[Offload], dtype: str
-             ) -> relax.Expr:
-    # Returning ``orig`` leaves the chain to a shorter pattern or to TVM; what stays is
-    # reported once, with _why_left().
+@dataclass(frozen=True)
+class _Product:
+    """A matched chain as a batch GEMM: its problem, the tensors its kernel reads (X's and
+    B's sources, read in their stored shapes, the mask, the epilogue's operands) and how the
+    report names it."""
+
+    problem: BatchGemmProblem
+    x: relax.Expr
+    b: relax.Expr
+    masks: tuple[relax.Expr, ...]
+    extra: tuple[relax.Expr, ...]
+    run_batch: tvm.ir.PrimExpr | None
+    anchor: str
+    matched: tuple[EpilogueOp, ...]  # the chain's ops (a bf16 handoff's conversion is none)
+    softmax: _Softmax | None
+
+
+def _product(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], pattern: _Chain,
+             bindings: dict[relax.Var, relax.Expr],
+             read_by: Callable[[relax.Expr], list[relax.Expr] | None], dtype: str
+             ) -> _Product | None:
+    """The batch GEMM a chain's match computes, or None when the kernel cannot take it."""
     call = matches[pattern.matmul]
     if _unsupported(call) is not None:
-        return orig
+        return None
     xs, run_batch = batched_shape(call.args[0].ty.shape)
     lead, (m, k), n = xs[:-2], xs[-2:], int(call.args[1].ty.shape[-1])
     batch = int(np.prod(lead, dtype=np.int64))
@@ -279,7 +313,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if pattern.operands is not None:
         quant = _quantization(pattern, matches)
         if quant is None:
-            return orig
+            return None
         x_arg, y_arg = (matches[d.q] for d in pattern.operands)
         dtype = "uint8"
     softmax = _softmax_of(x_arg, bindings, m, k) if quant is None else None
@@ -289,7 +323,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     b_src, b_inter, transposed = _operand(y_arg, bindings, transposable=True)
     y_inter = pattern.out_permute is not None
     if y_inter and _layout(_axes(orig, len(xs)), False) != (True, False):
-        return orig  # not the permute back to [..., S, H, D]
+        return None  # not the permute back to [..., S, H, D]
     heads = lead[-1] if (x_inter or b_inter or y_inter) and lead[-1] > 1 else 1
     if heads == 1:  # one head: interleaved and plain layouts are the same memory
         x_inter = b_inter = y_inter = False
@@ -300,7 +334,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if pattern.scale is not None:
         value = _scalar(matches[pattern.scale])
         if value is None or (pattern.scale_op == "divide" and value == 0):
-            return orig
+            return None
         factor *= 1.0 / value if pattern.scale_op == "divide" else value
     ops, extra = [], []
     requantize = quant is not None and quant.output is not None
@@ -316,17 +350,17 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
             added = _addend(matches[pattern.addend], list(call.ty.shape), rows, n,
                             heads if y_inter else 1)
             if added is None:
-                return orig
+                return None
             ops.append(added[0])
             extra.append(added[1])
         if requantize:
             so, zo, out_dtype = quant.output
             ops.append(EpilogueOp("requantize", value=1.0 / so, zero_point=zo, dtype=out_dtype))
+    matched = tuple(ops)
     # A bf16 product read only by bf16 kernels (P @ V's context by the output projection)
     # writes bf16 itself, as bf16 dense layers do: they read it through a float32 view that
     # simplify_layouts cancels against their own cast.
-    handoff = dtype == "bfloat16" and _read_as_bf16(orig, read_by)
-    if handoff:
+    if dtype == "bfloat16" and _read_as_bf16(orig, read_by):
         ops.append(EpilogueOp("convert", dtype="bfloat16"))
 
     problem = BatchGemmProblem(batch, m, n, k, transposed, Epilogue(tuple(ops)), heads=heads,
@@ -335,23 +369,87 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
                                zero_points=quant.zero_points if quant else (0, 0),
                                softmax=softmax is not None,
                                mask_fill=None if softmax is None else softmax.fill)
-    config = config_for(problem, target, tuner)
-    name = f"tpp_batch_matmul_{'n' if run_batch is not None else ''}{problem.name}"
-    sch = schedule(problem, config, machine_of(target).isa, kernel_batch(run_batch is not None))
-    gv = add_kernel(sch.mod["main"], name)
-    x_shape, b_shape, y_shape = stored_shapes(problem, run_batch)
-    masks = [] if softmax is None or softmax.mask is None else [relax.const(softmax.mask)]
-    args = [_view(x_src, x_shape), _view(b_src, b_shape), *masks, *extra]
-    out = call_kernel(gv, args, y_shape, problem.out_dtype, run_batch)
+    masks = () if softmax is None or softmax.mask is None else (relax.const(softmax.mask),)
     anchor = ("batch_matmul_qdq" if quant is not None else "batch_matmul" if softmax is None
               else f"{'masked_' if masks else ''}softmax+batch_matmul")
+    return _Product(problem, x_src, b_src, masks, tuple(extra), run_batch, anchor, matched,
+                    softmax)
+
+
+def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
+             pattern: _Chain, bindings: dict[relax.Var, relax.Expr],
+             read_by: Callable[[relax.Expr], list[relax.Expr] | None], add_kernel: KernelAdder,
+             target: Target, tuner: Tuner | None, report: list[Offload], dtype: str,
+             attention: bool) -> relax.Expr:
+    # Returning ``orig`` leaves the chain to a shorter pattern, to the next round or to TVM;
+    # what stays is reported once, with _why_left().
+    x = matches[pattern.matmul].args[0]
+    if attention and not is_call_to(bindings.get(x, x), "relax.nn.softmax"):
+        return orig  # the attention round takes only P @ V
+    product = _product(orig, matches, pattern, bindings, read_by, dtype)
+    if product is None:
+        return orig
+    isa = machine_of(target).isa
+    batch_var = kernel_batch(product.run_batch is not None)
+    prefix = "n" if product.run_batch is not None else ""
+    if attention:
+        fused = _attention(product, bindings, read_by, dtype)
+        if fused is None:
+            return orig
+        scores, problem = fused
+        config = config_for(problem, target, tuner)
+        name = f"tpp_attention_{prefix}{problem.name}"
+        sch = attention_schedule(problem, config, isa, batch_var)
+        q_shape, k_shape, v_shape, y_shape = attention_shapes(problem, product.run_batch)
+        args = [_view(scores.x, q_shape), _view(scores.b, k_shape),
+                _view(product.b, v_shape), *product.masks, *scores.extra, *product.extra]
+        anchor = product.anchor.replace("softmax+batch_matmul", "attention")
+        matched = (*scores.matched, *product.matched)
+        shape = problem.shape
+    else:
+        problem = product.problem
+        config = config_for(problem, target, tuner)
+        name = f"tpp_batch_matmul_{prefix}{problem.name}"
+        sch = schedule(problem, config, isa, batch_var)
+        x_shape, b_shape, y_shape = stored_shapes(problem, product.run_batch)
+        args = [_view(product.x, x_shape), _view(product.b, b_shape), *product.masks,
+                *product.extra]
+        anchor, matched = product.anchor, product.matched
+        shape = (problem.batch, problem.m, problem.n, problem.k)
+    gv = add_kernel(sch.mod["main"], name)
+    out = call_kernel(gv, args, y_shape, problem.out_dtype, product.run_batch)
     # Named by the matched chain, as dense layers are: the handoff's conversion is no op of it.
-    matched = ops[:-1] if handoff else ops
-    report.append(Offload.routed(offload_name(anchor, matched), (batch, m, n, k), name,
+    report.append(Offload.routed(offload_name(anchor, matched), shape, name,
                                  dispatched_brgemm(sch), problem.flops))
-    shape = list(orig.ty.shape)
-    out = out if same_dims(shape, y_shape) else relax.op.reshape(out, shape)
-    return relax.op.astype(out, "float32") if handoff else out
+    dims = list(orig.ty.shape)
+    out = out if same_dims(dims, y_shape) else relax.op.reshape(out, dims)
+    return relax.op.astype(out, "float32") if problem.out_dtype == "bfloat16" else out
+
+
+def _attention(context: _Product, bindings: dict[relax.Var, relax.Expr],
+               read_by: Callable[[relax.Expr], list[relax.Expr] | None], dtype: str
+               ) -> tuple[_Product, AttentionProblem] | None:
+    """``P @ V`` whose ``P = softmax(scores)`` (perhaps masked) reads a product of two
+    activations that nothing else reads, as one fused attention: the scores' product and the
+    problem, else None."""
+    softmax = context.softmax
+    if softmax is None or dtype not in ATTENTION_DTYPES:
+        return None
+    value = bindings.get(softmax.scores)
+    if value is None or any(len(read_by(v) or ()) != 1 for v in (value, *softmax.reads)):
+        return None  # the scores (or the probabilities) are read elsewhere too
+    for chain in _scores_chains():
+        matches = chain.root.extract_matched_expr(value, bindings)
+        if matches is None:
+            continue
+        scores = _product(value, matches, chain, bindings, read_by, dtype)
+        if scores is None:
+            return None
+        try:
+            return scores, AttentionProblem(scores.problem, context.problem)
+        except ValueError:
+            return None
+    return None
 
 
 def _read_as_bf16(value: relax.Expr, read_by: Callable[[relax.Expr], list[relax.Expr] | None]
@@ -366,9 +464,11 @@ def _read_as_bf16(value: relax.Expr, read_by: Callable[[relax.Expr], list[relax.
 @dataclass(frozen=True)
 class _Softmax:
     """The left operand ``softmax(scores)`` over its last axis, the scores perhaps masked
-    first: ``where(mask, scores, fill)`` with a constant mask, as ``[m, k]`` uint8."""
+    first: ``where(mask, scores, fill)`` with a constant mask, as ``[m, k]`` uint8.
+    ``reads``: the bound values from the softmax down to the scores (the ``where``)."""
 
     scores: relax.Expr
+    reads: tuple[relax.Expr, ...]
     mask: np.ndarray | None = None
     fill: float | None = None
 
@@ -386,7 +486,7 @@ def _softmax_of(expr: relax.Expr, bindings: dict[relax.Var, relax.Expr], m: int,
     scores = value.args[0]
     where = bindings.get(scores, scores)
     if not is_call_to(where, "relax.where"):
-        return _Softmax(scores)
+        return _Softmax(scores, (value,))
     cond, *branches = where.args
     # A fill may be -inf (masked_fill's), not NaN.
     fills = [_scalar(b, infinite=True) if isinstance(b, tvm.ir.expr.Constant) else None
@@ -395,15 +495,16 @@ def _softmax_of(expr: relax.Expr, bindings: dict[relax.Var, relax.Expr], m: int,
     if mask is None or fills.count(None) != 1 or mask.ndim > rank or mask.ndim < 2 \
             or any(d != 1 for d in mask.shape[:-2]) or mask.shape[-2] not in (1, m) \
             or mask.shape[-1] not in (1, k):
-        return _Softmax(scores)  # the where stays with TVM; the softmax still folds
+        return _Softmax(scores, (value,))  # the where stays with TVM; the softmax folds
     kept = branches[fills.index(None)]
     if not same_dims(list(kept.ty.shape), list(where.ty.shape)):
-        return _Softmax(scores)
+        return _Softmax(scores, (value,))
     keep = mask.reshape(mask.shape[-2:]).astype(bool)
     if fills[0] is not None:  # where(mask, fill, scores)
         keep = ~keep
     fill = next(f for f in fills if f is not None)
-    return _Softmax(kept, np.ascontiguousarray(np.broadcast_to(keep, (m, k)), np.uint8), fill)
+    return _Softmax(kept, (value, where),
+                    np.ascontiguousarray(np.broadcast_to(keep, (m, k)), np.uint8), fill)
 
 
 @dataclass(frozen=True)

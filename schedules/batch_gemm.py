@@ -104,7 +104,8 @@ if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
 
 __all__ = ["OPERANDS", "BatchGemmProblem", "BatchGemmConfig", "default_config", "candidates",
-           "workload", "schedule", "reference", "stored_shapes"]
+           "workload", "product_stages", "schedule", "schedule_product", "reference",
+           "stored_shapes"]
 
 
 #: uint8 B is shifted into the kernel's int8 B by this.
@@ -465,6 +466,25 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None,
     softmax over X adds ``row_max``, ``row_exp`` and ``row_sum`` before ``Xc`` (of X's rows
     normalized) and, with ``mask_fill``, the parameter ``mask`` after B.  ``Xc``'s rounding
     to bf16 is ``isa``'s (:func:`microkernels.epilogue.to_bf16`)."""
+    from tvm import te
+
+    p = problem
+    x_shape, b_shape, _ = stored_shapes(p, batch)
+    x = te.placeholder(x_shape, p.io_dtype, name="X")
+    b_in = te.placeholder(b_shape, p.io_dtype, name="B")
+    mask = None if p.mask_fill is None else te.placeholder((p.m, p.k), "uint8", name="mask")
+    y, extra = product_stages(p, bn, x, b_in, mask, batch, isa)
+    scalars = [] if batch is None else [batch]
+    masks = [] if mask is None else [mask]
+    return te.create_prim_func([x, b_in, *masks, *extra, *scalars, y])
+
+
+def product_stages(problem: BatchGemmProblem, bn: int, x: te.Tensor, b_in: te.Tensor,
+                   mask: te.Tensor | None = None, batch: tirx.Var | None = None,
+                   isa: str = "generic", tag: str = "") -> tuple[te.Tensor, list[te.Tensor]]:
+    """:func:`workload`'s stages computing Y from the stored X and B (``x`` may be computed
+    itself: attention's scores), each stage's name prefixed by ``tag``: Y and the epilogue's
+    operand placeholders, in the chain's order."""
     from tvm import te, tirx
 
     from microkernels.epilogue import apply_te
@@ -476,9 +496,7 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None,
     acc = p.acc_dtype
     hx, hb, hy = (p._h(f) for f in (p.x_interleaved, p.b_interleaved, p.y_interleaved))
     gemms = p.batch if batch is None else batch * p.batch
-    x_shape, b_shape, y_shape = stored_shapes(p, batch)
-    x = te.placeholder(x_shape, p.io_dtype, name="X")
-    b_in = te.placeholder(b_shape, p.io_dtype, name="B")
+    _, _, y_shape = stored_shapes(p, batch)
 
     def b_at(b, r, j):  # B[b][r, j]
         o, h = b // hb, b % hb
@@ -499,19 +517,18 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None,
     b_dtype = {"float32": "float32", "bfloat16": "bfloat16", "uint8": "int8"}[p.dtype]
     if alpha == 1:
         bp = te.compute((gemms, n // bn, k, bn),
-                        lambda b, jo, r, ji: b_at(b, r, jo * bn + ji), name="Bp")
+                        lambda b, jo, r, ji: b_at(b, r, jo * bn + ji), name=f"{tag}Bp")
     else:
         def group(b, jo, kq, ji, t):
             r = kq * alpha + t
             value = packed(b_at(b, tirx.min(r, k - 1), jo * bn + ji))
             return value if kp == k else tirx.if_then_else(r < k, value,
                                                            tirx.const(0, b_dtype))
-        bp = te.compute((gemms, n // bn, kp // alpha, bn, alpha), group, name="Bp")
+        bp = te.compute((gemms, n // bn, kp // alpha, bn, alpha), group, name=f"{tag}Bp")
 
     # A: X in place, or its rows normalized (softmax), converted (bf16) or zero-padded (K
     # not whole VNNI groups).
-    mask = None if p.mask_fill is None else te.placeholder((m, k), "uint8", name="mask")
-    a_at = _softmax_rows(x_at, mask, p.mask_fill, gemms, m, k) if p.softmax else x_at
+    a_at = _softmax_rows(x_at, mask, p.mask_fill, gemms, m, k, tag) if p.softmax else x_at
     xc = None
     if p.dtype == "bfloat16" or kp != k or p.softmax:
         a_dtype = "bfloat16" if p.dtype == "bfloat16" else p.io_dtype
@@ -521,7 +538,7 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None,
             value = to_bf16(value, isa) if p.dtype == "bfloat16" else value
             return value if kp == k else tirx.if_then_else(r < k, value,
                                                            tirx.const(0, a_dtype))
-        xc = te.compute((gemms, m, kp), row, name="Xc")
+        xc = te.compute((gemms, m, kp), row, name=f"{tag}Xc")
     r = te.reduce_axis((0, kp), name="k")
 
     def coords(row, col):
@@ -530,7 +547,7 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None,
         return b, row % m, col % n
 
     # uint8: the accumulator starts from the zero points' fold instead of 0.
-    init = _zero_point_fold(p, coords, x_at, b_at, gemms, y_shape)
+    init = _zero_point_fold(p, coords, x_at, b_at, gemms, y_shape, tag)
 
     def gemm(row, col):
         b, i, j = coords(row, col)
@@ -545,20 +562,19 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None,
         return te.sum(a.astype(acc) * w.astype(acc), axis=r,
                       init=None if init is None else init(row, col))
 
-    c = te.compute(y_shape, gemm, name="C")
+    c = te.compute(y_shape, gemm, name=f"{tag}C")
     start = p.epilogue_dtype
     if start != acc:
-        c = te.compute(y_shape, lambda i, j: c[i, j].astype(start), name="dequantize")
-    extra = {op.name: te.placeholder(op.shape(*y_shape), op.dtype, name=op.name)
+        c = te.compute(y_shape, lambda i, j: c[i, j].astype(start), name=f"{tag}dequantize")
+    extra = {op.name: te.placeholder(op.shape(*y_shape), op.dtype, name=f"{tag}{op.name}")
              for op in p.epilogue.inputs(start)}
-    y = apply_te(p.epilogue, c, extra, isa=isa) if p.epilogue.ops else c
-    scalars = [] if batch is None else [batch]
-    masks = [] if mask is None else [mask]
-    return te.create_prim_func([x, b_in, *masks, *extra.values(), *scalars, y])
+    y = (apply_te(p.epilogue, c, extra, isa=isa, name=f"{tag}epilogue") if p.epilogue.ops
+         else c)
+    return y, list(extra.values())
 
 
 def _softmax_rows(x_at, mask: te.Tensor | None, fill: float | None, gemms: tirx.PrimExpr,
-                  m: int, k: int):
+                  m: int, k: int, tag: str = ""):
     """``at(b, i, r)``: element ``r`` of ``softmax(X[b][i, :])``, where ``x_at`` reads X and
     an element whose ``mask[i, r]`` is 0 reads as ``fill``, as TOPI's softmax computes it
     (``exp(x - max) / sum``; the stages ``row_max``, ``row_exp``, ``row_sum``).
@@ -569,7 +585,7 @@ def _softmax_rows(x_at, mask: te.Tensor | None, fill: float | None, gemms: tirx.
     GPT-2's 96 x 128 x 128 causal softmax on a Zen 5, against none)."""
     from tvm import te, tirx
 
-    from microkernels.fast_math import exp
+    from microkernels.fast_math import softmax_exp as exp
 
     def masked(b, i, r):
         return tirx.Select(mask[i, r] != tirx.const(0, "uint8"), x_at(b, i, r),
@@ -578,28 +594,29 @@ def _softmax_rows(x_at, mask: te.Tensor | None, fill: float | None, gemms: tirx.
     scores = x_at if mask is None else masked
     r = te.reduce_axis((0, k), name="km")
     row_max = te.compute((gemms, m), lambda b, i: te.max(scores(b, i, r), axis=r),
-                         name="row_max")
+                         name=f"{tag}row_max")
 
     def exp_at(b, i, j):
         return exp(x_at(b, i, j) - row_max[b, i])
 
     if mask is not None:
         row_fill = te.compute((gemms, m), lambda b, i: exp(
-            tirx.const(fill, "float32") - row_max[b, i]), name="row_fill")
+            tirx.const(fill, "float32") - row_max[b, i]), name=f"{tag}row_fill")
         unmasked = exp_at
 
         def exp_at(b, i, j):
             return tirx.Select(mask[i, j] != tirx.const(0, "uint8"), unmasked(b, i, j),
                                row_fill[b, i])
 
-    row_exp = te.compute((gemms, m, k), exp_at, name="row_exp")
+    row_exp = te.compute((gemms, m, k), exp_at, name=f"{tag}row_exp")
     r = te.reduce_axis((0, k), name="ks")
     row_sum = te.compute((gemms, m), lambda b, i: te.sum(row_exp[b, i, r], axis=r),
-                         name="row_sum")
-    return lambda b, i, j: row_exp[b, i, j] / row_sum[b, i]
+                         name=f"{tag}row_sum")
+    # One division a row (hoisted out of the column loop), not one per element.
+    return lambda b, i, j: row_exp[b, i, j] * (tirx.const(1.0, "float32") / row_sum[b, i])
 
 
-def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at, gemms, y_shape):
+def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at, gemms, y_shape, tag: str = ""):
     """``init(row, col)``: where the int32 accumulator of ``sum_k a (b - 128)`` starts so that
     it ends as ``sum_k (a - za)(b - zb)``: ``(128 - zb) rowsum_a[i] - za colsum_b[j] + K za zb``
     per batch element, the sums as stages of their own (``rowsum``, ``colsum``); None when
@@ -616,12 +633,12 @@ def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at, gemms, y_shape):
     if row_coef:
         r = te.reduce_axis((0, p.k), name="kr")
         rowsum = te.compute((gemms, p.m), lambda b, i: te.sum(
-            x_at(b, i, r).astype("int32"), axis=r), name="rowsum")
+            x_at(b, i, r).astype("int32"), axis=r), name=f"{tag}rowsum")
         terms.append(lambda b, i, j: rowsum[b, i] * tirx.const(row_coef, "int32"))
     if col_coef:
         r = te.reduce_axis((0, p.k), name="kc")
         colsum = te.compute((gemms, p.n), lambda b, j: te.sum(
-            b_at(b, r, j).astype("int32"), axis=r), name="colsum")
+            b_at(b, r, j).astype("int32"), axis=r), name=f"{tag}colsum")
         terms.append(lambda b, i, j: colsum[b, j] * tirx.const(col_coef, "int32"))
 
     def fold(b, i, j):
@@ -632,7 +649,7 @@ def _zero_point_fold(p: BatchGemmProblem, coords, x_at, b_at, gemms, y_shape):
 
     # TE takes a reduction's init from a tensor only: the stage ``zero_fold``, of Y's shape.
     zero_fold = te.compute(y_shape, lambda row, col: fold(*coords(row, col)),
-                           name="zero_fold")
+                           name=f"{tag}zero_fold")
     return lambda row, col: zero_fold[row, col]
 
 
@@ -657,14 +674,24 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     if not isinstance(config, BatchGemmConfig):
         raise TypeError(f"config must be a BatchGemmConfig, got {type(config).__name__}")
     config.check(problem)
-    p, bm, bn = problem, config.bm, config.bn
-    hy = p._h(p.y_interleaved)
-    sch = s_tir.Schedule(workload(p, bn, batch, expression_isa(isa_name, p.padded_k)))
-    stages = _stages(sch)
-    if "zero_fold" in stages:
+    sch = s_tir.Schedule(workload(problem, config.bn, batch,
+                                  expression_isa(isa_name, problem.padded_k)))
+    if "zero_fold" in _stages(sch):
         # The accumulator starts from the fold; a new schedule sees the new dependency.
         _init_from(sch, "C", "zero_fold")
         sch = s_tir.Schedule(sch.mod)
+    schedule_product(sch, problem, config, isa_name)
+    return sch
+
+
+def schedule_product(sch: s_tir.Schedule, problem: BatchGemmProblem, config: BatchGemmConfig,
+                     isa_name: str) -> tuple[LoopRV, LoopRV]:
+    """Schedule the untagged stages of :func:`product_stages` in ``sch`` (:func:`schedule`'s
+    work once the workload is built): the parallel task loop and the loop under which an M
+    block's rows are made (``rows_at``), for stages computed there too."""
+    p, bm, bn = problem, config.bm, config.bn
+    hy = p._h(p.y_interleaved)
+    stages = _stages(sch)
     if "dequantize" in stages:
         sch.compute_inline(sch.get_sblock("dequantize"))
     lanes = _isa.from_name(isa_name).lanes("float32")
@@ -737,7 +764,7 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     shape = zeroing_kernel(sch, init, shape)  # one call is the whole K
     # A unit row loop vanishes from the matched block (see the BRGEMM desc): start below it.
     sch.tensorize(ii if bm > 1 else ji, dispatch(shape))
-    return sch
+    return task, rows_at
 
 
 def _vectorize_conversions(sch: s_tir.Schedule, block: SBlockRV) -> None:

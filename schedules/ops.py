@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from microkernels.epilogue import Epilogue
 from microkernels.machine import Machine
 
-from . import batch_gemm, conv, depthwise, gemm, winograd
+from . import attention, batch_gemm, conv, depthwise, gemm, winograd
+from .attention import AttentionConfig, AttentionProblem
 from .batch_gemm import BatchGemmConfig, BatchGemmProblem
 from .conv import ConvConfig, ConvProblem
 from .depthwise import DepthwiseConfig, DepthwiseProblem
@@ -41,8 +42,10 @@ if TYPE_CHECKING:
 __all__ = ["Problem", "Config", "Choice", "Op", "OPS", "op_of", "problem_text", "config_text",
            "shape_text", "conv_problem", "MODEL_RESOLUTION"]
 
-Problem = GemmProblem | ConvProblem | BatchGemmProblem | DepthwiseProblem | WinogradProblem
-Config = GemmConfig | ConvConfig | BatchGemmConfig | DepthwiseConfig | WinogradConfig
+Problem = (GemmProblem | ConvProblem | BatchGemmProblem | DepthwiseProblem | WinogradProblem
+           | AttentionProblem)
+Config = (GemmConfig | ConvConfig | BatchGemmConfig | DepthwiseConfig | WinogradConfig
+          | AttentionConfig)
 
 #: Predictions closer than this are one class: the model works at slice granularity, and its
 #: two engines (exact replay, analytic) typically differ by about this much.
@@ -273,6 +276,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
             text=lambda c: (f"bm={c.bm} bn={c.bn} bk={c.bk}"
                             + (" parallel rows" if c.parallel_rows else "")
                             + (" rows outer" if c.rows_outer else ""))),
+    _listed("attention", attention, AttentionProblem, AttentionConfig,
+            key=lambda p: (p.shape, p.layout, p.dtype),
+            text=lambda c: f"bm={c.bm} bn={c.bn} bk={c.bk} bn_s={c.bn_s} bk_s={c.bk_s}"),
     _listed("winograd_conv2d", winograd, WinogradProblem, WinogradConfig,
             key=lambda p: (_conv_key(p.conv)[0], f"{_geometry_text(p.conv)}t{p.tile}",
                            p.dtype),
@@ -291,8 +297,8 @@ def op_of(obj: Problem | Config) -> Op:
     for op in OPS.values():
         if isinstance(obj, (op.problem, op.config)):
             return op
-    raise TypeError(f"the tuner handles GEMM, conv and batch GEMM problems and depthwise "
-                    f"convs, not {type(obj).__name__}")
+    raise TypeError(f"the tuner handles GEMM, conv, batch GEMM and attention problems and "
+                    f"depthwise convs, not {type(obj).__name__}")
 
 
 def shape_text(shape: tuple[int, ...], layout: str) -> str:

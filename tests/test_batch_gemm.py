@@ -217,7 +217,8 @@ def _model(nodes, inputs, output, consts=None):
 
 
 def _kernels(report):
-    return sorted((r.op, r.shape, r.kernel) for r in report if r.kernel and "batch" in r.op)
+    return sorted((r.op, r.shape, r.kernel) for r in report
+                  if r.kernel and ("batch" in r.op or "attention" in r.op))
 
 
 def _attention(s, h, d):
@@ -245,30 +246,29 @@ def _attention(s, h, d):
 
 def test_attention_heads_interleaved():
     """BERT's layout: [1, S, H*D] projections split into heads by Reshape + Transpose, the
-    context merged back: every Transpose is absorbed into the kernels, and so is the mask add
-    (a [1, 1, 1, S] mask is one value per column of the scores: a bias)."""
+    context merged back: every Transpose is absorbed into the fused attention kernel, and so
+    is the mask add (a [1, 1, 1, S] mask is one value per column of the scores: a bias)."""
     report, left = _check(_attention(13, 3, 8), 1e-5)
     assert _kernels(report) == [
-        ("batch_matmul+scale+bias", (3, 13, 13, 8),
-         "tpp_batch_matmul_3x13x13x8_txb3_scale_bias"),
-        ("softmax+batch_matmul", (3, 13, 8, 13), "tpp_batch_matmul_3x13x8x13_bys3"),
+        ("attention+scale+bias", (3, 13, 13, 8, 8),
+         "tpp_attention_3x13x13x8x8_txb3_scale_bias_bys3"),
     ]
     assert left == {"relax.reshape", "relax.call_tir"}  # the softmax is the kernel's
 
 
 @pytest.mark.slow  # tuning a batch GEMM: test_tuner.test_conv_and_batch_gemm_tune_persist_and_reuse
 def test_attention_tuned(tmp_path):
-    """Each batch GEMM is one tuning task (keyed by its interleaved layout), tuned before the
-    build; built with a tuner that looks the results up, the model still matches ONNX
+    """The fused attention is one tuning task (keyed by both products' layouts), tuned before
+    the build; built with a tuner that looks the results up, the model still matches ONNX
     Runtime."""
     model = _attention(11, 2, 8)
     collector = TaskCollector()
     _check(model, 1e-5, collector)  # the defaults meanwhile
-    assert sorted(key.text().split("|")[1] for key in collector.tasks) == [
-        "2x11x11x8/txb2", "2x11x8x11/bys2"]
+    assert sorted(key.text().split("|")[:2] for key in collector.tasks) == [
+        ["attention", "2x11x11x8x8/txb2_scale_bias_bys2"]]
     database = Database(tmp_path / "t.json")
     results = {p: tune(p, TARGET, database=database, top_k=2) for p in collector.tasks.values()}
-    assert not any(r.cached for r in results.values()) and len(database) == 2
+    assert not any(r.cached for r in results.values()) and len(database) == 1
     lookup = Tuner(Database(tmp_path / "t.json"))
     assert all(lookup.config(p, TARGET) == r.best for p, r in results.items())
     _check(model, 1e-5, lookup)
@@ -297,9 +297,8 @@ def test_attention_plain_layout_multiply_and_bias():
               ("w", [b * h, d, 5]), ("res", [b * h, s, 5])]
     report, left = _check(_model(nodes, inputs, ("y", [b * h, s, 5]), consts), 1e-5)
     assert [(op, shape) for op, shape, _ in _kernels(report)] == [
+        ("attention+scale+bias", (6, 11, 11, 7, 7)),
         ("batch_matmul+residual", (6, 11, 5, 7)),
-        ("batch_matmul+scale", (6, 11, 11, 7)),
-        ("softmax+batch_matmul+bias", (6, 11, 7, 11)),
     ]
     assert "relax.matmul" not in left and "relax.permute_dims" not in left
 
@@ -327,7 +326,6 @@ def test_bert_layer_vs_onnxruntime():
     report, left = _check(model, 1e-4)
     assert "relax.matmul" not in left and "relax.permute_dims" not in left
     assert _kernels(report) == [
-        ("batch_matmul+scale", (12, 128, 128, 64),
-         "tpp_batch_matmul_12x128x128x64_txb12_scale"),
-        ("softmax+batch_matmul", (12, 128, 64, 128), "tpp_batch_matmul_12x128x64x128_bys12"),
+        ("attention+scale", (12, 128, 128, 64, 64),
+         "tpp_attention_12x128x128x64x64_txb12_scale_bys12"),
     ]

@@ -94,6 +94,21 @@ def test_logistic_exp_accuracy_and_saturation():
     assert rel.max() <= 5e-7, (rel.max(), x[rel.argmax()])
 
 
+def test_softmax_exp_accuracy_floor_and_nan():
+    """A softmax's exp of ``x - max`` (<= 0): within 5e-7 of exp down to -87, exp(-87)
+    below (nothing beside the row's 1), NaN kept."""
+    inside = np.random.default_rng(2).uniform(-87.0, 0.0, 1 << 16).astype(np.float32)
+    below = np.float32([-87.5, -100.0, -1e30, -np.finfo(np.float32).max, -np.inf])
+    x = np.resize(np.concatenate([inside, np.float32([0.0, -0.0]), below, np.float32([np.nan])]),
+                  -(-(inside.size + 8) // LANES) * LANES)
+    y = _run("softmax_exp", x).astype(np.float64)
+    finite = ~np.isnan(x)
+    ref = np.exp(np.maximum(x[finite].astype(np.float64), -87.0))
+    rel = np.abs(y[finite] - ref) / ref
+    assert rel.max() <= 5e-7, (rel.max(), x[finite][rel.argmax()])
+    assert np.isnan(y[~finite]).all() and (~finite).any()
+
+
 def test_limits():
     x = np.resize(np.array([np.inf, -np.inf, np.nan, -0.0], np.float32), LANES)
     with np.errstate(invalid="ignore"):

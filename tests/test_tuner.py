@@ -351,7 +351,7 @@ def test_keys_name_op_shape_and_layout():
         f"conv2d|1x3x8x8x16x3x3/s2x2p1x1x0x0|float32||{where}"
     heads = batch_gemm.BatchGemmProblem(4, 8, 8, 8, True, heads=2, x_interleaved=True)
     assert TuningKey.of(heads, TARGET).text() == f"batch_gemm|4x8x8x8/tx2|float32||{where}"
-    with pytest.raises(TypeError, match="GEMM, conv and batch GEMM"):
+    with pytest.raises(TypeError, match="batch GEMM and attention"):
         TuningKey.of((48, 64, 96), TARGET)
 
 
