@@ -5,7 +5,8 @@ and ONNX Runtime per node (its own profiler) in alternating rounds, with the sam
 count, and matches the two by :func:`layer_key`: a convolution by its input, filter, stride
 and groups, a dense layer by its ``M x N x K``, a batch matmul of two activations (attention's
 ``Q K^T`` and ``P V``) by its ``batch x M x N x K`` — what both sides compute, whatever each
-fused into it (a bias, an activation, a residual add, a scale).  What has no key (pooling,
+fused into it (a bias, an activation, a residual add, a scale).  A fused attention kernel
+(batch, queries, keys, Q/K and V widths) has no counterpart node on the other side.  What has no key (pooling,
 softmax, layout conversions, ONNX Runtime's reorders) is summed per kind on the tpp side
 (:data:`tvm_tpp.profiling.KIND_NAMES`) and per operator type on ONNX Runtime's.
 
@@ -32,6 +33,8 @@ Examples
 'batch matmul 96x128x128x64'
 >>> ort_layer_key("MatMul", [[8, 12, 128, 64], [8, 12, 64, 128]], [[8, 12, 128, 128]])
 'batch matmul 96x128x128x64'
+>>> layer_key("tpp_attention_96x128x128x64x64_txb12_scale_bys12")
+'attention 96x128x128x64x64'
 >>> ort_layer_key("QLinearConv", [[1, 64, 56, 56], [], [], [256, 64, 1, 1], [256], [256], [], [],
 ...                               [256]], [[1, 256, 56, 56]])
 'conv 64x56x56 -> 256 1x1 s1'
@@ -67,6 +70,7 @@ _CONV = re.compile(r"tpp_(dw)?conv2d_\w+?x(\d+)x(\d+)x(\d+)_(?:(\d+)x)?(\d+)x(\d
 _DENSE = re.compile(r"tpp_(?:qdq_)?dense_(\w+?)x(\d+)x(\d+)(?:_|$)")
 #: A static batch only (a symbolic build's ``n`` names the batch per image).
 _BATCH_MATMUL = re.compile(r"tpp_batch_matmul_(\d+)x(\d+)x(\d+)x(\d+)(?:_|$)")
+_ATTENTION = re.compile(r"tpp_attention_(\d+)x(\d+)x(\d+)x(\d+)x(\d+)(?:_|$)")
 #: ONNX Runtime's operator types of a convolution, with the input its filter is (its int8
 #: forms' too: a quantized model's layers meet tpp's int8 kernels).
 _ORT_CONVS = {"Conv": 1, "FusedConv": 1, "NhwcFusedConv": 1, "QLinearConv": 3, "ConvInteger": 1}
@@ -118,6 +122,8 @@ def layer_key(name: str) -> str | None:
         return f"dense {rows}x{n}x{k}"
     if match := _BATCH_MATMUL.match(name):
         return "batch matmul {}x{}x{}x{}".format(*match.groups())
+    if match := _ATTENTION.match(name):
+        return "attention {}x{}x{}x{}x{}".format(*match.groups())
     return None
 
 
