@@ -23,6 +23,15 @@ Matches ``relax.matmul(x, y)`` whose right operand is not a constant (the dense 
 The kernel (:mod:`schedules.batch_gemm`) packs the right operand itself, per batch element and
 N panel.  What does not fit stays with TVM and is reported with the reason.
 
+Whole attentions first.  A first round takes only ``P @ V`` chains whose softmax reads scores
+that are themselves such a chain (``Q @ K^T``, its scaling and addend) and that nothing else
+reads (neither the scores, the ``where`` nor the probabilities): both become one kernel,
+:mod:`schedules.attention`, which makes each block of score rows where its softmax and
+``P @ V`` read them, so the score tensor never exists (``attention+scale`` in the report,
+``masked_`` with a causal mask; batch, queries, keys and the two head widths as its shape).
+Only then the second round routes every matmul left, each on its own kernel: rewriting the
+scores first would make (and tune) a kernel the attention leaves dead.
+
 Precision.  With ``precision="bf16"`` (:data:`relay_passes.dense.PRECISIONS`) the float32
 matmuls multiply in bfloat16 accumulating in float32: the kernel rounds X and B to bf16 while
 it packs them (on AMX tiles where the host has them); inputs and epilogue stay float32, and
