@@ -51,6 +51,7 @@ from .batch_gemm import (
     BatchGemmProblem,
     _pack_schedule,
     _vectorize_conversions,
+    checked,
     product_stages,
     schedule_product,
     stored_shapes,
@@ -320,12 +321,7 @@ def schedule(problem: AttentionProblem, config: AttentionConfig,
     """
     from tvm import s_tir
 
-    isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
-    if not isinstance(problem, AttentionProblem):
-        raise TypeError(f"problem must be an AttentionProblem, got {type(problem).__name__}")
-    if not isinstance(config, AttentionConfig):
-        raise TypeError(f"config must be an AttentionConfig, got {type(config).__name__}")
-    config.check(problem)
+    isa_name = checked(problem, config, isa, AttentionProblem, AttentionConfig)
     s = problem.scores
     sch = s_tir.Schedule(workload(problem, config, batch, isa_name))
     if s.epilogue.ops:  # the scaling read where the softmax reads the scores

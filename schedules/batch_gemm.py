@@ -104,8 +104,8 @@ if TYPE_CHECKING:
     from tvm.tirx import PrimFunc
 
 __all__ = ["OPERANDS", "BatchGemmProblem", "BatchGemmConfig", "default_config", "candidates",
-           "workload", "product_stages", "schedule", "schedule_product", "reference",
-           "stored_shapes"]
+           "workload", "product_stages", "schedule", "schedule_product", "checked",
+           "reference", "stored_shapes"]
 
 
 #: uint8 B is shifted into the kernel's int8 B by this.
@@ -668,12 +668,7 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
     """
     from tvm import s_tir
 
-    isa_name = isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
-    if not isinstance(problem, BatchGemmProblem):
-        raise TypeError(f"problem must be a BatchGemmProblem, got {type(problem).__name__}")
-    if not isinstance(config, BatchGemmConfig):
-        raise TypeError(f"config must be a BatchGemmConfig, got {type(config).__name__}")
-    config.check(problem)
+    isa_name = checked(problem, config, isa, BatchGemmProblem, BatchGemmConfig)
     sch = s_tir.Schedule(workload(problem, config.bn, batch,
                                   expression_isa(isa_name, problem.padded_k)))
     if "zero_fold" in _stages(sch):
@@ -682,6 +677,21 @@ def schedule(problem: BatchGemmProblem, config: BatchGemmConfig,
         sch = s_tir.Schedule(sch.mod)
     schedule_product(sch, problem, config, isa_name)
     return sch
+
+
+def checked(problem: object, config: object, isa: str | _isa.Isa, problem_type: type,
+            config_type: type) -> str:
+    """The name of ``isa``, once ``problem`` and ``config`` are of their template's types
+    (TypeError) and the config tiles the problem (ValueError): what a ``schedule`` checks
+    first."""
+    for value, kind, what in ((problem, problem_type, "problem"), (config, config_type,
+                                                                   "config")):
+        if not isinstance(value, kind):
+            article = "an" if kind.__name__[0] in "AEIOU" else "a"
+            raise TypeError(f"{what} must be {article} {kind.__name__}, got "
+                            f"{type(value).__name__}")
+    config.check(problem)
+    return isa.name if isinstance(isa, _isa.Isa) else _isa.from_name(isa).name
 
 
 def schedule_product(sch: s_tir.Schedule, problem: BatchGemmProblem, config: BatchGemmConfig,
