@@ -120,6 +120,8 @@ class AttentionProblem:
                              f"{(s.batch, s.m)} and {(c.batch, c.m)}")
         if c.k != s.n:
             raise ValueError(f"the context's K ({c.k}) must be the scores' N, the keys ({s.n})")
+        if s.n < 2:
+            raise ValueError("one key: its softmax is 1, the context V itself; nothing to fuse")
         if s.y_interleaved or c.x_interleaved:
             raise ValueError("the scores stay in the kernel: neither the scores' Y nor the "
                              "context's X is interleaved")
@@ -215,9 +217,12 @@ class AttentionConfig:
                 BatchGemmConfig(self.bm, self.bn, self.bk, rows_outer=True))
 
     def check(self, problem: AttentionProblem) -> None:
-        """ValueError unless the blocks tile ``problem`` exactly."""
+        """ValueError unless the blocks tile ``problem`` exactly, each scores' call at least
+        two keys wide."""
         for config, part in zip(self.parts(), (problem.scores, problem.context), strict=True):
             config.check(part)
+        if self.bn_s < 2:
+            raise ValueError(f"bn_s={self.bn_s}: a block of the scores needs two keys or more")
 
 
 def default_config(problem: AttentionProblem, machine: Machine) -> AttentionConfig:
@@ -235,7 +240,12 @@ def default_config(problem: AttentionProblem, machine: Machine) -> AttentionConf
     """
     s = batch_gemm.default_config(problem.scores, machine)
     c = batch_gemm.default_config(problem.context, machine)
-    return AttentionConfig(c.bm, c.bn, c.bk, s.bn, s.bk)
+    # Tile-shaped blocks of a prime length (ViT's 197 tokens on AMX) are single rows and
+    # keys: the whole length instead, as off AMX (the AVX-512 kernel takes such a block).
+    m, n = problem.context.m, problem.scores.n
+    bm = c.bm if c.bm > 1 or m == 1 else batch_gemm.whole_or_block(m, 64)
+    bn_s = s.bn if s.bn > 1 else batch_gemm.whole_or_block(n, 64)
+    return AttentionConfig(bm, c.bn, c.bk, bn_s, s.bk)
 
 
 def candidates(problem: AttentionProblem, machine: Machine) -> list[AttentionConfig]:
@@ -330,10 +340,11 @@ def schedule(problem: AttentionProblem, config: AttentionConfig,
     # The scores of an M block's rows, made where the softmax reads them.
     gemm = sch.get_sblock(f"{_SCORES}C")
     sch.compute_at(gemm, rows_at)
-    ii, col, kk = sch.get_loops(gemm)[-3:]
+    # compute_at leaves out a unit row loop (one query row a block).
+    *rows, col, kk = sch.get_loops(gemm)[-3 if config.bm > 1 else -2:]
     jo, ji = sch.split(col, [None, config.bn_s])
     ko, ki = sch.split(kk, [1, None])
-    sch.reorder(jo, ko, ii, ji, ki)
+    sch.reorder(jo, ko, *rows, ji, ki)
     xc = sch.get_sblock(f"{_SCORES}Xc") if s.dtype == "bfloat16" or s.padded_k != s.k else None
     if xc is not None:
         sch.compute_at(xc, rows_at)
@@ -347,7 +358,10 @@ def schedule(problem: AttentionProblem, config: AttentionConfig,
                         batch=s.padded_k // config.bk_s, dtype_a=s.dtype,
                         dtype_acc=s.acc_dtype, layout=s.b_layout, isa=isa_name)
     shape = zeroing_kernel(sch, init, shape)
-    sch.tensorize(ii if config.bm > 1 else ji, dispatch(shape))
+    sch.tensorize(rows[0] if rows else ji, dispatch(shape))
+    # Per-task scratch, as the softmax's stages (schedules.batch_gemm): kept out of storage
+    # TVM would share with the bf16 buffers the AMX kernel reads through uint16 views.
+    sch.set_scope(sch.get_sblock(f"{_SCORES}C_update_o"), 0, "local")
     return sch
 
 

@@ -105,7 +105,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OPERANDS", "BatchGemmProblem", "BatchGemmConfig", "default_config", "candidates",
            "workload", "product_stages", "schedule", "schedule_product", "checked",
-           "reference", "stored_shapes"]
+           "whole_or_block", "reference", "stored_shapes"]
 
 
 #: uint8 B is shifted into the kernel's int8 B by this.
@@ -331,7 +331,7 @@ class BatchGemmConfig:
                              f"group of {problem.dtype} batch GEMMs")
 
 
-def _block(dim: int, limit: int, multiple: int = 1, step: int = 1) -> int:
+def whole_or_block(dim: int, limit: int, multiple: int = 1, step: int = 1) -> int:
     """The largest divisor of ``dim`` within ``limit`` (preferring multiples of ``multiple``,
     only multiples of ``step``); the whole ``dim`` instead of a sliver when ``dim`` has no
     fair divisor (a prime sequence length such as 197) and is not too large for one block."""
@@ -373,10 +373,10 @@ def default_config(problem: BatchGemmProblem, machine: Machine) -> BatchGemmConf
 
         width = _tile_width(machine.isa)
         bn = (width if width and n % width == 0
-              else _block(n, max(64, 2 * lanes), 2 * lanes) if n % lanes == 0
-              else _block(n, 64, lanes))
-        bm = _block(problem.m, 64)
-        bk = _block(problem.padded_k, 512, step=problem.alpha)
+              else whole_or_block(n, max(64, 2 * lanes), 2 * lanes) if n % lanes == 0
+              else whole_or_block(n, 64, lanes))
+        bm = whole_or_block(problem.m, 64)
+        bk = whole_or_block(problem.padded_k, 512, step=problem.alpha)
     if (problem.dtype != "float32" or problem.softmax) and problem.batch >= 2 * machine.threads:
         # A task per batch element: its rows converted (normalized, for a softmax) once, not
         # once per N panel.  BERT's attention on Sapphire Rapids, bf16 and uint8 tiles:

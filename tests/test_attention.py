@@ -99,6 +99,7 @@ def _run(problem: AttentionProblem, config: AttentionConfig | None = None,
     (2, 7, 9, 5, 6, 1, None),               # cross attention: 7 queries, 9 keys; odd d
     (4, 16, 16, 16, 16, 2, -FLT_MAX),       # GPT-2's causal mask
     (2, 11, 11, 8, 8, 1, float("-inf")),    # masked_fill(-inf)
+    (3, 1, 9, 8, 8, 1, -FLT_MAX),           # one query (a decoder's step): no row loop
 ])
 def test_kernel_matches_numpy(dtype, batch, m, n, d, dv, heads, fill):
     _run(_problem(batch, m, n, d, dv, heads, dtype, fill))
@@ -115,6 +116,10 @@ def test_scores_bias_and_every_candidate():
         _run(p, config)
 
 
+def test_single_row_blocks():
+    _run(_problem(2, 4, 9, 8, 8), AttentionConfig(1, 8, 9, 9, 8))
+
+
 def test_run_time_batch():
     _run(_problem(6, 9, 9, 8, 8, 3, "float32", -FLT_MAX), batch=2)
 
@@ -128,6 +133,8 @@ def test_run_time_batch():
     ({"scores": BatchGemmProblem(2, 3, 5, 4, True, Epilogue(
         (EpilogueOp("convert", dtype="bfloat16"),)))}, "float32 scores"),
     ({"scores": (2, 3, 5, 4)}, "must be a BatchGemmProblem"),
+    ({"scores": BatchGemmProblem(2, 3, 1, 4, True),
+      "context": BatchGemmProblem(2, 3, 6, 1, softmax=True)}, "one key"),
 ])
 def test_problem_validation(change, message):
     parts = {"scores": BatchGemmProblem(2, 3, 5, 4, True),
@@ -144,6 +151,15 @@ def test_config_checks():
         AttentionConfig(8, 0, 8, 8, 8)
     with pytest.raises(TypeError, match="AttentionConfig"):
         schedule(p, (8, 8, 8, 8, 8), ISA)
+    with pytest.raises(ValueError, match="two keys or more"):
+        schedule(p, AttentionConfig(8, 8, 8, 1, 8), ISA)
+
+
+def test_prime_lengths_on_amx_take_whole_blocks():
+    # ViT's 197 tokens: AMX's tile-shaped blocks would be single rows and keys.
+    amx = Machine(_isa.from_name("amx"), _isa.DEFAULT_CACHES, 2)
+    config = default_config(_problem(12, 197, 197, 64, 64, 12, "bfloat16"), amx)
+    assert (config.bm, config.bn_s) == (197, 197)
 
 
 def test_tuning_key_and_record():
@@ -230,9 +246,10 @@ def test_scores_read_elsewhere_stay_two_kernels():
 
 
 def test_amx_cross_compile_multiplies_bf16_tiles():
-    # Sapphire Rapids: both products on tiles, the softmax's rows between them.
+    # Sapphire Rapids, BERT's sizes: both products on tiles, the softmax's rows between them
+    # (the float32 scores kept out of the storage of the bf16 operands the tiles read).
     amx = _isa.from_name("amx")
-    p = _problem(12, 32, 32, 32, 32, 12, "bfloat16", -FLT_MAX)
+    p = _problem(12, 128, 128, 64, 64, 12, "bfloat16", -FLT_MAX)
     sch = schedule(p, default_config(p, Machine(amx, _isa.DEFAULT_CACHES, 2)), amx)
     spr = tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids",
                              "mtriple": "x86_64-linux-gnu"})
