@@ -58,7 +58,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import tvm
@@ -405,15 +405,17 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         fused = _attention(product, bindings, read_by, dtype)
         if fused is None:
             return orig
-        scores, problem = fused
+        scores, problem, biases = fused
         config = config_for(problem, target, tuner)
         name = f"tpp_attention_{prefix}{problem.name}"
         sch = attention_schedule(problem, config, isa, batch_var)
         q_shape, k_shape, v_shape, y_shape = attention_shapes(problem, product.run_batch)
         args = [_view(scores.x, q_shape), _view(scores.b, k_shape),
-                _view(product.b, v_shape), *product.masks, *scores.extra, *product.extra]
+                _view(product.b, v_shape), *product.masks, *biases, *scores.extra,
+                *product.extra]
         anchor = product.anchor.replace("softmax+batch_matmul", "attention")
-        matched = (*scores.matched, *product.matched)
+        op = (offload_name(anchor, (*scores.matched, *product.matched))
+              + ("+key_bias" if biases else ""))
         shape = problem.shape
     else:
         problem = product.problem
@@ -423,13 +425,12 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         x_shape, b_shape, y_shape = stored_shapes(problem, product.run_batch)
         args = [_view(product.x, x_shape), _view(product.b, b_shape), *product.masks,
                 *product.extra]
-        anchor, matched = product.anchor, product.matched
+        op = offload_name(product.anchor, product.matched)
         shape = (problem.batch, problem.m, problem.n, problem.k)
     gv = add_kernel(sch.mod["main"], name)
     out = call_kernel(gv, args, y_shape, problem.out_dtype, product.run_batch)
     # Named by the matched chain, as dense layers are: the handoff's conversion is no op of it.
-    report.append(Offload.routed(offload_name(anchor, matched), shape, name,
-                                 dispatched_brgemm(sch), problem.flops))
+    report.append(Offload.routed(op, shape, name, dispatched_brgemm(sch), problem.flops))
     dims = list(orig.ty.shape)
     out = out if same_dims(dims, y_shape) else relax.op.reshape(out, dims)
     return relax.op.astype(out, "float32") if problem.out_dtype == "bfloat16" else out
@@ -437,10 +438,10 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
 
 def _attention(context: _Product, bindings: dict[relax.Var, relax.Expr],
                read_by: Callable[[relax.Expr], list[relax.Expr] | None], dtype: str
-               ) -> tuple[_Product, AttentionProblem] | None:
+               ) -> tuple[_Product, AttentionProblem, tuple[relax.Expr, ...]] | None:
     """``P @ V`` whose ``P = softmax(scores)`` (perhaps masked) reads a product of two
-    activations that nothing else reads, as one fused attention: the scores' product and the
-    problem, else None."""
+    activations that nothing else reads, as one fused attention: the scores' product, the
+    problem and its key bias argument (if any), else None."""
     softmax = context.softmax
     if softmax is None or dtype not in ATTENTION_DTYPES:
         return None
@@ -452,13 +453,38 @@ def _attention(context: _Product, bindings: dict[relax.Var, relax.Expr],
         if matches is None:
             continue
         scores = _product(value, matches, chain, bindings, read_by, dtype)
+        key_bias = None
+        if scores is None and chain.addend is not None:
+            # No epilogue addend: perhaps a sample's key mask, which the kernel adds itself.
+            key_bias = _key_bias(matches[chain.addend], value)
+            if key_bias is not None:
+                scores = _product(value, matches, replace(chain, addend=None), bindings,
+                                  read_by, dtype)
         if scores is None:
             return None
         try:
-            return scores, AttentionProblem(scores.problem, context.problem)
+            problem = AttentionProblem(scores.problem, context.problem,
+                                       key_bias[0] if key_bias else 0)
         except ValueError:
             return None
+        biases = () if key_bias is None else (
+            _view(key_bias[1], problem.key_bias_shape(context.run_batch)),)
+        return scores, problem, biases
     return None
+
+
+def _key_bias(addend: relax.Expr, scores: relax.Expr) -> tuple[int, relax.Expr] | None:
+    """``(heads, addend)`` when ``addend`` is a float32 ``[B, 1, ..., 1, S]`` tensor added to
+    ``[B, H..., M, S]`` scores (BERT's padding mask: a row per sample, the same for its
+    heads and queries), else None."""
+    shape, dims = list(addend.ty.shape), list(scores.ty.shape)
+    if (not isinstance(addend.ty, relax.TensorType) or addend.ty.dtype != "float32"
+            or len(shape) != len(dims) or len(dims) < 3
+            or not same_dims(shape[:1] + shape[-1:], dims[:1] + dims[-1:])
+            or any(not isinstance(d, tvm.tirx.IntImm) or int(d) != 1 for d in shape[1:-1])
+            or any(not isinstance(d, tvm.tirx.IntImm) for d in dims[1:])):
+        return None
+    return int(np.prod([int(d) for d in dims[1:-2]], dtype=np.int64)), addend
 
 
 def _read_as_bf16(value: relax.Expr, read_by: Callable[[relax.Expr], list[relax.Expr] | None]

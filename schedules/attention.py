@@ -87,6 +87,10 @@ class AttentionProblem:
         ``Y[b] = epi(softmax(S[b]) @ V[b])``: ``softmax`` set, X (the scores) internal (not
         ``x_interleaved``), B is V; the same batch, rows, dtype as ``scores``, and K equal
         to the scores' N (the keys).
+    key_bias
+        0, or how many batch elements share a row of a float32 ``[batch / key_bias, keys]``
+        tensor added to the scores before the softmax: a sample's key mask (``[B, 1, 1, S]``
+        in the graph, BERT's padding mask), the same for its heads and queries.
 
     Examples
     --------
@@ -101,6 +105,7 @@ class AttentionProblem:
 
     scores: BatchGemmProblem
     context: BatchGemmProblem
+    key_bias: int = 0
 
     def __post_init__(self) -> None:
         s, c = self.scores, self.context
@@ -128,6 +133,10 @@ class AttentionProblem:
         if s.out_dtype != "float32":
             raise ValueError(f"the softmax reads float32 scores, the scores' epilogue ends in "
                              f"{s.out_dtype}")
+        kb = self.key_bias
+        if not isinstance(kb, int) or isinstance(kb, bool) or kb < 0 or (kb and s.batch % kb):
+            raise ValueError(f"key_bias must be 0 or a divisor of the batch ({s.batch}), "
+                             f"got {kb!r}")
 
     @property
     def dtype(self) -> str:
@@ -156,7 +165,14 @@ class AttentionProblem:
         """The two problems' layouts and the scores' epilogue: what the key tells apart."""
         s = self.scores
         return (s.layout + (f"_{s.epilogue.name}" if s.epilogue.ops else "")
-                + f"_{self.context.layout}")
+                + (f"_kb{self.key_bias}" if self.key_bias else "") + f"_{self.context.layout}")
+
+    def key_bias_shape(self, batch: tirx.PrimExpr | None = None) -> tuple | None:
+        """The stored shape of the key bias (None without one) for ``batch`` copies."""
+        if not self.key_bias:
+            return None
+        rows = self.batch // self.key_bias
+        return (rows if batch is None else batch * rows, self.scores.n)
 
     @property
     def name(self) -> str:
@@ -297,9 +313,9 @@ def stored(problem: AttentionProblem, batch: tirx.PrimExpr | None = None
 
 def workload(problem: AttentionProblem, config: AttentionConfig,
              batch: tirx.Var | None = None, isa: str = "generic") -> PrimFunc:
-    """The unscheduled PrimFunc ``(Q, K, V, [mask], *scores' operands, *epilogue operands,
-    [batch], Y)``: the scores' stages (``s_Bp``, ``s_Xc``, ``s_C``, ``s_epilogue``) feeding
-    the context's (:func:`schedules.batch_gemm.workload`'s names)."""
+    """The unscheduled PrimFunc ``(Q, K, V, [mask], [key_bias], *scores' operands, *epilogue
+    operands, [batch], Y)``: the scores' stages (``s_Bp``, ``s_Xc``, ``s_C``, ``s_epilogue``,
+    ``s_key_bias``) feeding the context's (:func:`schedules.batch_gemm.workload`'s names)."""
     from tvm import te
 
     s, c = problem.scores, problem.context
@@ -310,10 +326,16 @@ def workload(problem: AttentionProblem, config: AttentionConfig,
     mask = None if c.mask_fill is None else te.placeholder((c.m, c.k), "uint8", name="mask")
     scores, scores_extra = product_stages(s, config.bn_s, q, k, None, batch,
                                           expression_isa(isa, s.padded_k), _SCORES)
+    masks = [] if mask is None else [mask]
+    if problem.key_bias:
+        bias = te.placeholder(problem.key_bias_shape(batch), "float32", name="key_bias")
+        masks.append(bias)
+        unbiased, per_row = scores, c.m * problem.key_bias
+        scores = te.compute(unbiased.shape, lambda row, col: unbiased[row, col]
+                            + bias[row // per_row, col], name=f"{_SCORES}key_bias")
     y, extra = product_stages(c, config.bn, scores, v, mask, batch,
                               expression_isa(isa, c.padded_k))
     scalars = [] if batch is None else [batch]
-    masks = [] if mask is None else [mask]
     return te.create_prim_func([q, k, v, *masks, *scores_extra, *extra, *scalars, y])
 
 
@@ -334,8 +356,10 @@ def schedule(problem: AttentionProblem, config: AttentionConfig,
     isa_name = checked(problem, config, isa, AttentionProblem, AttentionConfig)
     s = problem.scores
     sch = s_tir.Schedule(workload(problem, config, batch, isa_name))
-    if s.epilogue.ops:  # the scaling read where the softmax reads the scores
-        sch.compute_inline(sch.get_sblock(f"{_SCORES}epilogue"))
+    # The scaling (and the key bias) applied where the softmax reads the scores.
+    for stage in ("epilogue", "key_bias"):
+        if stage == "epilogue" and s.epilogue.ops or stage == "key_bias" and problem.key_bias:
+            sch.compute_inline(sch.get_sblock(f"{_SCORES}{stage}"))
     task, rows_at = schedule_product(sch, problem.context, config.parts()[1], isa_name)
     # The scores of an M block's rows, made where the softmax reads them.
     gemm = sch.get_sblock(f"{_SCORES}C")
@@ -368,7 +392,12 @@ def schedule(problem: AttentionProblem, config: AttentionConfig,
 def reference(problem: AttentionProblem, q: np.ndarray, k: np.ndarray, v: np.ndarray,
               extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """numpy result (stored Y) for operands in their stored shapes: the scores'
-    :func:`~schedules.batch_gemm.reference`, then the context's on them (``extra`` holds
-    both epilogues' operands and the mask)."""
+    :func:`~schedules.batch_gemm.reference`, the key bias added, then the context's on them
+    (``extra`` holds both epilogues' operands, the mask and the key bias)."""
+    import numpy as np
+
     scores = batch_gemm.reference(problem.scores, q, k, extra)
+    if problem.key_bias:
+        per_row = problem.context.m * problem.key_bias
+        scores = scores + np.repeat(extra["key_bias"], per_row, axis=0)[:scores.shape[0]]
     return batch_gemm.reference(problem.context, scores, v, extra)

@@ -8,12 +8,16 @@ Before/Expected and numerically, and what stays two kernels (scores read elsewhe
 cross-compile.
 """
 
+import math
+
 import numpy as np
 import pytest
 import tvm
 from conftest import relax_main
+from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
+import tvm_tpp
 from microkernels import isa as _isa
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import Machine, machine_of
@@ -33,6 +37,7 @@ from schedules.batch_gemm import BatchGemmProblem
 from schedules.database import TuningKey
 from schedules.ops import OPS, op_of
 from schedules.tuner import config_for
+from tvm_tpp.reference import max_errors, random_inputs, run_onnxruntime
 from tvm_tpp.tpp_target import target as tpp_target
 
 TARGET = tpp_target("tpp")  # the host's ISA: the kernels run
@@ -44,7 +49,8 @@ def _scale(value: float = 0.125) -> Epilogue:
     return Epilogue((EpilogueOp("scale", value=value),))
 
 
-def _problem(batch, m, n, d, dv, heads=1, dtype="float32", fill=None, scores_ops=None):
+def _problem(batch, m, n, d, dv, heads=1, dtype="float32", fill=None, scores_ops=None,
+             key_bias=0):
     """Q [m, d] and K [n, d] per batch element (K^T read transposed), V [n, dv]; heads > 1:
     every operand interleaved, as BERT's projections are."""
     inter = heads > 1
@@ -52,7 +58,7 @@ def _problem(batch, m, n, d, dv, heads=1, dtype="float32", fill=None, scores_ops
                               x_interleaved=inter, b_interleaved=inter, dtype=dtype)
     context = BatchGemmProblem(batch, m, dv, n, heads=heads, b_interleaved=inter,
                                y_interleaved=inter, dtype=dtype, softmax=True, mask_fill=fill)
-    return AttentionProblem(scores, context)
+    return AttentionProblem(scores, context, key_bias)
 
 
 def _run(problem: AttentionProblem, config: AttentionConfig | None = None,
@@ -76,18 +82,26 @@ def _run(problem: AttentionProblem, config: AttentionConfig | None = None,
         mask = np.tril(np.ones((c.m, c.k))) if c.m == c.k else rng.integers(0, 2, (c.m, c.k))
         mask[:, 0] = 1
         extra["mask"] = mask.astype(np.uint8)
+    if problem.key_bias:  # a padding mask: 0 or -10000 per key
+        rows, n = problem.key_bias_shape(batch)
+        extra["key_bias"] = np.where(rng.random((rows, n)) < 0.3, -1e4, 0).astype(np.float32)
     y_shape = (copies * shapes[3][0], shapes[3][1])
     y = tvm.runtime.empty(y_shape, "float32")
-    args = [q, k, v, *([extra["mask"]] if "mask" in extra else []),
+    args = [q, k, v, *(extra[name] for name in ("mask", "key_bias") if name in extra),
             *(extra[op.name] for op in problem.scores.epilogue.inputs("float32"))]
     func(*[tvm.runtime.tensor(a) for a in args], *([] if batch is None else [batch]), y)
 
     def part(a, shape, i):
         return a[i * shape[0]:(i + 1) * shape[0]]
 
-    want = np.concatenate([reference(problem, *(part(a, s, i) for a, s in
-                                                zip((q, k, v), shapes, strict=False)), extra)
-                           for i in range(copies)])
+    def copy(i):  # the i-th copy's operands, its rows of the key bias
+        rows = 0 if not problem.key_bias else problem.key_bias_shape()[0]
+        ops = {**extra, **({"key_bias": extra["key_bias"][i * rows:(i + 1) * rows]}
+                           if rows else {})}
+        return reference(problem, *(part(a, s, i) for a, s in
+                                    zip((q, k, v), shapes, strict=False)), ops)
+
+    want = np.concatenate([copy(i) for i in range(copies)])
     tol = 2e-2 if problem.dtype == "bfloat16" else 1e-5
     np.testing.assert_allclose(y.numpy(), want, rtol=tol, atol=tol * np.abs(want).max())
     assert np.abs(want).max() > 0
@@ -124,6 +138,16 @@ def test_run_time_batch():
     _run(_problem(6, 9, 9, 8, 8, 3, "float32", -FLT_MAX), batch=2)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_key_bias_a_row_per_sample(dtype):
+    # BERT's padding mask: [samples, keys] added to the scores of each sample's 3 heads.
+    _run(_problem(6, 13, 13, 8, 8, 3, dtype, key_bias=3))
+
+
+def test_key_bias_and_run_time_batch():
+    _run(_problem(4, 9, 9, 8, 8, 2, "float32", key_bias=2), batch=3)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"context": BatchGemmProblem(2, 3, 6, 4, softmax=True)}, "the scores' N, the keys"),
     ({"context": BatchGemmProblem(2, 3, 6, 5)}, "softmax=True"),
@@ -135,6 +159,7 @@ def test_run_time_batch():
     ({"scores": (2, 3, 5, 4)}, "must be a BatchGemmProblem"),
     ({"scores": BatchGemmProblem(2, 3, 1, 4, True),
       "context": BatchGemmProblem(2, 3, 6, 1, softmax=True)}, "one key"),
+    ({"key_bias": 3}, "divisor of the batch"),
 ])
 def test_problem_validation(change, message):
     parts = {"scores": BatchGemmProblem(2, 3, 5, 4, True),
@@ -255,3 +280,51 @@ def test_amx_cross_compile_multiplies_bf16_tiles():
                              "mtriple": "x86_64-linux-gnu"})
     asm = tvm.tirx.build(sch.mod, target=spr).inspect_source("s")
     assert asm.count("tdpbf16ps") >= 2 and "tileloadd" in asm
+
+
+def _padded_batch_attention(b: int, s: int, h: int, d: int):
+    """BERT's attention with its padding mask, as exporters write it: a ``[B, S]`` 0/1
+    ``attention_mask`` input turned into ``(1 - mask) * -10000`` of shape ``[B, 1, 1, S]``
+    and added to the scaled scores."""
+    f32 = np.float32
+    consts = {"heads": np.array([b, s, h, d], np.int64), "merged": np.array([b, s, h * d]),
+              "sqrt_d": f32(math.sqrt(d)), "one": f32(1), "big": f32(-10000),
+              "axes": np.array([1, 2], np.int64)}
+    nodes = [helper.make_node("Reshape", [f"x{t}", "heads"], [f"{t}4"]) for t in "qkv"] + [
+        helper.make_node("Transpose", ["q4"], ["q"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+        helper.make_node("Transpose", ["v4"], ["v"], perm=[0, 2, 1, 3]),
+        helper.make_node("Unsqueeze", ["attention_mask", "axes"], ["m4"]),
+        helper.make_node("Sub", ["one", "m4"], ["inverted"]),
+        helper.make_node("Mul", ["inverted", "big"], ["key_bias"]),
+        helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+        helper.make_node("Div", ["qk", "sqrt_d"], ["scores"]),
+        helper.make_node("Add", ["scores", "key_bias"], ["masked"]),
+        helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "v"], ["ctx"]),
+        helper.make_node("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["ctx_t", "merged"], ["y"]),
+    ]
+    inputs = [helper.make_tensor_value_info(f"x{t}", TensorProto.FLOAT, [b, s, h * d])
+              for t in "qkv"]
+    inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.FLOAT, [b, s]))
+    graph = helper.make_graph(
+        nodes, "padded_attention", inputs,
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [b, s, h * d])],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in consts.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("precision, tol", [("float32", 1e-5), ("bf16", 2e-2)])
+def test_padding_mask_added_in_the_kernel(precision, tol):
+    # A [B, 1, 1, S] mask is no epilogue operand of the scores' product: the fused kernel
+    # adds each sample's row of it to its heads' scores.
+    model = _padded_batch_attention(2, 11, 3, 8)
+    compiled = tvm_tpp.compile(model, precision=precision)
+    assert [r.op for r in compiled.report if r.kernel] == ["attention+scale+key_bias"]
+    inputs = random_inputs(compiled.inputs, seed=3)
+    keep = np.random.default_rng(3).random((2, 11)) < 0.7
+    keep[:, 0] = True
+    inputs["attention_mask"] = keep.astype(np.float32)
+    got = compiled.run(**inputs)
+    assert max_errors(got, run_onnxruntime(model, inputs))[1] <= tol

@@ -5,10 +5,11 @@ and ONNX Runtime per node (its own profiler) in alternating rounds, with the sam
 count, and matches the two by :func:`layer_key`: a convolution by its input, filter, stride
 and groups, a dense layer by its ``M x N x K``, a batch matmul of two activations (attention's
 ``Q K^T`` and ``P V``) by its ``batch x M x N x K`` — what both sides compute, whatever each
-fused into it (a bias, an activation, a residual add, a scale).  A fused attention kernel
-(batch, queries, keys, Q/K and V widths) has no counterpart node on the other side.  What has no key (pooling,
-softmax, layout conversions, ONNX Runtime's reorders) is summed per kind on the tpp side
-(:data:`tvm_tpp.profiling.KIND_NAMES`) and per operator type on ONNX Runtime's.
+fused into it (a bias, an activation, a residual add, a scale); a fused attention kernel by
+its batch, queries, keys and Q/K and V widths (no node on the other side has that key).
+What has no key (pooling, softmax, layout conversions, ONNX Runtime's reorders) is summed
+per kind on the tpp side (:data:`tvm_tpp.profiling.KIND_NAMES`) and per operator type on
+ONNX Runtime's.
 
 A layer's time is the median over the rounds of its seconds per run, its ratio the median
 of the rounds' ratios; ``calls`` counts the layers of that key per run (ResNet-50 has six
