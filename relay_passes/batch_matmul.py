@@ -330,6 +330,10 @@ def _product(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], pattern:
         x_arg = softmax.scores
     x_src, x_inter, _ = _operand(x_arg, bindings, transposable=False)
     b_src, b_inter, transposed = _operand(y_arg, bindings, transposable=True)
+    # Operands a bf16 producer hands over (a float32 view of its bf16 output) are read as
+    # bf16: X too unless it holds a softmax's scores.
+    bf16_inputs = dtype == "bfloat16" and all(
+        _bf16_view(e, bindings) for e in ([b_src] if softmax else [x_src, b_src]))
     y_inter = pattern.out_permute is not None
     if y_inter and _layout(_axes(orig, len(xs)), False) != (True, False):
         return None  # not the permute back to [..., S, H, D]
@@ -377,7 +381,8 @@ def _product(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr], pattern:
                                y_interleaved=y_inter, dtype=dtype,
                                zero_points=quant.zero_points if quant else (0, 0),
                                softmax=softmax is not None,
-                               mask_fill=None if softmax is None else softmax.fill)
+                               mask_fill=None if softmax is None else softmax.fill,
+                               bf16_inputs=bf16_inputs)
     masks = () if softmax is None or softmax.mask is None else (relax.const(softmax.mask),)
     anchor = ("batch_matmul_qdq" if quant is not None else "batch_matmul" if softmax is None
               else f"{'masked_' if masks else ''}softmax+batch_matmul")
@@ -410,9 +415,10 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         name = f"tpp_attention_{prefix}{problem.name}"
         sch = attention_schedule(problem, config, isa, batch_var)
         q_shape, k_shape, v_shape, y_shape = attention_shapes(problem, product.run_batch)
-        args = [_view(scores.x, q_shape), _view(scores.b, k_shape),
-                _view(product.b, v_shape), *product.masks, *biases, *scores.extra,
-                *product.extra]
+        sp, cp = scores.problem, product.problem
+        args = [_read(scores.x, q_shape, sp.x_dtype), _read(scores.b, k_shape, sp.io_dtype),
+                _read(product.b, v_shape, cp.io_dtype), *product.masks, *biases,
+                *scores.extra, *product.extra]
         anchor = product.anchor.replace("softmax+batch_matmul", "attention")
         op = (offload_name(anchor, (*scores.matched, *product.matched))
               + ("+key_bias" if biases else ""))
@@ -423,8 +429,8 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
         name = f"tpp_batch_matmul_{prefix}{problem.name}"
         sch = schedule(problem, config, isa, batch_var)
         x_shape, b_shape, y_shape = stored_shapes(problem, product.run_batch)
-        args = [_view(product.x, x_shape), _view(product.b, b_shape), *product.masks,
-                *product.extra]
+        args = [_read(product.x, x_shape, problem.x_dtype),
+                _read(product.b, b_shape, problem.io_dtype), *product.masks, *product.extra]
         op = offload_name(product.anchor, product.matched)
         shape = (problem.batch, problem.m, problem.n, problem.k)
     gv = add_kernel(sch.mod["main"], name)
@@ -617,6 +623,24 @@ def _addend(expr, out_shape: list, rows, n: int, heads: int):
 
 def _view(expr, shape: tuple):
     return expr if same_dims(list(expr.ty.shape), shape) else relax.op.reshape(expr, shape)
+
+
+def _read(expr, shape: tuple, dtype: str):
+    """An operand as its kernel reads it: in ``shape``, and cast to bf16 where the kernel
+    takes a producer's bf16 (simplify_layouts cancels the cast against the producer's float32
+    view)."""
+    view = _view(expr, shape)
+    return view if dtype == str(expr.ty.dtype) else relax.op.astype(view, dtype)
+
+
+def _bf16_view(expr: relax.Expr, bindings: dict[relax.Var, relax.Expr]) -> bool:
+    """Whether ``expr`` is a float32 view of a bf16 tensor: ``astype(v, "float32")`` of a
+    bf16 ``v`` (a bf16 kernel's output handed over), through reshapes."""
+    value = bindings.get(expr, expr)
+    while is_call_to(value, "relax.reshape"):
+        value = bindings.get(value.args[0], value.args[0])
+    return (is_call_to(value, "relax.astype") and str(value.attrs.dtype) == "float32"
+            and str(value.args[0].ty.dtype) == "bfloat16")
 
 
 def _why_left(call: relax.Call) -> str | None:

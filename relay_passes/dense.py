@@ -58,6 +58,7 @@ from microkernels.machine import machine_of
 from schedules.gemm import GemmConfig, GemmProblem, pack_weight, schedule
 from schedules.tuner import TaskCollector, Tuner
 
+from .layouts import moves_data
 from .scaffold import (
     Offload,
     batched_shape,
@@ -267,7 +268,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     # A bf16 layer read only by bf16 layers writes bf16 itself (its epilogue converts); they
     # read it through a float32 view that simplify_layouts cancels against their own cast.
     found = read_by(orig) if dtype == "bfloat16" else None
-    handoff = bool(found) and all(_reads_as_bf16_dense(r) for r in found)
+    handoff = bool(found) and all(_reads_as_bf16_dense(r, read_by) for r in found)
     if handoff:
         epilogue = Epilogue((*epilogue.ops, EpilogueOp("convert", dtype="bfloat16")))
     problem = GemmProblem(rows.m, n, k, dtype, epilogue).on(isa)
@@ -296,14 +297,22 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     return relax.op.astype(out, "float32") if handoff else out
 
 
-def _reads_as_bf16_dense(reader: relax.Expr) -> bool:
+def _reads_as_bf16_dense(reader: relax.Expr,
+                         read_by: Callable[[relax.Expr], list[relax.Expr] | None]) -> bool:
     """Whether ``reader`` is a dense layer this pass routes in bf16 (reading the value as its
-    X), or one it has routed already (reading it only through its bf16 cast, or that cast
-    on its own)."""
+    X), one it has routed already (reading it only through its bf16 cast, or that cast on
+    its own), or a matmul of two activations, which the batch matmul pass multiplies in bf16
+    reading a bf16 operand as it is (attention's Q, K and V) -- through reshapes and
+    permutes."""
     if is_call_to(reader, "relax.matmul"):
         x, w = reader.args
-        return (isinstance(x, relax.Var) and isinstance(w, tvm.ir.expr.Constant)
-                and w.ty.ndim == 2 and _unsupported(x, w.value.numpy()) is None)
+        if not isinstance(w, tvm.ir.expr.Constant):
+            return not isinstance(x, tvm.ir.expr.Constant)
+        return (isinstance(x, relax.Var) and w.ty.ndim == 2
+                and _unsupported(x, w.value.numpy()) is None)
+    if moves_data(reader):
+        found = read_by(reader)
+        return bool(found) and all(_reads_as_bf16_dense(r, read_by) for r in found)
     return reads_through_bf16_cast(reader)
 
 

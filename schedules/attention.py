@@ -50,6 +50,7 @@ from .batch_gemm import (
     BatchGemmConfig,
     BatchGemmProblem,
     _pack_schedule,
+    _stages,
     _vectorize_conversions,
     checked,
     product_stages,
@@ -369,8 +370,8 @@ def schedule(problem: AttentionProblem, config: AttentionConfig,
     jo, ji = sch.split(col, [None, config.bn_s])
     ko, ki = sch.split(kk, [1, None])
     sch.reorder(jo, ko, *rows, ji, ki)
-    xc = sch.get_sblock(f"{_SCORES}Xc") if s.dtype == "bfloat16" or s.padded_k != s.k else None
-    if xc is not None:
+    if "Xc" in _stages(sch, _SCORES):  # Q's rows rounded to bf16 or padded under the block
+        xc = sch.get_sblock(f"{_SCORES}Xc")
         sch.compute_at(xc, rows_at)
         _vectorize_conversions(sch, xc)
     pack = sch.get_sblock(f"{_SCORES}Bp")

@@ -147,6 +147,10 @@ class BatchGemmProblem(TypedProblem):
         With ``softmax``: the function takes a uint8 ``mask[m, k]``, the same for every
         batch element, and an element of X whose mask is 0 reads as this value (a causal
         mask's ``where(mask, scores, -FLT_MAX)`` before the softmax).
+    bf16_inputs
+        bfloat16 problems: B, and X unless it holds a softmax's (float32) scores, are stored
+        in bfloat16 already (their producers hand over in bf16), not rounded from float32;
+        X is then read in place where K is whole VNNI pairs.
 
     Examples
     --------
@@ -169,11 +173,13 @@ class BatchGemmProblem(TypedProblem):
     zero_points: tuple[int, int] = (0, 0)
     softmax: bool = False
     mask_fill: float | None = None
+    bf16_inputs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "m", "n", "k", "heads"):
             _positive(getattr(self, name), f"BatchGemmProblem.{name}")
-        flags = ("b_transposed", "x_interleaved", "b_interleaved", "y_interleaved", "softmax")
+        flags = ("b_transposed", "x_interleaved", "b_interleaved", "y_interleaved", "softmax",
+                 "bf16_inputs")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"BatchGemmProblem.{name} must be a bool")
@@ -196,6 +202,8 @@ class BatchGemmProblem(TypedProblem):
         object.__setattr__(self, "zero_points", zero_points)
         if self.dtype != "uint8" and zero_points != (0, 0):
             raise ValueError("zero points are for uint8 operands only")
+        if self.bf16_inputs and self.dtype != "bfloat16":
+            raise ValueError("bf16_inputs are for bfloat16 problems only")
         if self.softmax and self.dtype == "uint8":
             raise ValueError("a softmax over X needs float32 scores: not for uint8 operands")
         if self.mask_fill is not None:
@@ -244,9 +252,16 @@ class BatchGemmProblem(TypedProblem):
 
     @property
     def io_dtype(self) -> str:
-        """The dtype of the stored X and B: float32 (bfloat16 problems convert it while they
-        pack), or uint8."""
-        return "uint8" if self.dtype == "uint8" else "float32"
+        """The dtype of the stored B (and X, :attr:`x_dtype`): float32 (bfloat16 problems
+        convert it while they pack), bfloat16 with :attr:`bf16_inputs`, or uint8."""
+        return ("uint8" if self.dtype == "uint8" else "bfloat16" if self.bf16_inputs
+                else "float32")
+
+    @property
+    def x_dtype(self) -> str:
+        """The dtype of the stored X: float32 scores for a softmax over X, else
+        :attr:`io_dtype`."""
+        return "float32" if self.softmax else self.io_dtype
 
     @property
     def alpha(self) -> int:
@@ -271,7 +286,8 @@ class BatchGemmProblem(TypedProblem):
         """
         tags = "".join(t for t, on in (("t", self.b_transposed), ("x", self.x_interleaved),
                                        ("b", self.b_interleaved), ("y", self.y_interleaved),
-                                       ("s", self.softmax), ("m", self.mask_fill is not None))
+                                       ("s", self.softmax), ("m", self.mask_fill is not None),
+                                       ("i", self.bf16_inputs))
                        if on)
         tags += str(self.heads) if self.heads > 1 else ""
         if self.dtype != "float32":  # tuning keys tell the precisions apart by the layout
@@ -470,7 +486,7 @@ def workload(problem: BatchGemmProblem, bn: int, batch: tirx.Var | None = None,
 
     p = problem
     x_shape, b_shape, _ = stored_shapes(p, batch)
-    x = te.placeholder(x_shape, p.io_dtype, name="X")
+    x = te.placeholder(x_shape, p.x_dtype, name="X")
     b_in = te.placeholder(b_shape, p.io_dtype, name="B")
     mask = None if p.mask_fill is None else te.placeholder((p.m, p.k), "uint8", name="mask")
     y, extra = product_stages(p, bn, x, b_in, mask, batch, isa)
@@ -509,7 +525,7 @@ def product_stages(problem: BatchGemmProblem, bn: int, x: te.Tensor, b_in: te.Te
 
     def packed(v):  # a stored value as the kernel's B holds it
         if p.dtype == "bfloat16":
-            return to_bf16(v)
+            return to_bf16(v) if b_in.dtype == "float32" else v
         if p.dtype == "uint8":
             return (v.astype("int32") - _B_SHIFT).astype("int8")
         return v
@@ -530,12 +546,14 @@ def product_stages(problem: BatchGemmProblem, bn: int, x: te.Tensor, b_in: te.Te
     # not whole VNNI groups).
     a_at = _softmax_rows(x_at, mask, p.mask_fill, gemms, m, k, tag) if p.softmax else x_at
     xc = None
-    if p.dtype == "bfloat16" or kp != k or p.softmax:
+    # X (or its softmax) rounded to bf16 under its M block, unless stored in bf16 already.
+    rounds = p.dtype == "bfloat16" and (x.dtype == "float32" or p.softmax)
+    if rounds or kp != k or p.softmax:
         a_dtype = "bfloat16" if p.dtype == "bfloat16" else p.io_dtype
 
         def row(b, i, r):
             value = a_at(b, i, tirx.min(r, k - 1))
-            value = to_bf16(value, isa) if p.dtype == "bfloat16" else value
+            value = to_bf16(value, isa) if rounds else value
             return value if kp == k else tirx.if_then_else(r < k, value,
                                                            tirx.const(0, a_dtype))
         xc = te.compute((gemms, m, kp), row, name=f"{tag}Xc")
@@ -813,13 +831,14 @@ def _rows_then_vector(sch: s_tir.Schedule, partial: SBlockRV, at: LoopRV) -> Non
     sch.vectorize(lane)
 
 
-def _stages(sch: s_tir.Schedule) -> set[str]:
-    """Which of the workload's optional stages the scheduled function has."""
+def _stages(sch: s_tir.Schedule, tag: str = "") -> set[str]:
+    """Which of the workload's optional stages (names prefixed by ``tag``) the scheduled
+    function has."""
     found = set()
     for name in ("Xc", "rowsum", "colsum", "zero_fold", "dequantize", "epilogue",
                  "row_max", "row_fill", "row_exp", "row_sum"):
         try:
-            sch.get_sblock(name)
+            sch.get_sblock(tag + name)
         except Exception:  # noqa: BLE001 - TVM's schedule error: no such block
             continue
         found.add(name)

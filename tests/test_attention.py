@@ -10,6 +10,7 @@ cross-compile.
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
@@ -50,14 +51,17 @@ def _scale(value: float = 0.125) -> Epilogue:
 
 
 def _problem(batch, m, n, d, dv, heads=1, dtype="float32", fill=None, scores_ops=None,
-             key_bias=0):
+             key_bias=0, bf16_inputs=False):
     """Q [m, d] and K [n, d] per batch element (K^T read transposed), V [n, dv]; heads > 1:
-    every operand interleaved, as BERT's projections are."""
+    every operand interleaved, as BERT's projections are; ``bf16_inputs``: Q, K and V
+    stored in bf16."""
     inter = heads > 1
     scores = BatchGemmProblem(batch, m, n, d, True, scores_ops or _scale(), heads=heads,
-                              x_interleaved=inter, b_interleaved=inter, dtype=dtype)
+                              x_interleaved=inter, b_interleaved=inter, dtype=dtype,
+                              bf16_inputs=bf16_inputs)
     context = BatchGemmProblem(batch, m, dv, n, heads=heads, b_interleaved=inter,
-                               y_interleaved=inter, dtype=dtype, softmax=True, mask_fill=fill)
+                               y_interleaved=inter, dtype=dtype, softmax=True, mask_fill=fill,
+                               bf16_inputs=bf16_inputs)
     return AttentionProblem(scores, context, key_bias)
 
 
@@ -71,8 +75,10 @@ def _run(problem: AttentionProblem, config: AttentionConfig | None = None,
     rng = np.random.default_rng(4)
     copies = batch or 1
     shapes = stored(problem)
-    q, k, v = ((rng.standard_normal((copies * s[0], *s[1:])) * 2).astype(np.float32)
-               for s in shapes[:3])
+    stored_as = [problem.scores.io_dtype] * 2 + [problem.context.io_dtype]
+    q, k, v = ((rng.standard_normal((copies * s[0], *s[1:])) * 2).astype(
+        ml_dtypes.bfloat16 if t == "bfloat16" else np.float32)
+        for s, t in zip(shapes[:3], stored_as, strict=True))
     extra = {}
     for op in problem.scores.epilogue.inputs("float32"):
         extra[op.name] = rng.standard_normal(op.shape(*problem.scores.y_shape)).astype(
@@ -128,6 +134,12 @@ def test_scores_bias_and_every_candidate():
                                                                     2))
     for config in found:
         _run(p, config)
+
+
+@pytest.mark.parametrize("d", [8, 7])  # 7: Q's rows padded to whole pairs, not read in place
+def test_bf16_inputs(d):
+    # Q, K and V handed over in bf16: packed and read without rounding.
+    _run(_problem(6, 13, 13, d, 8, 3, "bfloat16", -FLT_MAX, bf16_inputs=True))
 
 
 def test_single_row_blocks():

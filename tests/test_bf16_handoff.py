@@ -354,6 +354,18 @@ def test_attention_hands_its_context_to_the_output_projection_in_bf16():
     assert casts == [("float32", "bfloat16")] * 2
 
 
+def test_projections_hand_q_k_v_to_the_attention_in_bf16():
+    """The Q, K and V dense layers write bf16 (through the heads' reshape and permutes), which
+    the fused attention packs as it is: no float32 Q, K or V, no cast between."""
+    calls = _calls(_attention())
+    kernels = [call for call in calls if _is_kernel(call)]
+    fused = next(call for call in kernels if "attention" in call.args[0].name_hint)
+    assert [str(a.ty.dtype) for a in fused.args[1].fields[:3]] == ["bfloat16"] * 3
+    assert "_txbi4bf16_" in fused.args[0].name_hint  # bf16 inputs ("i") in its layout
+    projections = [c for c in kernels[:4] if "dense" in c.args[0].name_hint]
+    assert [str(c.ty.dtype) for c in projections] == ["bfloat16"] * 3
+
+
 def test_a_bf16_context_matches_onnxruntime_float32():
     model = _attention()
     x = np.random.default_rng(1).standard_normal((1, 16, 64)).astype("float32")
