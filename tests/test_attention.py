@@ -282,11 +282,12 @@ def test_scores_read_elsewhere_stay_two_kernels():
     assert _run_both(body, PARAMS) == ["batch_matmul+scale", "softmax+batch_matmul"]
 
 
-def test_amx_cross_compile_multiplies_bf16_tiles():
+@pytest.mark.parametrize("bf16_inputs", [False, True])
+def test_amx_cross_compile_multiplies_bf16_tiles(bf16_inputs):
     # Sapphire Rapids, BERT's sizes: both products on tiles, the softmax's rows between them
     # (the float32 scores kept out of the storage of the bf16 operands the tiles read).
     amx = _isa.from_name("amx")
-    p = _problem(12, 128, 128, 64, 64, 12, "bfloat16", -FLT_MAX)
+    p = _problem(12, 128, 128, 64, 64, 12, "bfloat16", -FLT_MAX, bf16_inputs=bf16_inputs)
     sch = schedule(p, default_config(p, Machine(amx, _isa.DEFAULT_CACHES, 2)), amx)
     spr = tvm.target.Target({"kind": "llvm", "mcpu": "sapphirerapids",
                              "mtriple": "x86_64-linux-gnu"})

@@ -61,7 +61,8 @@ def _operands(problem: BatchGemmProblem, seed: int = 0):
         x, b = (rng.integers(0, 255, s, endpoint=True).astype("uint8")
                 for s in (problem.x_shape, problem.b_shape))
     else:
-        x, b = (rng.standard_normal(s).astype("float32")
+        stored = ml_dtypes.bfloat16 if problem.bf16_inputs else np.float32
+        x, b = (rng.standard_normal(s).astype(stored)
                 for s in (problem.x_shape, problem.b_shape))
     extra = {op.name: rng.standard_normal(op.shape(*problem.y_shape)).astype(op.dtype)
              for op in problem.epilogue.inputs(problem.epilogue_dtype)}
@@ -134,6 +135,21 @@ def test_bf16(layout, isa_name):
     problem = _problem(layout, epilogue=SCALE_BIAS, dtype="bfloat16")
     assert (problem.acc_dtype, problem.b_layout, problem.padded_k % 2) == ("float32", "vnni2", 0)
     _run(problem, isa_name)
+
+
+@pytest.mark.parametrize("isa_name", BF16_ISAS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: _layout_id(lay))
+def test_bf16_inputs(layout, isa_name):
+    # X and B stored in bf16 (handed over by bf16 producers): packed without rounding, X
+    # read in place where K is whole pairs (the 12- and 10-wide layouts), padded elsewhere.
+    problem = _problem(layout, epilogue=SCALE_BIAS, dtype="bfloat16", bf16_inputs=True)
+    assert problem.io_dtype == problem.x_dtype == "bfloat16" and "i" in problem.layout
+    _run(problem, isa_name)
+
+
+def test_bf16_inputs_need_bf16_problems():
+    with pytest.raises(ValueError, match="bfloat16 problems only"):
+        BatchGemmProblem(2, 4, 4, 4, bf16_inputs=True)
 
 
 @pytest.mark.parametrize("isa_name", BF16_ISAS)
