@@ -635,10 +635,13 @@ def _read(expr, shape: tuple, dtype: str):
 
 def _bf16_view(expr: relax.Expr, bindings: dict[relax.Var, relax.Expr]) -> bool:
     """Whether ``expr`` is a float32 view of a bf16 tensor: ``astype(v, "float32")`` of a
-    bf16 ``v`` (a bf16 kernel's output handed over), through reshapes."""
+    bf16 ``v`` (a bf16 kernel's output handed over), through reshapes and split parts."""
     value = bindings.get(expr, expr)
-    while is_call_to(value, "relax.reshape"):
-        value = bindings.get(value.args[0], value.args[0])
+    while is_call_to(value, "relax.reshape") or isinstance(value, relax.TupleGetItem):
+        inner = value.tuple_value if isinstance(value, relax.TupleGetItem) else value.args[0]
+        value = bindings.get(inner, inner)
+        if is_call_to(value, "relax.split"):
+            value = bindings.get(value.args[0], value.args[0])
     return (is_call_to(value, "relax.astype") and str(value.attrs.dtype) == "float32"
             and str(value.args[0].ty.dtype) == "bfloat16")
 

@@ -58,7 +58,7 @@ from microkernels.machine import machine_of
 from schedules.gemm import GemmConfig, GemmProblem, pack_weight, schedule
 from schedules.tuner import TaskCollector, Tuner
 
-from .layouts import moves_data
+from .layouts import selects_data
 from .scaffold import (
     Offload,
     batched_shape,
@@ -302,15 +302,15 @@ def _reads_as_bf16_dense(reader: relax.Expr,
     """Whether ``reader`` is a dense layer this pass routes in bf16 (reading the value as its
     X), one it has routed already (reading it only through its bf16 cast, or that cast on
     its own), or a matmul of two activations, which the batch matmul pass multiplies in bf16
-    reading a bf16 operand as it is (attention's Q, K and V) -- through reshapes and
-    permutes."""
+    reading a bf16 operand as it is (attention's Q, K and V) -- through reshapes, permutes
+    and splits."""
     if is_call_to(reader, "relax.matmul"):
         x, w = reader.args
         if not isinstance(w, tvm.ir.expr.Constant):
             return not isinstance(x, tvm.ir.expr.Constant)
         return (isinstance(x, relax.Var) and w.ty.ndim == 2
                 and _unsupported(x, w.value.numpy()) is None)
-    if moves_data(reader):
+    if selects_data(reader):
         found = read_by(reader)
         return bool(found) and all(_reads_as_bf16_dense(r, read_by) for r in found)
     return reads_through_bf16_cast(reader)

@@ -262,6 +262,13 @@ def moves_data(expr: relax.Expr) -> bool:
     return is_call_to(expr, "relax.reshape") or is_call_to(expr, "relax.permute_dims")
 
 
+def selects_data(expr: relax.Expr) -> bool:
+    """Whether ``expr`` moves or splits its input's values (:func:`moves_data`, a ``split``,
+    a part of one): a cast commutes with it too."""
+    return (moves_data(expr) or is_call_to(expr, "relax.split")
+            or isinstance(expr, relax.TupleGetItem))
+
+
 #: Casts whose round trip is exact: (narrow, wide) -- a bf16 producer handing its output to
 #: a bf16 consumer through a float32 view of it (:mod:`relay_passes.conv`).
 _WIDENINGS = {("bfloat16", "float32")}
@@ -271,9 +278,10 @@ def _undo_widening(inner: relax.Expr, dtype: str,
                    bound: Callable[[relax.Expr], relax.Expr]) -> relax.Expr | None:
     """``x`` for ``astype(astype(x, wide), dtype)`` when ``x`` is ``dtype`` and the inner
     cast only widened it (exact both ways), else None; through reshapes and permutes between
-    them (ShuffleNet's channel shuffle), the same data movement of ``x``; through a concat
-    with a widened part, the concat of the parts in ``dtype`` (``bound`` resolves variables
-    to their values)."""
+    them (ShuffleNet's channel shuffle), the same data movement of ``x``; through a part of a
+    split (GPT-2's Q, K and V), that part of ``x``'s split; through a concat with a widened
+    part, the concat of the parts in ``dtype`` (``bound`` resolves variables to their
+    values)."""
     if moves_data(inner):
         source = _undo_widening(bound(inner.args[0]), dtype, bound)
         if source is None:
@@ -281,6 +289,15 @@ def _undo_widening(inner: relax.Expr, dtype: str,
         if is_call_to(inner, "relax.reshape"):
             return relax.op.reshape(source, inner.args[1])
         return relax.op.permute_dims(source, _axes(inner))
+    if isinstance(inner, relax.TupleGetItem):  # a part of a split: that part of x's split
+        whole = bound(inner.tuple_value)
+        if not is_call_to(whole, "relax.split"):
+            return None
+        source = _undo_widening(bound(whole.args[0]), dtype, bound)
+        if source is None:
+            return None
+        return relax.TupleGetItem(relax.op.split(source, whole.attrs.indices_or_sections,
+                                                 int(whole.attrs.axis)), inner.index)
     if is_call_to(inner, "relax.concat"):  # a cast commutes with a concat, part by part
         parts = bound(inner.args[0])
         if not isinstance(parts, relax.Tuple):

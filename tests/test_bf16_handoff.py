@@ -217,6 +217,27 @@ def test_a_widening_round_trip_cancels_through_a_permute():
     tvm.ir.assert_structural_equal(after, bb2.get())
 
 
+def test_a_widening_round_trip_cancels_through_a_split():
+    # GPT-2's Q, K and V: a part of a split of the float32 view is that part of a split of x.
+    x = relax.Var("x", relax.TensorType((2, 6), "bfloat16"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            wide = bb.emit(relax.op.astype(x, "float32"))
+            parts = bb.emit(relax.op.split(wide, [2, 4], axis=-1))
+            middle = bb.emit(relax.TupleGetItem(parts, 1))
+            y = bb.emit_output(relax.op.astype(middle, "bfloat16"))
+        bb.emit_func_output(y)
+    bb2 = relax.BlockBuilder()
+    with bb2.function("main", [x]):
+        with bb2.dataflow():
+            parts = bb2.emit(relax.op.split(x, [2, 4], axis=-1))
+            y = bb2.emit_output(relax.TupleGetItem(parts, 1))
+        bb2.emit_func_output(y)
+    after = relax.transform.DeadCodeElimination()(simplify_layouts(bb.get()))
+    tvm.ir.assert_structural_equal(after, bb2.get())
+
+
 def _aspp():
     """A DeepLab-style concat: two conv branches (one dilated) and a computed one (a scaled
     copy of the input: no conv) concatenated on channels, then a 1x1 conv."""
@@ -364,6 +385,27 @@ def test_projections_hand_q_k_v_to_the_attention_in_bf16():
     assert "_txbi4bf16_" in fused.args[0].name_hint  # bf16 inputs ("i") in its layout
     projections = [c for c in kernels[:4] if "dense" in c.args[0].name_hint]
     assert [str(c.ty.dtype) for c in projections] == ["bfloat16"] * 3
+
+
+def test_a_fused_projection_hands_its_split_q_k_v_over_in_bf16():
+    """GPT-2's one QKV projection, split in three: it writes bf16, which the fused attention
+    reads in place (the split's parts as channel ranges of the one buffer), and the layer
+    stays within bf16's error of ONNX Runtime in float32."""
+    from tvm_tpp import models
+
+    model = models.load("gpt2", seq=16, hidden=64, heads=4, ffn=128)
+    kernels = [call for call in _calls(model) if _is_kernel(call)]
+    fused = next(call for call in kernels if "attention" in call.args[0].name_hint)
+    projection = kernels[kernels.index(fused) - 1]
+    assert "dense_16x192x64" in projection.args[0].name_hint
+    assert str(projection.ty.dtype) == "bfloat16"
+    operands = fused.args[1].fields[:3]
+    assert [str(a.ty.dtype) for a in operands] == ["bfloat16"] * 3
+    assert all(int(a.ty.shape[-1]) == 192 for a in operands)  # the whole buffer, in place
+    x = np.random.default_rng(2).standard_normal((1, 16, 64)).astype("float32")
+    compiled = tvm_tpp.compile(model, target="tpp", precision="bf16-strict")
+    got = compiled.run(hidden_states=x)
+    assert max_errors(got, run_onnxruntime(model, {"hidden_states": x}))[1] <= 1e-2
 
 
 def test_a_bf16_context_matches_onnxruntime_float32():
