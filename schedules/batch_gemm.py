@@ -41,7 +41,9 @@ multiplies float32 X and B.  ``"bfloat16"`` takes float32 X and B too and rounds
 (to nearest even) while it packs them: B into the VNNI-2 panel ``Bp[batch, N/bn, K'/2, bn,
 2]``, the rows of X an M block reads into a bf16 copy ``Xc`` under that block (per task: a
 task's rows are converted once per N panel, ``1/bn`` of the compute); float32 accumulation
-and epilogue, and Y float32 or, after a final ``convert``, bfloat16.  ``"uint8"`` multiplies
+and epilogue, and Y float32 or, after a final ``convert``, bfloat16.  With ``bf16_inputs``
+X and B are stored in bf16 by their producers: packed without rounding, X's rows read in
+place where K is whole pairs.  ``"uint8"`` multiplies
 uint8 X by uint8 B shifted to int8 while packed (``b - 128``, VNNI-4, ``vpdpbusd``),
 accumulating in int32; X is read in place (a zero-padded copy when K is not a multiple of
 4).  With the operands' zero points ``(za, zb)``::
