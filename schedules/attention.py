@@ -362,8 +362,8 @@ def schedule(problem: AttentionProblem, config: AttentionConfig,
     s = problem.scores
     sch = s_tir.Schedule(workload(problem, config, batch, isa_name))
     # The scaling (and the key bias) applied where the softmax reads the scores.
-    for stage in ("epilogue", "key_bias"):
-        if stage == "epilogue" and s.epilogue.ops or stage == "key_bias" and problem.key_bias:
+    for stage, present in (("epilogue", s.epilogue.ops), ("key_bias", problem.key_bias)):
+        if present:
             sch.compute_inline(sch.get_sblock(f"{_SCORES}{stage}"))
     task, rows_at = schedule_product(sch, problem.context, config.parts()[1], isa_name)
     # The scores of an M block's rows, made where the softmax reads them.
