@@ -68,7 +68,6 @@ from tvm.target import Target
 
 from microkernels.epilogue import Epilogue, EpilogueOp
 from microkernels.machine import machine_of
-from schedules.attention import DTYPES as ATTENTION_DTYPES
 from schedules.attention import AttentionProblem
 from schedules.attention import schedule as attention_schedule
 from schedules.attention import stored as attention_shapes
@@ -76,7 +75,7 @@ from schedules.batch_gemm import BatchGemmProblem, schedule, stored_shapes
 from schedules.tuner import Tuner, config_for
 
 from .dense import PRECISIONS
-from .layouts import moves_data, simplify_layouts
+from .layouts import moves_data, simplify_layouts, widened
 from .scaffold import (
     KernelAdder,
     Offload,
@@ -449,7 +448,7 @@ def _attention(context: _Product, bindings: dict[relax.Var, relax.Expr],
     activations that nothing else reads, as one fused attention: the scores' product, the
     problem and its key bias argument (if any), else None."""
     softmax = context.softmax
-    if softmax is None or dtype not in ATTENTION_DTYPES:
+    if softmax is None:
         return None
     value = bindings.get(softmax.scores)
     if value is None or any(len(read_by(v) or ()) != 1 for v in (value, *softmax.reads)):
@@ -642,8 +641,8 @@ def _bf16_view(expr: relax.Expr, bindings: dict[relax.Var, relax.Expr]) -> bool:
         value = bindings.get(inner, inner)
         if is_call_to(value, "relax.split"):
             value = bindings.get(value.args[0], value.args[0])
-    return (is_call_to(value, "relax.astype") and str(value.attrs.dtype) == "float32"
-            and str(value.args[0].ty.dtype) == "bfloat16")
+    source = widened(value)
+    return source is not None and str(source.ty.dtype) == "bfloat16"
 
 
 def _why_left(call: relax.Call) -> str | None:

@@ -32,7 +32,7 @@ from tvm import relax
 
 from .scaffold import is_call_to, map_functions, static_shape
 
-__all__ = ["TO_NCHW", "TO_NHWC", "moves_data", "simplify_layouts"]
+__all__ = ["TO_NCHW", "TO_NHWC", "moves_data", "selects_data", "simplify_layouts", "widened"]
 
 #: ``permute_dims`` axes from NCHW to NHWC, and back.
 TO_NHWC = (0, 2, 3, 1)
@@ -189,12 +189,12 @@ class _Layouts(relax.PyExprMutator):
         """``concat([astype(a, float32), ...])`` of bf16 parts all widened ->
         ``astype(concat([a, ...]), float32)`` (None: some part is no such widening): bf16
         convs' branches joined in bf16, for the bf16 max pool or conv after the concat."""
-        widened = [self._bound(part) for part in parts]
-        narrow = [_widened(part) for part in widened]
+        bound = [self._bound(part) for part in parts]
+        narrow = [widened(part) for part in bound]
         if any(source is None for source in narrow):
             return None
         casts = {(str(source.ty.dtype), str(part.ty.dtype))
-                 for source, part in zip(narrow, widened, strict=True)}
+                 for source, part in zip(narrow, bound, strict=True)}
         if len(casts) != 1:  # parts of one dtype, widened to one
             return None
         return relax.op.astype(relax.op.concat(narrow, axis=axis), casts.pop()[1])
@@ -308,11 +308,11 @@ def _undo_widening(inner: relax.Expr, dtype: str,
         return relax.op.concat([relax.op.astype(part, dtype) if source is None else source
                                 for part, source in zip(parts.fields, undone, strict=True)],
                                axis=int(inner.attrs.axis))
-    source = _widened(inner)
+    source = widened(inner)
     return source if source is not None and str(source.ty.dtype) == dtype else None
 
 
-def _widened(expr: relax.Expr) -> relax.Expr | None:
+def widened(expr: relax.Expr) -> relax.Expr | None:
     """``x`` for ``astype(x, wide)`` that only widens ``x`` (:data:`_WIDENINGS`), else None."""
     if not is_call_to(expr, "relax.astype"):
         return None

@@ -54,6 +54,7 @@ from .batch_gemm import (
     BatchGemmConfig,
     BatchGemmProblem,
     _pack_schedule,
+    _positive,
     _stages,
     _vectorize_conversions,
     checked,
@@ -227,10 +228,7 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk", "bn_s", "bk_s"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"AttentionConfig.{name} must be a positive int, got "
-                                 f"{value!r}")
+            _positive(getattr(self, name), f"AttentionConfig.{name}")
 
     def parts(self) -> tuple[BatchGemmConfig, BatchGemmConfig]:
         """The scores' and the context's batch GEMM configs (a task per batch element)."""
