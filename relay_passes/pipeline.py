@@ -39,6 +39,7 @@ from .inplace import write_over_dead_operands
 from .keep_int8 import keep_int8
 from .lookup_tables import lookup_tables
 from .padded_outputs import write_padded_outputs
+from .parallel_dense import combine_parallel_dense
 from .pool_fusion import pools_take_producers
 from .prepare import prepare, sum_to_add
 from .qdq import rewrite_qdq
@@ -76,7 +77,8 @@ def tpp_rewrites(
         # round trips through float32 around data movement go, so the kernels read integers.
         mod = rewrite_qdq(sum_to_add(keep_int8(mod)), target, found, tuner)
         mod = prepare()(mod)
-        mod = rewrite_dense(mod, target, found, tuner, precision)
+        # Attention's Q, K and V projections as one dense layer, split (read in place).
+        mod = rewrite_dense(combine_parallel_dense(mod), target, found, tuner, precision)
         mod = rewrite_conv(mod, target, found, tuner, precision)
         # Max pools between bf16 convs pool the bf16 tensors the convs hand over.
         mod = max_pools_in_bf16(mod)

@@ -375,9 +375,11 @@ def test_attention_hands_its_context_to_the_output_projection_in_bf16():
     assert casts == [("float32", "bfloat16")] * 2
 
 
-def test_projections_hand_q_k_v_to_the_attention_in_bf16():
+def test_projections_hand_q_k_v_to_the_attention_in_bf16(monkeypatch):
     """The Q, K and V dense layers write bf16 (through the heads' reshape and permutes), which
-    the fused attention packs as it is: no float32 Q, K or V, no cast between."""
+    the fused attention packs as it is: no float32 Q, K or V, no cast between.  Kept apart
+    (as a cross-attention's are, on two inputs), not one layer split in three."""
+    monkeypatch.setattr("relay_passes.pipeline.combine_parallel_dense", lambda mod: mod)
     calls = _calls(_attention())
     kernels = [call for call in calls if _is_kernel(call)]
     fused = next(call for call in kernels if "attention" in call.args[0].name_hint)
