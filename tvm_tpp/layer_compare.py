@@ -6,7 +6,8 @@ count, and matches the two by :func:`layer_key`: a convolution by its input, fil
 and groups, a dense layer by its ``M x N x K``, a batch matmul of two activations (attention's
 ``Q K^T`` and ``P V``) by its ``batch x M x N x K`` — what both sides compute, whatever each
 fused into it (a bias, an activation, a residual add, a scale); a fused attention kernel by
-its batch, queries, keys and Q/K and V widths (no node on the other side has that key).
+its batch, queries, keys and Q/K and V widths (no node on the other side has that key); a
+dense kernel computing several of their layers at once (Q, K and V) as those layers.
 What has no key (pooling, softmax, layout conversions, ONNX Runtime's reorders) is summed
 per kind on the tpp side (:data:`tvm_tpp.profiling.KIND_NAMES`) and per operator type on
 ONNX Runtime's.
@@ -367,6 +368,36 @@ class _OpenVino:
 AGAINST = ("onnxruntime", "openvino", "openvino-f32")
 
 
+_DENSE_KEY = re.compile(r"dense (\d+)x(\d+)x(\d+)$")
+
+
+def _as_their_layers(per_key: dict[str, tuple[float, int]], their_keys: set[str]
+                     ) -> dict[str, tuple[float, int]]:
+    """tpp's dense layers that compute several of theirs in one kernel (attention's Q, K and
+    V projections: :mod:`relay_passes.parallel_dense`) as those layers: a key ``M x N x K``
+    they lack counts as ``N / N'`` calls of their one ``M x N' x K`` whose ``N'`` divides ``N``.
+
+    >>> _as_their_layers({"dense 16x288x96": (3.0, 1), "dense 16x96x96": (1.0, 1)},
+    ...                  {"dense 16x96x96"})
+    {'dense 16x96x96': (4.0, 4)}
+    """
+    out = dict(per_key)
+    for key, (seconds, calls) in per_key.items():
+        found = _DENSE_KEY.match(key)
+        if found is None or key in their_keys:
+            continue
+        rows, n, k = map(int, found.groups())
+        parts = [(their, int(m[2])) for their in their_keys
+                 if (m := _DENSE_KEY.match(their)) is not None
+                 and (int(m[1]), int(m[3])) == (rows, k) and int(m[2]) < n and n % int(m[2]) == 0]
+        if len(parts) == 1:
+            part, width = parts[0]
+            del out[key]
+            before, before_calls = out.get(part, (0.0, 0))
+            out[part] = (before + seconds, before_calls + calls * (n // width))
+    return out
+
+
 def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
                    inputs: Mapping[str, np.ndarray], threads: int, rounds: int = 3,
                    repeat: int = 10, warmup_seconds: float = 3.0,
@@ -413,6 +444,8 @@ def compare_layers(vm, args: Sequence[Any], model: onnx.ModelProto,
                 them.recorded()
             their_runs.append(statistics.median(seconds))
         their_rounds = them.per_round(rounds, repeat)
+    their_keys = {k for r in their_rounds for k in r}
+    tpp_rounds = [_as_their_layers(r, their_keys) for r in tpp_rounds]
 
     def median(per_round: list[dict[str, tuple[float, int]]], key: str
                ) -> tuple[float | None, int]:
