@@ -110,9 +110,10 @@ class _Combiner(relax.PyExprMutator):
         var_of = {b.value: b.var for blk in func.body.blocks for b in blk.bindings}
         for block in func.body.blocks:
             groups: dict[tuple, list[_Branch]] = {}
+            here = {binding.var for binding in block.bindings}
             for binding in block.bindings:
                 found = _branch(binding.var, binding.value, read_by, var_of)
-                if found is not None:
+                if found is not None and found[1].out in here:  # its part bound in the block
                     x, branch = found
                     groups.setdefault((x, branch.bias is None), []).append(branch)
             for group in groups.values():
