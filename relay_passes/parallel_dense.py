@@ -47,7 +47,13 @@ import tvm
 from tvm import relax
 
 from .layouts import moves_data
-from .scaffold import is_call_to, readers, rewrite_static_functions, static_shape
+from .scaffold import (
+    is_call_to,
+    readers,
+    rewrite_static_functions,
+    static_shape,
+    visit_binding_replaced,
+)
 
 __all__ = ["combine_parallel_dense"]
 
@@ -103,7 +109,7 @@ class _Combiner(relax.PyExprMutator):
         super().__init__(mod)
         self.pending: dict[relax.Var, list[_Branch]] = {}  # first product -> its group
         self._parts: dict[relax.Var, relax.Expr] = {}  # a branch's out -> its part
-        self._dropped: set[relax.Var] = set()
+        self._products: set[relax.Var] = set()  # each branch's own product, gone
 
     def visit_function_(self, func: relax.Function) -> relax.Expr:
         read_by = readers(func)
@@ -119,19 +125,15 @@ class _Combiner(relax.PyExprMutator):
             for group in groups.values():
                 if len(group) > 1:
                     self.pending[group[0].product] = group
-                    self._dropped.update(b.product for b in group)
-                    self._dropped.update(b.out for b in group)
+                    self._products.update(b.product for b in group)
         return super().visit_function_(func)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         group = self.pending.get(binding.var)
         if group is not None:
             self._emit_group(self.visit_expr(binding.value.args[0]), group)
-        if binding.var in self._parts:
-            value = self.builder_.normalize(self._parts[binding.var])
-            self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
-        elif binding.var not in self._dropped:
-            relax.PyExprMutator.visit_var_binding_(self, binding)
+        if binding.var in self._parts or binding.var not in self._products:
+            visit_binding_replaced(self, binding, self._parts)
 
     def _emit_group(self, x: relax.Expr, group: list[_Branch]) -> None:
         weight = relax.const(np.concatenate([b.weight for b in group], axis=1))

@@ -8,7 +8,7 @@ V projections as one kernel.
 import numpy as np
 import pytest
 import tvm
-from conftest import relax_main
+from conftest import main_calls, relax_main
 from tvm import relax
 
 import tvm_tpp
@@ -56,7 +56,7 @@ def test_rewrite_before_expected():
 def test_same_result():
     before = relax_main([_x()], _projections)
     after = combine_parallel_dense(before)
-    assert [c.op.name for c in _calls(after)].count("relax.matmul") == 1
+    assert [c.op.name for c in main_calls(after)].count("relax.matmul") == 1
     x = RNG.standard_normal((2, 5, 8)).astype(F32)
     for want, got in zip(_run(before, x), _run(after, x), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -98,15 +98,8 @@ def test_groups_kept(body):
 def test_biased_and_unbiased_layers_group_apart():
     # One biased layer has no partner; the two unbiased ones are a group of their own.
     after = combine_parallel_dense(relax_main([_x()], _one_biased))
-    products = [c for c in _calls(after) if c.op.name == "relax.matmul"]
+    products = [c for c in main_calls(after) if c.op.name == "relax.matmul"]
     assert sorted(int(c.ty.shape[-1]) for c in products) == [6, 16]
-
-
-def _calls(mod: tvm.IRModule) -> list[relax.Call]:
-    found = []
-    relax.analysis.post_order_visit(mod["main"], lambda e: found.append(e)
-                                    if isinstance(e, relax.Call) else None)
-    return found
 
 
 def _run(mod: tvm.IRModule, x: np.ndarray) -> list[np.ndarray]:
