@@ -517,7 +517,7 @@ def _conv_name(problem: ConvProblem, batch: tvm.ir.PrimExpr | None, form: str = 
     sh, sw = problem.stride
     return (f"tpp_conv2d_{_images(problem, batch)}x{problem.c}x{problem.h}x{problem.w}_"
             f"{problem.k}x{problem.r}x{problem.s}_s{sh}x{sw}" + _geometry_tag(problem) + form
-            + (f"_pre_{problem.prologue.name}" if problem.prologue.ops else "")
+            + (f"_pre_{problem.prologue_name}" if problem.prologue.ops else "")
             + (f"_{problem.epilogue.name}" if problem.epilogue.ops else "")
             + _DTYPE_TAGS[problem.dtype])
 

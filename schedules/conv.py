@@ -45,9 +45,10 @@ BatchNorm and ReLU before each 1x1 conv) is computed inside the conv, once per p
 into a local ``[bq, C]`` tile that the BRGEMM calls of every K block read: the spec keeps the
 K- and channel-block loops inside the pixel loops (:meth:`ConvConfig.parse`).  Only 1x1
 convs of stride 1 without padding take one, where input pixels are output pixels.  A bf16
-conv with a prologue reads float32 X (:attr:`ConvProblem.input_dtype`) and rounds the
-prologue's result into its bf16 tile (``vcvtneps2bf16`` where whole 16-lane vectors of
-channels allow it).
+conv with a prologue reads float32 X, or bf16 X widened as it loads it
+(``ConvProblem.prologue_input``: DenseNet's bf16 block buffers), and rounds the prologue's
+result into its bf16 tile (``vcvtneps2bf16`` where whole 16-lane vectors of channels allow
+it).
 
 Taps folded into channels (``ConvConfig.fold_taps``, the default wherever
 :func:`can_fold_taps`): where a call reduces all of a tap's channels (``bc * c_step = C'``),
@@ -359,6 +360,9 @@ class ConvProblem(ConvGeometry):
         ``scale``, ``bias`` (``[C]`` operands, after W among the kernel's parameters, names
         apart from the epilogue's) and ``relu``.  float32 1x1 convs of stride 1, unpadded
         and ungrouped only (module doc).
+    prologue_input
+        The stored X's dtype where there is a prologue (:attr:`input_dtype`): ``float32``, or
+        for a bf16 conv ``bfloat16``, widened to float32 for the prologue.
     narrow_weights
         W's int8 values lie in [-64, 64] (:func:`schedules.operands.narrow`): on x86 without
         VNNI the kernel multiplies them with ``vpmaddubsw``, exactly
@@ -398,6 +402,7 @@ class ConvProblem(ConvGeometry):
     zero_border: bool = True
     prologue: Epilogue = field(default_factory=Epilogue)
     narrow_weights: bool = False
+    prologue_input: str = "float32"
 
     def __post_init__(self) -> None:
         self._validate(("n", "c", "h", "w", "k", "r", "s", "groups"), "conv", "conv")
@@ -414,8 +419,15 @@ class ConvProblem(ConvGeometry):
     def _check_prologue(self) -> None:
         if not isinstance(self.prologue, Epilogue):
             raise TypeError(f"prologue must be an Epilogue, got {type(self.prologue).__name__}")
+        if self.prologue_input not in ("float32", "bfloat16"):
+            raise ValueError(f"prologue_input must be float32 or bfloat16, got "
+                             f"{self.prologue_input!r}")
         if not self.prologue.ops:
+            if self.prologue_input != "float32":
+                raise ValueError("prologue_input is the input of a prologue: there is none")
             return
+        if self.prologue_input == "bfloat16" and self.dtype != "bfloat16":
+            raise ValueError("only a bf16 conv's prologue reads bf16 input")
         # Input pixels map one to one onto output pixels: no border the chain would change.
         if (self.dtype not in ("float32", "bfloat16") or (self.r, self.s) != (1, 1)
                 or self.stride != (1, 1) or any(self.padding) or self.groups != 1
@@ -466,9 +478,17 @@ class ConvProblem(ConvGeometry):
 
     @property
     def input_dtype(self) -> str:
-        """The dtype of the stored X: float32 for a bf16 conv with a prologue, which rounds
-        the prologue's result to bf16 as it computes it; else :attr:`dtype`."""
-        return "float32" if self.prologue.ops else self.dtype
+        """The dtype of the stored X: :attr:`prologue_input` for a conv with a prologue (a bf16
+        conv rounds the prologue's result to bf16 as it computes it); else :attr:`dtype`."""
+        return self.prologue_input if self.prologue.ops else self.dtype
+
+    @property
+    def prologue_name(self) -> str:
+        """The prologue's ops, after ``bf16_`` where it reads bf16 input ('' without one):
+        kernel names and tuning keys tell the two inputs apart."""
+        if not self.prologue.ops:
+            return ""
+        return ("bf16_" if self.prologue_input == "bfloat16" else "") + self.prologue.name
 
     @property
     def input_shape(self) -> tuple[int, int, int, int]:
@@ -774,7 +794,7 @@ def _prologue_te(problem: ConvProblem, x: te.Tensor, rows: tirx.PrimExpr, isa: s
     conversion for a bf16 conv; no stage without a prologue."""
     from tvm import te
 
-    from microkernels.epilogue import EpilogueOp, apply_te
+    from microkernels.epilogue import EpilogueOp, apply_te, from_bf16
 
     if not problem.prologue.ops:
         return [], None
@@ -782,8 +802,11 @@ def _prologue_te(problem: ConvProblem, x: te.Tensor, rows: tirx.PrimExpr, isa: s
     if problem.dtype == "bfloat16":
         chain = Epilogue((*chain.ops, EpilogueOp("convert", dtype="bfloat16")))
     p, q = problem.p, problem.q
-    view = te.compute((rows, problem.c), lambda i, ch: x[i // (p * q), i // q % p, i % q, ch],
-                      name="prologue_view")
+    def pixel(i, ch):  # widened where X is bf16: the chain runs in float32
+        value = x[i // (p * q), i // q % p, i % q, ch]
+        return value if problem.prologue_input == "float32" else from_bf16(value)
+
+    view = te.compute((rows, problem.c), pixel, name="prologue_view")
     extra = {op.name: te.placeholder(op.shape(rows, problem.c), op.dtype, name=op.name)
              for op in problem.prologue.inputs()}
     return list(extra.values()), apply_te(chain, view, extra, name="prologue",

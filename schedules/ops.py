@@ -164,10 +164,9 @@ def _geometry_text(p: ConvProblem | DepthwiseProblem) -> str:
     layout part, as the keys of undilated, ungrouped convs were before those existed."""
     (sh, sw), pads = p.stride, "x".join(map(str, p.padding))
     (dh, dw), groups = p.dilation, getattr(p, "groups", 1)
-    prologue = getattr(p, "prologue", None)
+    prologue = getattr(p, "prologue_name", "")
     return (f"s{sh}x{sw}p{pads}" + ("" if (dh, dw) == (1, 1) else f"d{dh}x{dw}")
-            + ("" if groups == 1 else f"g{groups}")
-            + (f"+{prologue.name}" if prologue and prologue.ops else ""))
+            + ("" if groups == 1 else f"g{groups}") + (f"+{prologue}" if prologue else ""))
 
 
 #: What the key's dtype adds for 7-bit weights (``narrow_weights``).

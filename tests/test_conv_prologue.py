@@ -47,6 +47,7 @@ SHIFT = EpilogueOp("bias", name="pre_bias")
 RELU = EpilogueOp("relu")
 BN_RELU = Epilogue((SCALE, SHIFT, RELU))
 BIAS_RELU = Epilogue((EpilogueOp("bias"), RELU))
+_NUMPY = {F32: np.float32, "bfloat16": ml_dtypes.bfloat16}
 #: A ``tpp`` target of two threads whatever the host: the rewrite's choices depend on them.
 TARGET = tvm.target.Target({"kind": "llvm", "keys": ["tpp", "cpu"], "model": "avx2",
                             "num-cores": 2})
@@ -93,13 +94,15 @@ def test_prologue_kernel_matches_numpy(n, c, h, w, k, prologue, epilogue):
     ("avx512_bf16", 22),  # rounded on the bits
     ("avx2", 40),         # no bf16 arithmetic: the generic bf16 kernel
 ])
-def test_bf16_prologue_rounds_the_activated_input(isa_name, c):
-    """A bf16 conv reads float32 X and rounds its prologue's result to bf16 per pixel tile
-    (DenseNet's bf16 block buffers stay float32): against numpy on the rounded values where
-    the host runs ``isa_name``; the conversion instruction in the assembly either way."""
+@pytest.mark.parametrize("stored", [F32, "bfloat16"])
+def test_bf16_prologue_rounds_the_activated_input(isa_name, c, stored):
+    """A bf16 conv reads float32 X, or bf16 X it widens (DenseNet's bf16 block buffers),
+    and rounds its prologue's result to bf16 per pixel tile: against numpy on the rounded
+    values where the host runs ``isa_name``; the conversion instruction in the assembly
+    either way."""
     problem = ConvProblem(2, c, 3, 5, 32, 1, 1, dtype="bfloat16", epilogue=BIAS_RELU,
-                          prologue=BN_RELU)
-    assert problem.input_dtype == F32
+                          prologue=BN_RELU, prologue_input=stored)
+    assert problem.input_dtype == stored
     config = default_config(problem, Machine(isa.from_name(isa_name), isa.DEFAULT_CACHES, 2))
     func = tvm.compile(schedule(problem, config, isa_name).mod,
                        target=isa_target(isa_name, "znver4" if isa_name != "avx2" else None))
@@ -109,6 +112,8 @@ def test_bf16_prologue_rounds_the_activated_input(isa_name, c):
         pytest.skip(f"host lacks {isa_name}: the assembly is checked above")
     rng = np.random.default_rng(12)
     x = rng.standard_normal((2, c, 3, 5)).astype(F32)
+    if stored == "bfloat16":  # the values the buffer holds
+        x = x.astype(ml_dtypes.bfloat16).astype(F32)
     weight = rng.standard_normal((32, c, 1, 1)).astype(F32)
     pre = {"pre_scale": rng.uniform(0.5, 1.5, c).astype(F32),
            "pre_bias": rng.standard_normal(c).astype(F32)}
@@ -118,7 +123,7 @@ def test_bf16_prologue_rounds_the_activated_input(isa_name, c):
     conv = np.einsum("nchw,kc->nhwk", activated.astype(np.float64), rounded[:, :, 0, 0])
     want = np.maximum(conv.reshape(-1, 32) + bias, 0)
     out = tvm.runtime.empty((problem.rows, 32), F32)
-    args = [np.ascontiguousarray(x.transpose(0, 2, 3, 1)),
+    args = [np.ascontiguousarray(x.transpose(0, 2, 3, 1)).astype(_NUMPY[stored]),
             pack_weight(weight, config.bk, problem), *pre.values(), bias]
     func(*[tvm.runtime.tensor(a) for a in args], out)
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -166,8 +171,11 @@ def test_single_pixel_tile_with_k_blocks_outermost():
     ({"prologue": Epilogue((EpilogueOp("bias", broadcast="col", name="b"), RELU))},
      "per input channel"),
     ({"prologue": Epilogue((EpilogueOp("bias"), RELU))}, "share names"),
+    ({"prologue_input": "bfloat16"}, "bf16 conv's prologue"),
+    ({"dtype": "bfloat16", "prologue_input": "uint8"}, "prologue_input must be"),
+    ({"prologue": Epilogue(), "prologue_input": "bfloat16"}, "there is none"),
 ], ids=["3x3", "stride", "groups", "uint8", "bf16-odd-c", "gelu", "per-pixel",
-        "name-clash"])
+        "name-clash", "bf16-input-float32-conv", "uint8-input", "bf16-input-no-prologue"])
 def test_problems_without_a_prologue_form_refused(changes, message):
     fields = {"n": 1, "c": 16, "h": 4, "w": 4, "k": 16, "r": 1, "s": 1,
               "epilogue": BIAS_RELU, "prologue": BN_RELU}
@@ -196,6 +204,8 @@ def test_database_key_names_the_prologue():
     problem = ConvProblem(1, 64, 14, 14, 128, 1, 1, prologue=BN_RELU)
     assert problem_text(problem) == "conv2d 1x64x14x14x128x1x1/s1x1p0x0x0x0+scale_bias_relu -"
     assert problem_text(replace(problem, prologue=Epilogue())).endswith("p0x0x0x0 -")
+    widened = replace(problem, dtype="bfloat16", prologue_input="bfloat16")
+    assert problem_text(widened).endswith("+bf16_scale_bias_relu -")
 
 
 @pytest.mark.parametrize("c, h, w, threads, pays", [
