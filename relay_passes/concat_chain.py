@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 # The TVMScript builders below parse the text this module was imported from.
 pin_source(__name__)
 
-__all__ = ["CHANNEL_AXIS", "write_concat_chains", "copy_kernel"]
+__all__ = ["CHANNEL_AXIS", "chains", "concats", "copy_kernel", "write_concat_chains"]
 
 #: NHWC's channel axis, the one the concats rewritten here join along.
 CHANNEL_AXIS = 3
@@ -102,8 +102,9 @@ def copy_kernel(src_shape: tuple[int, ...], channels: int, offset: int, dtype: s
     return tvm.tirx.PrimFunc(list(reversed(copy.params)), copy.body, copy.ret_type, copy.attrs)
 
 
-def _concat_parts(value: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
-    """The two inputs of a static-shape channels-last concat of one dtype, or None."""
+def _concat_parts(value: relax.Expr, axis: int = CHANNEL_AXIS
+                  ) -> tuple[relax.Expr, relax.Expr] | None:
+    """The two inputs of a static-shape 4-D concat of one dtype along ``axis``, or None."""
     if not is_call_to(value, "relax.concat"):
         return None
     parts = value.args[0]
@@ -113,33 +114,36 @@ def _concat_parts(value: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
     if not all(isinstance(t, relax.TensorType) and t.ndim == 4 and t.dtype == types[0].dtype
                and static_shape(t.shape.values) is not None for t in types):
         return None
-    if int(value.attrs.axis) % 4 != CHANNEL_AXIS:
+    if int(value.attrs.axis) % 4 != axis:
         return None
     return parts.fields[0], parts.fields[1]
 
 
-def _concats(bindings: list[relax.Binding]) -> dict[relax.Var, tuple[relax.Expr, relax.Expr]]:
-    """Each chainable concat among ``bindings`` (:func:`_concat_parts`) -> its two inputs."""
+def concats(bindings: list[relax.Binding], axis: int = CHANNEL_AXIS
+            ) -> dict[relax.Var, tuple[relax.Expr, relax.Expr]]:
+    """Each concat among ``bindings`` a chain may take (two static-shape 4-D tensors of one
+    dtype along ``axis``) -> its two inputs."""
     return {b.var: parts for b in bindings if isinstance(b, relax.VarBinding)
-            and (parts := _concat_parts(b.value)) is not None}
+            and (parts := _concat_parts(b.value, axis)) is not None}
 
 
-def _chains(concats: dict[relax.Var, tuple[relax.Expr, relax.Expr]]) -> list[list[relax.Var]]:
-    """The chains among ``concats`` (:func:`_concats`): lists of bound vars, first first."""
+def chains(joined: dict[relax.Var, tuple[relax.Expr, relax.Expr]]) -> list[list[relax.Var]]:
+    """The chains (module doc) among ``joined`` (:func:`concats`): lists of bound vars,
+    first first."""
     heads: dict[relax.Var, list[relax.Var]] = {}  # concat -> the concats it is first input of
-    for var, (first, _) in concats.items():
-        if isinstance(first, relax.Var) and first in concats:
+    for var, (first, _) in joined.items():
+        if isinstance(first, relax.Var) and first in joined:
             heads.setdefault(first, []).append(var)
     nxt = {prev: users[0] for prev, users in heads.items() if len(users) == 1}
-    starts = [v for v in concats if not any(nxt.get(p) == v for p in nxt)]
-    chains = []
+    starts = [v for v in joined if not any(nxt.get(p) == v for p in nxt)]
+    found = []
     for start in starts:
         chain = [start]
         while chain[-1] in nxt:
             chain.append(nxt[chain[-1]])
         if len(chain) >= 2:
-            chains.append(chain)
-    return chains
+            found.append(chain)
+    return found
 
 
 @relax.expr_functor.mutator
@@ -183,13 +187,13 @@ class _Chains(relax.PyExprMutator):
         # Imported here: concat_slices builds on this module's copy kernel.
         from .concat_slices import kernel_writing
 
-        concats = _concats(list(block.bindings))
+        joined = concats(list(block.bindings))
         order = {b.var: i for i, b in enumerate(block.bindings)}
-        for chain in _chains(concats):
+        for chain in chains(joined):
             channels = int(chain[-1].ty.shape.values[CHANNEL_AXIS])
             for position, var in enumerate(chain):
                 self.plan[var] = (chain, position)
-                self.parts[var] = first, new = concats[var]
+                self.parts[var] = first, new = joined[var]
                 # A kernel computing the new channels writes them into the buffer itself,
                 # where the buffer it writes (the previous concat's, or the first input to
                 # start it from) is bound before it.

@@ -81,7 +81,7 @@ from schedules.winograd import DIRECT_KEY, WinogradConfig, WinogradProblem, wino
 
 from .bf16_pools import max_pool_in_bf16
 from .dense import PRECISIONS
-from .layouts import TO_NCHW, TO_NHWC, moves_data, simplify_layouts
+from .layouts import TO_NCHW, TO_NHWC, moves_data, simplify_layouts, widened
 from .prepare import sum_to_add
 from .scaffold import (
     Offload,
@@ -103,7 +103,8 @@ if TYPE_CHECKING:  # annotations only
     from .scaffold import EpiloguePattern, KernelAdder
 
 __all__ = ["rewrite_conv", "conv_problem", "conv_batch", "emit_conv", "to_matrix",
-           "unsupported_geometry", "is_depthwise", "offload", "winograd_tile"]
+           "unsupported_geometry", "is_bf16_conv_chain", "is_depthwise", "offload",
+           "winograd_tile"]
 
 def _conv() -> DFPattern:
     """``conv2d(x, w)``, ``w`` constant (the call's own arguments are read, not sub-patterns)."""
@@ -247,8 +248,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     x = call.args[0]
     found = _preactivation(x, problem, bound, read_by, target)
     if found is not None:  # computed inside the kernel, per pixel tile
-        x, prologue, prologue_operands = found
-        problem = replace(problem, prologue=prologue)
+        x, problem, prologue_operands = found
         operands = [*prologue_operands, *operands]
     # A bf16 conv, depthwise too, read only by bf16 convs writes bf16 itself (its epilogue
     # converts): they read it through a float32 view that simplify_layouts cancels against
@@ -257,7 +257,7 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
     if handoff:
         problem = replace(problem, epilogue=Epilogue(
             (*problem.epilogue.ops, EpilogueOp("convert", dtype="bfloat16"))))
-    # A prologue reads float32 and rounds its result to bf16 itself (ConvProblem.input_dtype).
+    # A prologue rounds its result to bf16 itself (ConvProblem.input_dtype: what it reads).
     x = x if dtype == "float32" or found is not None else relax.op.astype(x, dtype)
     out, kernel, brgemm = emit_conv(x, problem, call.args[1].value.numpy(), operands,
                                     add_kernel, target, tuner, batch=conv_batch(call))
@@ -268,14 +268,16 @@ def _rewrite(orig: relax.Expr, matches: Mapping[DFPattern, relax.Expr],
 def _preactivation(x: relax.Expr, problem: ConvProblem | DepthwiseProblem,
                    bound: Mapping[relax.Var, relax.Expr],
                    read_by: Callable[[relax.Expr], list[relax.Expr] | None], target: Target
-                   ) -> tuple[relax.Expr, Epilogue, list[relax.Expr]] | None:
-    """``(x0, prologue, operands)`` when the conv's input ``x`` is ``relu([x0 * s] [+ b])``
-    with constant per-channel ``s`` and ``b`` (DenseNet's BatchNorm and ReLU before each 1x1
-    conv) that only this conv reads, ``x0`` is no conv's output (whose epilogue the chain
-    is), and the conv (a float32 or bf16 1x1 conv of stride 1 without padding; bf16: its
-    channels whole VNNI pairs) gains by computing it per pixel tile (:func:`_prologue_pays`):
-    ``operands`` are the constants, in the prologue's order.  A bf16 conv reads ``x0`` in
-    float32 and rounds the prologue's result (DenseNet's bf16 block buffer is float32)."""
+                   ) -> tuple[relax.Expr, ConvProblem, list[relax.Expr]] | None:
+    """``(x0, the problem with its prologue, operands)`` when the conv's input ``x`` is
+    ``relu([x0 * s] [+ b])`` with constant per-channel ``s`` and ``b`` (DenseNet's BatchNorm
+    and ReLU before each 1x1 conv) that only this conv reads, ``x0`` is no conv's output
+    (whose epilogue the chain is), and the conv (a float32 or bf16 1x1 conv of stride 1
+    without padding; bf16: its channels whole VNNI pairs) gains by computing it per pixel
+    tile (:func:`_prologue_pays`):
+    ``operands`` are the constants, in the prologue's order.  A bf16 conv rounds the
+    prologue's result; it reads ``x0`` in float32, or where ``x0`` only widens a bf16 tensor
+    (DenseNet's bf16 block buffer), that tensor, widened in the kernel."""
     if not (isinstance(problem, ConvProblem) and problem.dtype in ("float32", "bfloat16")
             and (problem.r, problem.s, problem.stride, problem.groups) == (1, 1, (1, 1), 1)
             and not any(problem.padding) and problem.padded_c == problem.c):
@@ -298,10 +300,16 @@ def _preactivation(x: relax.Expr, problem: ConvProblem | DepthwiseProblem,
     if is_call_to(bound.get(value) if isinstance(value, relax.Var) else None,
                   "relax.nn.conv2d"):
         return None  # the chain is the producing conv's epilogue (ResNet's 3x3 -> 1x1)
-    fused = replace(problem, prologue=Epilogue(tuple(ops)))
+    # A bf16 conv's prologue widens bf16 itself: it reads what a widening cast reads (a bf16
+    # block buffer, relay_passes.bf16_concat_chains).
+    source = widened(bound.get(value)) if isinstance(value, relax.Var) else None
+    stored = "float32"
+    if source is not None and problem.dtype == "bfloat16":
+        value, stored = source, "bfloat16"
+    fused = replace(problem, prologue=Epilogue(tuple(ops)), prologue_input=stored)
     if not _prologue_pays(fused, machine_of(target)):
         return None
-    return value, fused.prologue, operands
+    return value, fused, operands
 
 
 def _prologue_pays(problem: ConvProblem, machine: Machine) -> bool:
@@ -348,7 +356,7 @@ def _reads_as_bf16_conv(reader: relax.Expr, value: relax.Expr,
         return _read_by_convs_only(reader, read_by, bound)
     if is_call_to(reader, "relax.add"):  # a residual add: the other side a conv (+ bias)
         others = [a for a in reader.args if not bound.get(a, a).same_as(value)]
-        return len(others) == 1 and _is_conv_chain(others[0], bound)
+        return len(others) == 1 and is_bf16_conv_chain(others[0], bound)
     return reads_through_bf16_cast(reader)
 
 
@@ -356,7 +364,7 @@ def _routes_in_bf16(conv: relax.Call) -> bool:
     return _unsupported(conv) is None and unsupported_geometry(conv, "bfloat16") is None
 
 
-def _is_conv_chain(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr]) -> bool:
+def is_bf16_conv_chain(expr: relax.Expr, bound: Mapping[relax.Var, relax.Expr]) -> bool:
     """Whether ``expr`` is ``conv2d(x, W)`` or ``conv2d(x, W) + b``, b constant, a conv this
     pass routes in bf16: a residual add over it is that conv's epilogue."""
     value = bound.get(expr, expr)

@@ -28,6 +28,7 @@ from schedules.tile_config import configure_tiles_once_pass
 from schedules.tuner import TaskCollector, Tuner
 
 from .batch_matmul import rewrite_batch_matmul
+from .bf16_concat_chains import concat_chains_in_bf16
 from .bf16_pools import max_pools_in_bf16
 from .casts_first import casts_before_reshapes
 from .concat_chain import write_concat_chains
@@ -79,6 +80,8 @@ def tpp_rewrites(
         mod = prepare()(mod)
         # Attention's Q, K and V projections as one dense layer, split (read in place).
         mod = rewrite_dense(combine_parallel_dense(mod), target, found, tuner, precision)
+        if precision == "bf16":  # DenseNet's block buffers in bf16, as its bf16 convs use them
+            mod = concat_chains_in_bf16(mod)
         mod = rewrite_conv(mod, target, found, tuner, precision)
         # Max pools between bf16 convs pool the bf16 tensors the convs hand over.
         mod = max_pools_in_bf16(mod)
