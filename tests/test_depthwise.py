@@ -130,6 +130,17 @@ def test_float32_on_avx512(n, c, h, w, stride):
          isa_name="avx512")
 
 
+@pytest.mark.skipif(not runs_here("avx512"), reason="host lacks AVX-512 (asm checked above)")
+@pytest.mark.parametrize("c, bc", [(136, 8), (56, 28), (40, 20)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_channels_in_part_vectors_on_avx512(c, bc, dtype):
+    """Channels no whole 16-lane vectors tile: blocks of half and quarter vectors (136 in
+    8s, ShuffleNet's; 56 in 16 + 8 + 4), against numpy."""
+    problem = DepthwiseProblem(1, c, 4, 5, 3, 3, padding=1, dtype=dtype, epilogue=BIAS_RELU6)
+    assert default_config(problem, _machine("avx512")).bc == bc
+    _run(problem, isa_name="avx512")
+
+
 @pytest.mark.parametrize("n,c,h,w,stride", SHAPES[:4])
 @pytest.mark.parametrize("epilogue", [Epilogue(), BIAS_RELU6], ids=["none", "bias_relu6"])
 def test_bfloat16_matches_numpy(n, c, h, w, stride, epilogue):
