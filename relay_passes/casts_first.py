@@ -7,7 +7,8 @@ layer norm takes only elementwise consumers.  The reshape and the cast then run 
 pass over the tensor (``fused_reshape_cast``), reading the float32 norm and writing its bf16
 copy.  Cast first, the cast fuses into the norm, which writes bf16 itself, and the reshape is
 a view.  Commuting the two is exact (a reshape moves no value); the pass runs after the
-rewrites that read the ``astype(reshape(x))`` form.
+rewrites that read the ``astype(reshape(x))`` form.  A reshape of a kernel's output keeps
+its cast after it, where the cast fuses into the cast's readers instead.
 
 Examples
 --------
@@ -41,10 +42,18 @@ class _CastsFirst(relax.PyExprMutator):
             return call
         source = call.args[0]
         reshape = self.lookup_binding(source) if isinstance(source, relax.Var) else source
-        if not is_call_to(reshape, "relax.reshape"):
+        if not is_call_to(reshape, "relax.reshape") or _kernel_output(reshape.args[0], self):
             return call
         return relax.op.reshape(relax.op.astype(reshape.args[0], call.attrs.dtype),
                                 reshape.args[1])
+
+
+def _kernel_output(x: relax.Expr, mutator: relax.PyExprMutator) -> bool:
+    """Whether ``x`` is a kernel call's output (``call_tir``, in place or not), into which
+    nothing fuses: a cast before the reshape of it would be a pass of its own (DenseNet's
+    bf16 block buffer, widened for the BatchNorm, ReLU and pool its transition fuses)."""
+    value = mutator.lookup_binding(x) if isinstance(x, relax.Var) else x
+    return is_call_to(value, "relax.call_tir") or is_call_to(value, "relax.call_tir_inplace")
 
 
 def casts_before_reshapes(mod: tvm.IRModule) -> tvm.IRModule:

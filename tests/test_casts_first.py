@@ -5,6 +5,7 @@ import numpy as np
 import tvm
 from conftest import relax_main
 from tvm import relax
+from tvm.script import tirx as T
 
 from relay_passes.casts_first import casts_before_reshapes
 from relay_passes.pipeline import tpp_pipeline
@@ -46,6 +47,30 @@ def test_a_reshape_read_elsewhere_stays():
 
     tvm.ir.assert_structural_equal(casts_before_reshapes(relax_main([X], body)),
                                    relax_main([X], expected))
+
+
+def test_a_kernels_output_keeps_its_cast_after_the_reshape():
+    """Nothing fuses into a kernel call: cast first, the cast would be a pass of its own
+    (DenseNet's bf16 block buffer); after the reshape, it fuses into its readers."""
+    @tvm.script.ir_module
+    class Kernel:
+        @T.prim_func(s_tir=True)
+        def double(a: T.Buffer((2, 3, 8), "bfloat16"), b: T.Buffer((2, 3, 8), "bfloat16")):
+            for i, j, k in T.grid(2, 3, 8):
+                with T.sblock("b"):
+                    vi, vj, vk = T.axis.remap("SSS", [i, j, k])
+                    b[vi, vj, vk] = a[vi, vj, vk] + a[vi, vj, vk]
+
+    bf16 = relax.Var("x", relax.TensorType((2, 3, 8), "bfloat16"))
+
+    def body(bb, x):
+        gv = bb.add_func(Kernel["double"], "double")
+        out = bb.emit(relax.call_tir(gv, [x], relax.TensorType((2, 3, 8), "bfloat16")))
+        flat = bb.emit(relax.op.reshape(out, (6, 8)))
+        return relax.op.astype(flat, "float32")
+
+    before = relax_main([bf16], body)
+    tvm.ir.assert_structural_equal(casts_before_reshapes(before), before)
 
 
 def test_values_unchanged_and_the_norm_writes_bf16():
