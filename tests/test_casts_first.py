@@ -11,6 +11,7 @@ from relay_passes.casts_first import casts_before_reshapes
 from relay_passes.pipeline import tpp_pipeline
 from tvm_tpp.tpp_target import target as tpp_target
 
+F32 = "float32"
 TARGET = tpp_target("tpp")
 X = relax.Var("x", relax.TensorType((2, 3, 8), "float32"))
 
@@ -49,28 +50,49 @@ def test_a_reshape_read_elsewhere_stays():
                                    relax_main([X], expected))
 
 
-def test_a_kernels_output_keeps_its_cast_after_the_reshape():
-    """Nothing fuses into a kernel call: cast first, the cast would be a pass of its own
-    (DenseNet's bf16 block buffer); after the reshape, it fuses into its readers."""
-    @tvm.script.ir_module
-    class Kernel:
-        @T.prim_func(s_tir=True)
-        def double(a: T.Buffer((2, 3, 8), "bfloat16"), b: T.Buffer((2, 3, 8), "bfloat16")):
-            for i, j, k in T.grid(2, 3, 8):
-                with T.sblock("b"):
-                    vi, vj, vk = T.axis.remap("SSS", [i, j, k])
-                    b[vi, vj, vk] = a[vi, vj, vk] + a[vi, vj, vk]
+@tvm.script.ir_module
+class _Kernel:
+    @T.prim_func(s_tir=True)
+    def double(a: T.Buffer((2, 3, 8), "bfloat16"), b: T.Buffer((2, 3, 8), "bfloat16")):
+        for i, j, k in T.grid(2, 3, 8):
+            with T.sblock("b"):
+                vi, vj, vk = T.axis.remap("SSS", [i, j, k])
+                b[vi, vj, vk] = a[vi, vj, vk] + a[vi, vj, vk]
 
-    bf16 = relax.Var("x", relax.TensorType((2, 3, 8), "bfloat16"))
+    @T.prim_func(s_tir=True)
+    def copy(a: T.Buffer((6, 8), "float32"), b: T.Buffer((6, 8), "float32")):
+        for i, j in T.grid(6, 8):
+            with T.sblock("b"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                b[vi, vj] = a[vi, vj]
 
+
+def _kernel_then_cast(cast_first: bool, read_by_kernel: bool):
+    """A bf16 kernel's output reshaped and widened, read by an elementwise op or a kernel."""
     def body(bb, x):
-        gv = bb.add_func(Kernel["double"], "double")
-        out = bb.emit(relax.call_tir(gv, [x], relax.TensorType((2, 3, 8), "bfloat16")))
-        flat = bb.emit(relax.op.reshape(out, (6, 8)))
-        return relax.op.astype(flat, "float32")
+        double = bb.add_func(_Kernel["double"], "double")
+        out = bb.emit(relax.call_tir(double, [x], relax.TensorType((2, 3, 8), "bfloat16")))
+        if cast_first:
+            wide = bb.emit(relax.op.reshape(bb.emit(relax.op.astype(out, F32)), (6, 8)))
+        else:
+            wide = bb.emit(relax.op.astype(bb.emit(relax.op.reshape(out, (6, 8))), F32))
+        if read_by_kernel:
+            copy = bb.add_func(_Kernel["copy"], "copy")
+            return relax.call_tir(copy, [wide], relax.TensorType((6, 8), F32))
+        return relax.op.multiply(wide, relax.const(2.0, F32))
 
-    before = relax_main([bf16], body)
+    return relax_main([relax.Var("x", relax.TensorType((2, 3, 8), "bfloat16"))], body)
+
+
+def test_a_kernels_output_keeps_its_cast_where_a_reader_fuses_it():
+    """Nothing fuses into a kernel call: cast first, the cast would be a pass of its own
+    (DenseNet's bf16 block buffer); after the reshape it fuses into an elementwise reader.
+    Read by a kernel, it is a pass of its own either way: cast first, as elsewhere."""
+    before = _kernel_then_cast(cast_first=False, read_by_kernel=False)
     tvm.ir.assert_structural_equal(casts_before_reshapes(before), before)
+    tvm.ir.assert_structural_equal(
+        casts_before_reshapes(_kernel_then_cast(cast_first=False, read_by_kernel=True)),
+        _kernel_then_cast(cast_first=True, read_by_kernel=True))
 
 
 def test_values_unchanged_and_the_norm_writes_bf16():
