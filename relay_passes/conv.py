@@ -274,10 +274,10 @@ def _preactivation(x: relax.Expr, problem: ConvProblem | DepthwiseProblem,
     and ReLU before each 1x1 conv) that only this conv reads, ``x0`` is no conv's output
     (whose epilogue the chain is), and the conv (a float32 or bf16 1x1 conv of stride 1
     without padding; bf16: its channels whole VNNI pairs) gains by computing it per pixel
-    tile (:func:`_prologue_pays`):
-    ``operands`` are the constants, in the prologue's order.  A bf16 conv rounds the
-    prologue's result; it reads ``x0`` in float32, or where ``x0`` only widens a bf16 tensor
-    (DenseNet's bf16 block buffer), that tensor, widened in the kernel."""
+    tile (:func:`_prologue_pays`); ``operands`` are the constants, in the prologue's order.
+    A bf16 conv rounds the prologue's result; it reads ``x0`` in float32, or where ``x0``
+    only widens a bf16 tensor (DenseNet's bf16 block buffer), that tensor, widened in the
+    kernel."""
     if not (isinstance(problem, ConvProblem) and problem.dtype in ("float32", "bfloat16")
             and (problem.r, problem.s, problem.stride, problem.groups) == (1, 1, (1, 1), 1)
             and not any(problem.padding) and problem.padded_c == problem.c):

@@ -358,8 +358,8 @@ class ConvProblem(ConvGeometry):
     prologue
         Elementwise chain applied to the input before the conv, per input channel:
         ``scale``, ``bias`` (``[C]`` operands, after W among the kernel's parameters, names
-        apart from the epilogue's) and ``relu``.  float32 1x1 convs of stride 1, unpadded
-        and ungrouped only (module doc).
+        apart from the epilogue's) and ``relu``.  float32 and bf16 1x1 convs of stride 1,
+        unpadded and ungrouped only (module doc).
     prologue_input
         The stored X's dtype where there is a prologue (:attr:`input_dtype`): ``float32``, or
         for a bf16 conv ``bfloat16``, widened to float32 for the prologue.
