@@ -194,6 +194,17 @@ def relax_main(params: list, body):
     return bb.get()
 
 
+def run_main(mod, *arrays: np.ndarray, target=None) -> np.ndarray:
+    """``mod``'s main function built for ``target`` (default: plain LLVM) and run in the VM
+    on ``arrays``: its one output."""
+    import tvm
+    from tvm import relax
+
+    ex = tvm.compile(mod, target or tvm.target.Target({"kind": "llvm"}))
+    return relax.VirtualMachine(ex, tvm.cpu())["main"](
+        *(tvm.runtime.tensor(a) for a in arrays)).numpy()
+
+
 def main_calls(mod) -> list:
     """The calls of ``mod``'s main function, in graph order."""
     from tvm import relax

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from conftest import main_calls, relax_main
+from conftest import main_calls, relax_main, run_main
 from test_conv_prologue import _dense_block
 from tvm import relax
 
@@ -66,7 +66,7 @@ def test_values_are_the_rounded_parts():
     """Through the VM, the chain's output is what the float32 graph computes with each part
     rounded to bf16 as it is concatenated (the convs themselves in float32 here)."""
     x = RNG.standard_normal((1, C, *HW)).astype(F32)
-    got = _run(concat_chains_in_bf16(relax_main([_x()], _block)), x)
+    got = run_main(concat_chains_in_bf16(relax_main([_x()], _block)), x)
 
     def rounding(bb, c, filters):  # the float32 graph's parts, rounded as the buffer holds
         return bb.emit(relax.op.astype(relax.op.astype(_grow(bb, c, filters), BF16), F32))
@@ -74,15 +74,10 @@ def test_values_are_the_rounded_parts():
     def first(bb, x):
         return bb.emit(relax.op.astype(relax.op.astype(relax.op.nn.relu(x), BF16), F32))
 
-    want = _run(relax_main([_x()], lambda bb, x: _block(bb, x, rounding, first)), x)
+    want = run_main(relax_main([_x()], lambda bb, x: _block(bb, x, rounding, first)), x)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert not np.array_equal(got, _run(relax_main([_x()], _block), x))  # it did round
+    assert not np.array_equal(got, run_main(relax_main([_x()], _block), x))  # it did round
     np.testing.assert_array_equal(got, _rounded(got))
-
-
-def _run(mod: tvm.IRModule, x: np.ndarray) -> np.ndarray:
-    ex = tvm.compile(mod, target="llvm")
-    return relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
 
 
 def _relu_part(bb, c, filters):  # a part no conv computes

@@ -8,6 +8,7 @@ must leave alone, and a small dense block built with onnx.helper against ONNX Ru
 import numpy as np
 import pytest
 import tvm
+from conftest import run_main
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -16,7 +17,6 @@ from relay_passes.scaffold import add_kernel
 from tvm_tpp import compiler
 from tvm_tpp.reference import max_errors, run_onnxruntime
 
-LLVM = tvm.target.Target({"kind": "llvm"})
 F32 = "float32"
 
 
@@ -68,18 +68,12 @@ def _chain_expected() -> tvm.IRModule:
     return bb.get()
 
 
-def _run(mod: tvm.IRModule, *arrays: np.ndarray) -> np.ndarray:
-    ex = tvm.compile(mod, LLVM)
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    return vm["main"](*(tvm.runtime.tensor(a) for a in arrays)).numpy()
-
-
 def test_chain_written_in_place():
     before = _chain_before()
     after = write_concat_chains(before)
     tvm.ir.assert_structural_equal(after, _chain_expected())
     x = np.random.default_rng(0).standard_normal((1, 5, 7, 3)).astype(F32)
-    np.testing.assert_array_equal(_run(after, x), _run(before, x))
+    np.testing.assert_array_equal(run_main(after, x), run_main(before, x))
 
 
 @pytest.mark.parametrize("x_shape, grow", [((2, 3, 5, 8), (8, 16, 8)), ((1, 9, 9, 13), (7,) * 5)],
@@ -89,7 +83,7 @@ def test_chains_numerically(x_shape, grow):
     after = write_concat_chains(before)
     assert sum(gv.name_hint.startswith("concat_slice_copy") for gv in after.functions) >= 1
     x = np.random.default_rng(1).standard_normal(x_shape).astype(F32)
-    np.testing.assert_array_equal(_run(after, x), _run(before, x))
+    np.testing.assert_array_equal(run_main(after, x), run_main(before, x))
 
 
 def _scaled_rows_ir(rows: int, c: int):
@@ -128,7 +122,7 @@ def test_kernel_writes_its_channels_into_the_buffer():
     names = sorted(gv.name_hint for gv in after.functions)
     assert names == ["concat_copy", "main", "scaled_sliced", "scaled_sliced1"], names
     xs = np.random.default_rng(3).standard_normal((1, 2, 3, 4)).astype(F32)
-    np.testing.assert_array_equal(_run(after, xs), _run(before, xs))
+    np.testing.assert_array_equal(run_main(after, xs), run_main(before, xs))
 
 
 def test_kernel_bound_before_the_buffer_is_copied():
@@ -151,7 +145,7 @@ def test_kernel_bound_before_the_buffer_is_copied():
     assert names == ["concat_copy", "concat_slice_copy", "concat_slice_copy1", "main",
                      "scaled"], names
     xs = np.random.default_rng(4).standard_normal((1, 2, 3, 4)).astype(F32)
-    np.testing.assert_array_equal(_run(after, xs), _run(before, xs))
+    np.testing.assert_array_equal(run_main(after, xs), run_main(before, xs))
 
 
 def _single(bb, x):  # one concat: nothing to gain

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import bn_stats, isa_target, pixel_rows, relax_main, runs_here
+from conftest import bn_stats, isa_target, pixel_rows, relax_main, run_main, runs_here
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -250,11 +250,6 @@ def _numpy(x: np.ndarray) -> np.ndarray:
     return np.einsum("nchw,kc->nkhw", activated, WEIGHT[:, :, 0, 0])
 
 
-def _run(mod: tvm.IRModule, x: np.ndarray) -> np.ndarray:
-    ex = tvm.compile(mod, tpp_target("tpp"))
-    return relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
-
-
 def test_preactivation_becomes_the_kernels_prologue():
     before = relax_main([_x()], lambda bb, x: _conv(bb, _preactivated(bb, x)))
     after = relax.transform.DeadCodeElimination()(rewrite_conv(before, TARGET, []))
@@ -271,7 +266,8 @@ def test_preactivation_becomes_the_kernels_prologue():
     names = [gv.name_hint for gv in after.functions if gv.name_hint != "main"]
     assert names == ["tpp_conv2d_1x24x8x12_32x1x1_s1x1_pre_scale_bias_relu"]
     x = RNG.standard_normal((1, C, H, W)).astype(F32)
-    np.testing.assert_allclose(_run(before, x), _numpy(x), rtol=1e-4, atol=1e-4)
+    got = run_main(before, x, target=tpp_target("tpp"))
+    np.testing.assert_allclose(got, _numpy(x), rtol=1e-4, atol=1e-4)
 
 
 def _relu_read_twice(bb, x):
@@ -334,7 +330,8 @@ def test_per_tensor_gain_stays_outside():
     assert any(gv.name_hint.endswith("_pre_bias_relu") for gv in after.functions)
     x = RNG.standard_normal((1, C, H, W)).astype(F32)
     want = np.einsum("nchw,kc->nkhw", np.maximum(x * 1.5 + SHIFT_VALUES, 0), WEIGHT[:, :, 0, 0])
-    np.testing.assert_allclose(_run(before, x), want, rtol=1e-4, atol=1e-4)
+    got = run_main(before, x, target=tpp_target("tpp"))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import functools
 import numpy as np
 import pytest
 import tvm
+from conftest import run_main
 from tvm import relax
 from tvm.script import tirx as T
 
@@ -17,7 +18,6 @@ from relay_passes.inplace import elementwise_operands, in_place, write_over_dead
 from tvm_tpp import compiler, models
 from tvm_tpp.reference import max_errors, run_onnxruntime
 
-LLVM = tvm.target.Target({"kind": "llvm"})
 F32 = "float32"
 
 
@@ -153,12 +153,7 @@ def test_dead_residual_written_over():
                                    _module(expected))
     x = np.random.default_rng(0).standard_normal((5, 7)).astype(F32)
     for built in (mod, after):
-        np.testing.assert_allclose(_run(built, x), np.maximum(3 * x, 0), rtol=1e-6)
-
-
-def _run(mod: tvm.IRModule, x: np.ndarray) -> np.ndarray:
-    ex = tvm.compile(mod, LLVM)
-    return relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+        np.testing.assert_allclose(run_main(built, x), np.maximum(3 * x, 0), rtol=1e-6)
 
 
 def _read_later(bb, k, x):  # r read again after the call (by a call that cannot take it)

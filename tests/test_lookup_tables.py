@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import tvm
-from conftest import relax_main
+from conftest import relax_main, run_main
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -84,14 +84,8 @@ def test_table_is_the_chain_on_every_value():
 
 def test_lookup_runs_like_the_chain_in_numpy():
     x = RNG.integers(0, 256, SHAPE).astype("uint8")
-    got = _run(lookup_tables(_main(SHAPE, _pre_activation)), x)
+    got = run_main(lookup_tables(_main(SHAPE, _pre_activation)), x, target=tvm_tpp.target("tpp"))
     np.testing.assert_array_equal(got, _by_hand(x))
-
-
-def _run(mod, *args):
-    ex = tvm.compile(mod, target=tvm_tpp.target("tpp"))
-    vm = relax.VirtualMachine(ex, tvm.cpu())
-    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
 
 
 def _two_axes(bb, x):

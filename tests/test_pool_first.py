@@ -8,7 +8,7 @@ DenseNet transition layer against ONNX Runtime.
 import numpy as np
 import pytest
 import tvm
-from conftest import relax_main
+from conftest import relax_main, run_main
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax
 
@@ -17,7 +17,6 @@ from tvm_tpp import compiler
 from tvm_tpp.reference import max_errors, run_onnxruntime
 
 F32 = "float32"
-LLVM = tvm.target.Target({"kind": "llvm"})
 RNG = np.random.default_rng(6)
 WEIGHT = RNG.standard_normal((5, 6, 1, 1)).astype(F32)
 
@@ -28,11 +27,6 @@ def _x(shape=(1, 6, 9, 7)) -> relax.Var:
 
 def _pool(y, **attrs):
     return relax.op.nn.avg_pool2d(y, **{"pool_size": 2, "strides": 2, **attrs})
-
-
-def _run(mod: tvm.IRModule, x: np.ndarray) -> np.ndarray:
-    ex = tvm.compile(mod, LLVM)
-    return relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
 
 
 def test_pool_moved_before_the_conv():
@@ -56,7 +50,7 @@ def test_same_result(attrs):
     ops = [b.value.op.name for b in after["main"].body.blocks[0].bindings[:2]]
     assert ops == ["relax.nn.avg_pool2d", "relax.nn.conv2d"], ops
     x = RNG.standard_normal((1, 6, 9, 7)).astype(F32)
-    np.testing.assert_allclose(_run(after, x), _run(before, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run_main(after, x), run_main(before, x), rtol=1e-5, atol=1e-5)
 
 
 def _read_twice(bb, x):
