@@ -48,7 +48,7 @@ from tvm import relax
 
 from .concat_chain import chains, concats
 from .conv import is_bf16_conv_chain
-from .scaffold import readers, rewrite_static_functions
+from .scaffold import only_reader, readers, rewrite_static_functions, visit_binding_replaced
 
 __all__ = ["concat_chains_in_bf16"]
 
@@ -93,22 +93,18 @@ class _Bf16Chains(relax.PyExprMutator):
         grown = self.pending[binding.var]
         if grown is None:  # the chain's first tensor: computed as it was, then narrowed
             value = self.builder_.emit(self.visit_expr(binding.value))
+            narrow = self.builder_.emit(relax.op.astype(value, "bfloat16"))
         else:
             part = self.builder_.emit(relax.op.astype(self.visit_expr(grown), "bfloat16"))
             previous = self._narrow[binding.value.args[0].fields[0]]
-            value = relax.op.concat([previous, part], axis=_NCHW_CHANNELS)
-        narrow = self.builder_.emit(relax.op.astype(value, "bfloat16") if grown is None
-                                    else value)
+            narrow = self.builder_.emit(relax.op.concat([previous, part], axis=_NCHW_CHANNELS))
         self._narrow[binding.var] = narrow
         # Bound to the same variable, so its other readers read the widened bf16 values.
-        self.builder_.emit_normalized(relax.VarBinding(
-            binding.var, self.builder_.normalize(relax.op.astype(narrow, "float32"))))
+        visit_binding_replaced(self, binding, {binding.var: relax.op.astype(narrow, "float32")})
 
 
 def _grown_by_bf16_conv(part: relax.Expr, concat: relax.Var, bound, read_by) -> bool:
     """Whether ``part`` is a bf16-routed conv's output (plus a constant bias) that only the
     concat ``concat`` reads."""
-    if not isinstance(part, relax.Var) or not is_bf16_conv_chain(part, bound):
-        return False
-    found = read_by(bound[part]) or []
-    return len(found) == 1 and found[0].same_as(bound[concat])
+    return (isinstance(part, relax.Var) and is_bf16_conv_chain(part, bound)
+            and only_reader(read_by(bound[part]), bound[concat]))
