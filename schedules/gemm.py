@@ -53,10 +53,11 @@ dimension's divisors:
 * unless K is so long that the whole-K panel of B (``K x bn``) takes more than half of L2,
   where A's rows streaming past would evict it before the next row tile re-reads it: then
   :func:`long_k_config` splits K across calls and packs A, as BLAS does (128x768x3072 on one
-  core: 100 -> 115 GFLOPS measured).  Up to half of L2 the panel stays, provided the loop
-  over N blocks is outside the one over M blocks (the heuristic's rule 4): 2048^3, whose
-  panel is exactly half of L2, measured faster that way than split and packed, on one core
-  and more so on two (BENCHMARKS.md).
+  core: 100 -> 115 GFLOPS measured), on AVX2 and AMX tiles only: the AVX-512 vector
+  kernels read the panel from L3 as fast as they need it (:func:`_splits_long_k`).  Up to
+  half of L2 the panel stays, provided the loop over N blocks is outside the one over M
+  blocks (the heuristic's rule 4): 2048^3, whose panel is exactly half of L2, measured
+  faster that way than split and packed, on one core and more so on two (BENCHMARKS.md).
 
 Operand types (:data:`OPERANDS`): ``GemmProblem.dtype`` is X's type and picks the kernel
 family.  ``"float32"`` multiplies float32 X and W in float32 (the flat BRGEMM, weights packed
@@ -681,11 +682,27 @@ def default_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
     """
     problem = problem.on(machine.isa)
     whole = whole_k_config(problem, machine)
-    if whole.k_step > 1 and problem.m > GEMV_ROWS and \
+    if whole.k_step > 1 and problem.m > GEMV_ROWS and _splits_long_k(problem, machine) and \
             problem.padded_k * whole.bn * problem.element_bytes > machine.caches.l2 // 2:
         return long_k_config(problem.padded_m, whole.bn, whole.bk, machine.threads,
                              max_bm=_max_bm(problem, machine, whole.bn), even=problem.mmla)
     return whole
+
+
+def _splits_long_k(problem: GemmProblem, machine: Machine) -> bool:
+    """Whether a K whose whole panel of B outgrows half of L2 is split by default
+    (:func:`long_k_config`).  Not for the AVX-512 vector kernels: on a Zen 4 (1 MiB L2, two
+    cores) the whole K per call ran 1.03-1.49x faster on all eight shapes measured, float32
+    and bf16 (BERT's 128x768x3072 1.06-1.28x, 1024x128x8192 1.49x; BENCHMARKS.md), its
+    panel streaming from L3 as fast as the kernel reads it.  AVX2 keeps the split (measured
+    1.19-1.20x on a Zen 1's 512 KiB L2), as do AMX tiles, whose loads read A's rows K apart.
+
+    >>> from microkernels.isa import DEFAULT_CACHES, from_name
+    >>> [_splits_long_k(GemmProblem(128, 768, 3072), Machine(from_name(name), DEFAULT_CACHES))
+    ...  for name in ("avx2", "avx512_bf16")]
+    [True, False]
+    """
+    return _uses_tiles(problem, machine) or machine.isa.vector_bits < 512
 
 
 def _uses_tiles(problem: GemmProblem, machine: Machine) -> bool:

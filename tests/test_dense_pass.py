@@ -142,10 +142,13 @@ def test_other_constants_are_not_mistaken_for_gelu():
 
 
 def test_long_k_dense_packs_a(monkeypatch):
-    """A K long enough for the packed K-split default (with a small L2) stays exact."""
+    """A K long enough for the packed K-split default (with a small L2, on any ISA) stays
+    exact."""
     from microkernels import isa, machine
+    from schedules import gemm
 
     monkeypatch.setattr(machine, "_caches", lambda: isa.Caches(32 * 1024, 64 * 1024, 1 << 20))
+    monkeypatch.setattr(gemm, "_splits_long_k", lambda problem, machine: True)
     w = _weights(W=(1024, 64), b=(64,))
     nodes = [helper.make_node("MatMul", ["x", "W"], ["mm"]),
              helper.make_node("Add", ["mm", "b"], ["biased"]),

@@ -166,6 +166,17 @@ def test_default_splits_k_when_its_panel_outgrows_half_of_l2(caches, long_k):
             (64, 16, 512, 8, None)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_avx512_vector_kernels_keep_the_whole_k_however_long(dtype):
+    # BERT's FFN-out GEMM: a 3072 x 64 panel (768 KiB in float32) outgrows half of a 1 MiB
+    # L2, as 8192 x 64 in bf16 does; AVX2 splits such a K, AMX tiles too.
+    k = 3072 if dtype == "float32" else 8192
+    problem = GemmProblem(128, 768, k, dtype)
+    config = default_config(problem, Machine(isa.from_name("avx512_bf16"), L2_1MIB, 2))
+    assert (config.bn, config.k_step * config.bk, config.pack_a) == (64, k, None)
+    assert default_config(problem, _avx2(SMALL_L2)).pack_a == 1
+
+
 def test_an_m_with_few_divisors_runs_in_tall_calls_not_rows():
     """197 rows (ViT's tokens) have no divisor between 1 and 197: one call of 197 rows, not
     197 calls of one (3.3x slower on a Zen 3)."""

@@ -109,6 +109,8 @@ def epilogue_of(text: str) -> Epilogue:
 
 
 def _value(field_type: str, name: str, text: str) -> object:
+    if "None" in field_type and text.lower() == "none":
+        return None
     if "bool" in field_type:
         if text.lower() not in ("true", "false", "1", "0"):
             raise UsageError(f"--vs {name} takes true or false, got {text!r}")
@@ -153,6 +155,9 @@ def variant(config: Config, text: str, problem: Problem) -> Config:
     >>> variant(GemmConfig.of("CBa", 256, 16, 384, k_step=2), "bm=64,spec=BCa",
     ...         dense_problem("1024x3072x768")).spec
     'BCa'
+    >>> variant(GemmConfig.of("aCB", 128, 64, 512, pack_a=1), "pack_a=none",
+    ...         dense_problem("128x768x3072")).pack_a is None
+    True
     """
     settable = {f.name: str(f.type) for f in fields(config) if f.name not in _UNSETTABLE}
     dense = isinstance(config, GemmConfig)
