@@ -84,6 +84,7 @@ __all__ = [
     "apply_te",
     "expression_isa",
     "to_bf16",
+    "bf16_bits",
     "from_bf16",
     "vector_lanes",
     "reference",
@@ -504,14 +505,7 @@ def _to_bf16(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> PrimExpr:
     # On the bits: TVM's own float32 -> bfloat16 cast rounds NaNs into Inf or -0.0.
     from tvm import tirx
 
-    def u32(v: int) -> PrimExpr:
-        return tirx.const(v, "uint32")
-
-    bits = tirx.reinterpret("uint32", x)
-    rne = (bits + u32(0x7FFF) + ((bits >> u32(16)) & u32(1))) >> u32(16)
-    quiet_nan = (bits >> u32(16)) | u32(0x40)
-    half = tirx.Select(_isnan(x), quiet_nan, rne).astype("uint16")
-    return tirx.reinterpret("bfloat16", half)
+    return tirx.reinterpret("bfloat16", bf16_bits(x))
 
 
 #: AVX512-BF16's float32 -> bf16 conversion of 16 lanes, as an LLVM intrinsic.
@@ -524,6 +518,36 @@ def _to_bf16_instruction(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> P
     from tvm import tirx
 
     return tirx.reinterpret("bfloat16", tirx.call_llvm_pure_intrin("uint16", _CVTNEPS2BF16, x))
+
+
+def bf16_bits(x: PrimExpr, isa: str = "generic") -> PrimExpr:
+    """A float32 value rounded to bfloat16 (to nearest even, NaNs kept and quieted), as its
+    bits: ``uint16`` of ``x``'s lanes.  Where ``isa`` has AVX512-BF16, one
+    ``vcvtneps2bf16``: ``x`` must then be 16 lanes, or a scalar its loop vectorizes by 16
+    (:func:`vector_lanes`).  Kernels that move bits round with it.
+
+    Examples
+    --------
+    >>> from tvm import tirx
+    >>> [str(bf16_bits(tirx.Var("x", "float32x16"), isa).ty) for isa in ("avx2", "amx")]
+    ['uint16x16', 'uint16x16']
+    """
+    from tvm import tirx
+
+    lanes = str(x.ty).removeprefix("float32")  # "" or "x16"
+    if isa != "generic" and "avx512_bf16" in _isa.from_name(isa).lineage():
+        # LLVM's result is bfloat: a reinterpret to another type bitcasts it to integers.
+        return tirx.reinterpret(f"uint16{lanes}",
+                                tirx.call_llvm_pure_intrin(f"int16{lanes}", _CVTNEPS2BF16, x))
+
+    def u32(v: int) -> PrimExpr:
+        return tirx.const(v, "uint32")
+
+    bits = tirx.reinterpret(f"uint32{lanes}", x)
+    rne = (bits + u32(0x7FFF) + ((bits >> u32(16)) & u32(1))) >> u32(16)
+    quiet_nan = (bits >> u32(16)) | u32(0x40)
+    nan = (bits & u32(0x7FFFFFFF)) > u32(0x7F800000)
+    return tirx.Select(nan, quiet_nan, rne).astype(f"uint16{lanes}")
 
 
 #: Lanes of the ISA-specific expressions' instructions (``vcvtneps2bf16``'s 16 floats).

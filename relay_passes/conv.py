@@ -463,10 +463,10 @@ def emit_conv(x: relax.Expr, problem: ConvProblem, weight: np.ndarray,
     packed = None
     if fold_rows_pays(problem):  # an image's first conv: one call per whole filter
         folded = problem.rows_folded()
-        packed = _image_input(x, problem, folded, add_kernel, pad_value, batch)
+        packed = _image_input(x, problem, folded, add_kernel, pad_value, batch, target)
         problem, weight = folded, fold_rows_weight(weight)
     elif problem.c <= IMAGE_CHANNELS and problem.groups == 1:  # an image's first conv too
-        packed = _image_input(x, problem, problem, add_kernel, pad_value, batch)
+        packed = _image_input(x, problem, problem, add_kernel, pad_value, batch, target)
     machine = machine_of(target)
     tile = winograd_tile(problem, target, batch) if packed is None else None
     if tile is not None:
@@ -590,14 +590,19 @@ def _kernel(problem: ConvProblem, config: ConvConfig, isa: str, run_time_batch: 
 
 def _image_input(x: relax.Expr, problem: ConvProblem, packed: ConvProblem,
                  add_kernel: KernelAdder, pad_value: float | int,
-                 batch: tvm.ir.PrimExpr | None) -> relax.Expr:
+                 batch: tvm.ir.PrimExpr | None, target: Target) -> relax.Expr:
     """The input of ``packed`` (``problem`` itself, or its rows folded) written from the NCHW
-    image ``x`` by one kernel (:mod:`schedules.stacked_rows`)."""
+    image ``x`` by one kernel (:mod:`schedules.stacked_rows`), which also rounds a float32
+    image cast to bf16."""
     # x is a cast (not yet typed) to the problem's dtype, or a typed tensor.
     dtype = str(x.ty.dtype) if isinstance(x.ty, relax.TensorType) else problem.dtype
+    source = None
+    if dtype == "bfloat16" and is_call_to(x, "relax.astype") and \
+            isinstance(x.args[0].ty, relax.TensorType) and str(x.args[0].ty.dtype) == "float32":
+        x, source = x.args[0], "float32"  # the kernel rounds the image as it packs it
     folded = packed is not problem
     kernel = (stacked_rows_kernel if folded else padded_image_kernel)(
-        problem, dtype, pad_value, batch is not None)
+        problem, dtype, pad_value, batch is not None, source, machine_of(target).isa.name)
     images, rows, columns, channels = _times(batch, problem.n), *packed.input_shape[1:]
     return relax.op.reshape(call_kernel(
         add_kernel(kernel, "pad_stack_rows" if folded else "transpose_pad"), [x],

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 import tvm
 from tvm import s_tir
 
+from microkernels.epilogue import bf16_bits
+
 from .kernel_buffers import bits_of
 
 if TYPE_CHECKING:
@@ -45,16 +47,23 @@ __all__ = ["padded_image_kernel", "stacked_rows_kernel"]
 
 
 def stacked_rows_kernel(problem: ConvProblem, dtype: str, pad_value: float | int = 0,
-                        run_time_batch: bool = False) -> PrimFunc:
-    """``(X, Y)``: ``X`` NCHW of ``dtype`` (``problem``'s input), ``Y`` the packed input of
-    ``problem.rows_folded()``, its last axis split by the stride's phases (module doc); with
-    ``run_time_batch`` the images are a symbolic size of both, ``problem`` one image's."""
-    return _image_kernel(problem, problem.rows_folded(), dtype, pad_value, run_time_batch)
+                        run_time_batch: bool = False, source_dtype: str | None = None,
+                        isa: str = "generic") -> PrimFunc:
+    """``(X, Y)``: ``X`` NCHW of ``source_dtype`` (``dtype`` if None: ``problem``'s input),
+    ``Y`` the packed input of ``problem.rows_folded()`` in ``dtype``, its last axis split by
+    the stride's phases (module doc); with ``run_time_batch`` the images are a symbolic size
+    of both, ``problem`` one image's.  A float32 ``X`` of a bfloat16 ``Y`` is rounded as it
+    is moved (to nearest even, :func:`microkernels.epilogue.bf16_bits`, one instruction per
+    vector where ``isa`` has one): the image's cast needs no pass of its own."""
+    return _image_kernel(problem, problem.rows_folded(), dtype, pad_value, run_time_batch,
+                         source_dtype, isa)
 
 
 def padded_image_kernel(problem: ConvProblem, dtype: str, pad_value: float | int = 0,
-                        run_time_batch: bool = False) -> PrimFunc:
-    """``(X, Y)``: ``X`` NCHW of ``dtype``, ``Y`` ``problem``'s own packed input (padded NHWC,
+                        run_time_batch: bool = False, source_dtype: str | None = None,
+                        isa: str = "generic") -> PrimFunc:
+    """``(X, Y)``: ``X`` NCHW of ``source_dtype`` (``isa`` as :func:`stacked_rows_kernel`), ``Y``
+    ``problem``'s own packed input (padded NHWC,
     its last axis split by the stride's phases): an image's first conv that does not fold its
     filter rows (float32), whose input TVM's fused transpose and pads would write a scalar
     element at a time under a division per index (MobileNet-V2's at batch 8: 5 % of the run).
@@ -64,7 +73,7 @@ def padded_image_kernel(problem: ConvProblem, dtype: str, pad_value: float | int
     >>> 'stacked: T.Buffer((1, 11, 6, 2, 3), "float32")' in f.script()  # N, Hp, Wq, sw, C'
     True
     """
-    return _image_kernel(problem, problem, dtype, pad_value, run_time_batch)
+    return _image_kernel(problem, problem, dtype, pad_value, run_time_batch, source_dtype, isa)
 
 
 #: Pixels a vector block of the kernel moves: each of its planes (an input row of one channel)
@@ -73,7 +82,8 @@ _LANES = 16
 
 
 def _image_kernel(problem: ConvProblem, packed: ConvProblem, dtype: str,
-                  pad_value: float | int, run_time_batch: bool) -> PrimFunc:
+                  pad_value: float | int, run_time_batch: bool,
+                  source_dtype: str | None = None, isa: str = "generic") -> PrimFunc:
     """The kernel writing ``packed``'s input from ``problem``'s NCHW input: ``problem``
     itself (its padded rows), or its rows folded (each row the filter's input rows stacked
     as channels).
@@ -83,9 +93,23 @@ def _image_kernel(problem: ConvProblem, packed: ConvProblem, dtype: str,
     columns run in blocks of :data:`_LANES` pixels: a load per plane, one shuffle
     interleaving them, one store; the border columns and the last columns short of a block
     an element at a time.  It moves bits, through unsigned views of both buffers (TVM
-    legalizes no bfloat16 vector)."""
+    legalizes no bfloat16 vector); a float32 ``X`` of a bfloat16 ``Y`` is rounded on them."""
+    source = source_dtype or dtype
+    if source != dtype and (source, dtype) != ("float32", "bfloat16"):
+        raise ValueError(f"an image's packed input is its own dtype or float32 rounded to "
+                         f"bfloat16, not {source} -> {dtype}")
     pad = bits_of(pad_value, dtype)
-    word = str(pad.ty)
+    word, source_word = str(pad.ty), str(bits_of(0, source).ty)
+
+    def narrowed(bits: tvm.tirx.PrimExpr) -> tvm.tirx.PrimExpr:
+        """``X``'s bits as ``Y``'s: themselves, or a float32's rounded to bfloat16 (by
+        ``isa``'s instruction in whole vectors)."""
+        if source == dtype:
+            return bits
+        lanes = str(bits.ty).removeprefix(source_word)
+        return bf16_bits(tvm.tirx.reinterpret(f"float32{lanes}", bits),
+                         isa if lanes == f"x{_LANES}" else "generic")
+
     index = "int64" if run_time_batch else "int32"
 
     def const(v: int) -> tvm.tirx.PrimExpr:
@@ -100,10 +124,10 @@ def _image_kernel(problem: ConvProblem, packed: ConvProblem, dtype: str,
     channels, planes = packed.padded_c, rows * c
     out_rows, wq = packed.input_shape[1], packed.wq
     pixels = wq * sw
-    x = tvm.tirx.decl_buffer((images, const(c), const(h), const(w)), dtype, "X")
+    x = tvm.tirx.decl_buffer((images, const(c), const(h), const(w)), source, "X")
     y = tvm.tirx.decl_buffer((images, const(out_rows), const(wq), const(sw), const(channels)),
                              dtype, "stacked")
-    xw = tvm.tirx.decl_buffer(x.shape, word, "X_bits", data=x.data)
+    xw = tvm.tirx.decl_buffer(x.shape, source_word, "X_bits", data=x.data)
     yw = tvm.tirx.decl_buffer((images * const(out_rows * pixels * channels),), word, "Y_bits",
                               data=y.data)
     nr, b = (tvm.tirx.Var(name, index) for name in ("nr", "b"))
@@ -119,8 +143,8 @@ def _image_kernel(problem: ConvProblem, packed: ConvProblem, dtype: str,
         row, col = row_of(k), pixel - const(left)
         inside = tvm.tirx.all(k < const(planes), row >= const(0), row < const(h),
                               col >= const(0), col < const(w))
-        value = tvm.tirx.if_then_else(inside, tvm.tirx.BufferLoad(xw, [n, k % const(c), row,
-                                                                        col]), pad)
+        value = tvm.tirx.if_then_else(
+            inside, narrowed(tvm.tirx.BufferLoad(xw, [n, k % const(c), row, col])), pad)
         store = tvm.tirx.BufferStore(yw, value, [base + pixel * const(channels) + k])
         return tvm.tirx.For(pixel, const(first), const(end - first), tvm.tirx.ForKind.SERIAL,
                             tvm.tirx.For(k, const(0), const(channels),
@@ -132,8 +156,8 @@ def _image_kernel(problem: ConvProblem, packed: ConvProblem, dtype: str,
         if q >= planes:
             return fill
         row = row_of(const(q))
-        load = tvm.tirx.BufferLoad(xw, [n, const(q % c), row,
-                                        tvm.tirx.Ramp(col0, const(1), _LANES)])
+        load = narrowed(tvm.tirx.BufferLoad(xw, [n, const(q % c), row,
+                                                 tvm.tirx.Ramp(col0, const(1), _LANES)]))
         return tvm.tirx.if_then_else(tvm.tirx.all(row >= const(0), row < const(h)), load, fill)
 
     blocks = w // _LANES
