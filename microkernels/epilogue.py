@@ -534,7 +534,7 @@ def bf16_bits(x: PrimExpr, isa: str = "generic") -> PrimExpr:
     """
     from tvm import tirx
 
-    lanes = str(x.ty).removeprefix("float32")  # "" or "x16"
+    lanes = str(x.ty).removeprefix("float32") if hasattr(x, "ty") else ""  # TE's are scalars
     if isa != "generic" and "avx512_bf16" in _isa.from_name(isa).lineage():
         # LLVM's result is bfloat: a reinterpret to another type bitcasts it to integers.
         return tirx.reinterpret(f"uint16{lanes}",
