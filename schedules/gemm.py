@@ -692,10 +692,11 @@ def default_config(problem: GemmProblem, machine: Machine) -> GemmConfig:
 def _splits_long_k(problem: GemmProblem, machine: Machine) -> bool:
     """Whether a K whose whole panel of B outgrows half of L2 is split by default
     (:func:`long_k_config`).  Not for the AVX-512 vector kernels: on a Zen 4 (1 MiB L2, two
-    cores) the whole K per call ran 1.03-1.49x faster on all eight shapes measured, float32
+    cores) the whole K per call ran 1.03-1.49x faster on all seven shapes measured, float32
     and bf16 (BERT's 128x768x3072 1.06-1.28x, 1024x128x8192 1.49x; BENCHMARKS.md), its
-    panel streaming from L3 as fast as the kernel reads it.  AVX2 keeps the split (measured
-    1.19-1.20x on a Zen 1's 512 KiB L2), as do AMX tiles, whose loads read A's rows K apart.
+    panel streaming from L3 as fast as the kernel reads it.  AVX2 keeps the split (1.19-1.20x
+    on four of five shapes on a Zen 1's 512 KiB L2, measured with 64-column blocks then), as
+    do AMX tiles, whose loads read A's rows K apart (unmeasured against the whole K).
 
     >>> from microkernels.isa import DEFAULT_CACHES, from_name
     >>> [_splits_long_k(GemmProblem(128, 768, 3072), Machine(from_name(name), DEFAULT_CACHES))

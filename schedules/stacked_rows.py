@@ -62,8 +62,8 @@ def stacked_rows_kernel(problem: ConvProblem, dtype: str, pad_value: float | int
 def padded_image_kernel(problem: ConvProblem, dtype: str, pad_value: float | int = 0,
                         run_time_batch: bool = False, source_dtype: str | None = None,
                         isa: str = "generic") -> PrimFunc:
-    """``(X, Y)``: ``X`` NCHW of ``source_dtype`` (``isa`` as :func:`stacked_rows_kernel`), ``Y``
-    ``problem``'s own packed input (padded NHWC,
+    """``(X, Y)``: ``X`` NCHW of ``source_dtype`` (rounded to a bfloat16 ``dtype`` as
+    :func:`stacked_rows_kernel` says), ``Y`` ``problem``'s own packed input (padded NHWC,
     its last axis split by the stride's phases): an image's first conv that does not fold its
     filter rows (float32), whose input TVM's fused transpose and pads would write a scalar
     element at a time under a division per index (MobileNet-V2's at batch 8: 5 % of the run).
