@@ -517,7 +517,7 @@ def _to_bf16_instruction(op: EpilogueOp, x: PrimExpr, arg: PrimExpr | None) -> P
     # One instruction for the ~8 integer ops of the bits' rounding (bf16 ResNet-50 1.05x).
     from tvm import tirx
 
-    return tirx.reinterpret("bfloat16", tirx.call_llvm_pure_intrin("uint16", _CVTNEPS2BF16, x))
+    return tirx.reinterpret("bfloat16", bf16_bits(x, "avx512_bf16"))
 
 
 def bf16_bits(x: PrimExpr, isa: str = "generic") -> PrimExpr:
