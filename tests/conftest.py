@@ -131,6 +131,23 @@ def amx_emulator(tmp_path_factory):
     return emu
 
 
+def emulated_dispatch(shape) -> str:
+    """:func:`~microkernels.brgemm.dispatch`, with AMX kernels calling the C emulator of
+    :func:`amx_emulator` (monkeypatched into a schedule module in place of ``dispatch``)."""
+    import tvm
+
+    from microkernels import amx
+    from microkernels.brgemm import desc_func, dispatch, find_impl
+
+    if find_impl(shape)[0] != "amx":
+        return dispatch(shape)
+    name = shape.name + "_emulated"
+    if tvm.s_tir.TensorIntrin.get(name, allow_missing=True) is None:
+        tvm.s_tir.TensorIntrin.register(name, desc_func(shape),
+                                        amx.impl_func(shape, emulate=True))
+    return name
+
+
 # -- ISAs: which this host runs, skip marks, and cross-compile targets -----------------------
 
 def runs_here(isa_name: str) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import pytest
 import tvm
-from conftest import needs_isa
+from conftest import emulated_dispatch, needs_isa
 from tvm import relax
 
 import tvm_tpp
@@ -280,21 +280,6 @@ def test_sapphirerapids_asm(dtype, tile_op, vector_op):
         assert "vpdpbusd" in vnni and "vpmaddwd" not in vnni
 
 
-def _emulated_dispatch(shape):
-    """:func:`~microkernels.brgemm.dispatch`, with AMX kernels calling the C emulator of
-    tests/amx (as test_gemm_lowp.py does)."""
-    from microkernels import amx
-    from microkernels.brgemm import desc_func, dispatch, find_impl
-
-    if find_impl(shape)[0] != "amx":
-        return dispatch(shape)
-    name = shape.name + "_emulated"
-    if tvm.s_tir.TensorIntrin.get(name, allow_missing=True) is None:
-        tvm.s_tir.TensorIntrin.register(name, desc_func(shape),
-                                        amx.impl_func(shape, emulate=True))
-    return name
-
-
 @pytest.mark.parametrize("dtype, k, transposed", [
     ("uint8", 64, True), ("uint8", 66, False),
     # The K tails above and the transposed read cover the program; whole K steps once more:
@@ -309,7 +294,7 @@ def test_amx_batch_gemm_emulated(amx_emulator, monkeypatch, dtype, k, transposed
                                zero_points=(7, 140) if dtype == "uint8" else (0, 0))
     config = default_config(problem, _machine("amx"))
     assert (config.bm, config.bn, config.parallel_rows) == (32, 16, False)
-    monkeypatch.setattr(batch_gemm, "dispatch", _emulated_dispatch)
+    monkeypatch.setattr(batch_gemm, "dispatch", emulated_dispatch)
     # The emulated tile program needs no vector ISA; the code around it this host's.
     host = "avx512_bf16" if isa.from_name("avx512_bf16").requires <= HOST else "avx2"
     amx_emulator.tpp_amx_emu_reset()

@@ -18,11 +18,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from conftest import isa_target, needs_isa, pixel_rows, runs_here
+from conftest import emulated_dispatch, isa_target, needs_isa, pixel_rows, runs_here
 
 import tvm_tpp
 from microkernels import amx, isa
-from microkernels.brgemm import BrgemmShape, desc_func, dispatch, find_impl
+from microkernels.brgemm import BrgemmShape, find_impl
 from microkernels.epilogue import Epilogue, EpilogueOp, reference
 from microkernels.machine import Machine
 from microkernels.pack import Packing
@@ -413,17 +413,6 @@ def test_avx2_asm_is_exact_emulation():
 # --------------------------------------------------------------- AMX tile program, emulated
 
 
-def _emulated_dispatch(shape: BrgemmShape) -> str:
-    """:func:`~microkernels.brgemm.dispatch`, with AMX kernels calling the emulator."""
-    if find_impl(shape)[0] != "amx":
-        return dispatch(shape)
-    name = shape.name + "_emulated"
-    if tvm.s_tir.TensorIntrin.get(name, allow_missing=True) is None:
-        tvm.s_tir.TensorIntrin.register(name, desc_func(shape),
-                                        amx.impl_func(shape, emulate=True))
-    return name
-
-
 @pytest.mark.parametrize("dtype, epilogue", [("uint8", REQUANT), ("bfloat16", BIAS_RES_RELU)])
 def test_amx_conv_emulated(amx_emulator, monkeypatch, dtype, epilogue):
     """The AMX conv (default blocks: A rows ``sw*C'`` apart, stride 2, each ``S*C'`` long)
@@ -433,7 +422,7 @@ def test_amx_conv_emulated(amx_emulator, monkeypatch, dtype, epilogue):
                           epilogue=epilogue)
     default = default_config(problem, _machine("amx"))
     config = replace(default, spec=default.spec.lower())
-    monkeypatch.setattr(conv, "dispatch", _emulated_dispatch)
+    monkeypatch.setattr(conv, "dispatch", emulated_dispatch)
     # The emulated program needs no vector ISA.
     monkeypatch.setitem(MCPU, "amx", "znver4" if runs_here("avx512_bf16") else "haswell")
     amx_emulator.tpp_amx_emu_reset()
@@ -483,7 +472,7 @@ def test_amx_conv_k_tail(amx_emulator, monkeypatch, name):
     pad = ZX if problem.dtype == "uint8" else 0
     if runs_here("amx"):
         _check(problem, config, "amx", pad_value=pad)
-    monkeypatch.setattr(conv, "dispatch", _emulated_dispatch)
+    monkeypatch.setattr(conv, "dispatch", emulated_dispatch)
     monkeypatch.setitem(MCPU, "amx", "znver4" if runs_here("avx512_bf16") else "haswell")
     amx_emulator.tpp_amx_emu_reset()
     _check(problem, replace(config, spec=config.spec.lower()), "amx", pad_value=pad)

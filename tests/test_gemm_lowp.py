@@ -17,11 +17,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from conftest import isa_target, needs_isa, runs_here
+from conftest import emulated_dispatch, isa_target, needs_isa, runs_here
 
 import tvm_tpp
 from microkernels import amx, isa
-from microkernels.brgemm import BrgemmShape, desc_func, dispatch, find_impl
+from microkernels.brgemm import BrgemmShape, find_impl
 from microkernels.epilogue import Epilogue, EpilogueOp, reference
 from microkernels.machine import Machine
 from microkernels.pack import Packing
@@ -358,17 +358,6 @@ def test_avx2_asm_is_exact_emulation():
 # --------------------------------------------------------------- AMX tile program, emulated
 
 
-def _emulated_dispatch(shape: BrgemmShape) -> str:
-    """:func:`~microkernels.brgemm.dispatch`, with AMX kernels calling the emulator."""
-    if find_impl(shape)[0] != "amx":
-        return dispatch(shape)
-    name = shape.name + "_emulated"
-    if tvm.s_tir.TensorIntrin.get(name, allow_missing=True) is None:
-        tvm.s_tir.TensorIntrin.register(name, desc_func(shape),
-                                        amx.impl_func(shape, emulate=True))
-    return name
-
-
 @pytest.mark.parametrize("dtype, m, n, k, epilogue, pack_a", [
     ("uint8", 37, 48, 66, DEQUANT, None),     # row tails, K padded to 68
     ("uint8", 64, 64, 256, REQUANT, 1),       # whole tiles, 4 K steps per call, A packed
@@ -391,7 +380,7 @@ def test_amx_gemm_emulated(amx_emulator, monkeypatch, dtype, m, n, k, epilogue, 
     c = default.candidate
     serial = Candidate(c.spec.lower(), c.block_steps, c.steps)
     config = replace(default.with_candidate(serial), pack_a=pack_a)
-    monkeypatch.setattr(gemm, "dispatch", _emulated_dispatch)
+    monkeypatch.setattr(gemm, "dispatch", emulated_dispatch)
     # The emulated program needs no vector ISA; the AVX-512 fallback needs this host's.
     monkeypatch.setitem(MCPU, "amx", "znver4" if runs_here("avx512_bf16") else "haswell")
     amx_emulator.tpp_amx_emu_reset()
