@@ -19,8 +19,8 @@ from schedules.ms_space import gemm_space, space_configs, tune_gemm_ms
 from schedules.space import Candidate
 
 PROBLEM = GemmProblem(42, 80, 36)
-#: L2 sizes of the machines the long-K test describes: 1 MiB (Skylake-SP, Zen 4) and
-#: 2 MiB (Sapphire Rapids).
+#: L2 sizes of the machines the long-K test describes: 256 KiB (an AVX2 Haswell's) and
+#: 1 MiB (Zen 4's).
 L2_256KIB = isa.Caches(32 * 1024, 256 << 10, 8 << 20)
 L2_1MIB = isa.Caches(48 * 1024, 1 << 20, 32 << 20)
 
